@@ -1,0 +1,403 @@
+#!/usr/bin/env bash
+# netcluster.sh -- emulate an N-node commodity-Ethernet cluster on one Linux box.
+#
+# Why: hhook's whole point is to cut gradient bytes on slow links. On a single
+# machine every collective runs over loopback/shared memory at tens of GB/s,
+# so compression can only ever look like overhead. This script gives each
+# "node" its own network namespace with one shaped NIC so the profiler and
+# training jobs (torch.distributed/gloo, Open MPI via mpi4py) see a realistic
+# per-port bandwidth (default 1 Gbit/s full duplex, 1500 MTU).
+#
+# Topology (all of it lives in namespaces this script creates; nothing is
+# added to the root namespace, so no traffic can leave the box):
+#
+#   netns hhnet:  bridge hhbr0 -- hhv0 ... hhv{N-1}   (the "switch")
+#   netns hhI:    eth0 = 10.77.0.(I+1)/24 (peer of hhvI), lo up
+#
+#   tbf on hhI/eth0   shapes what rank I sends      (NIC TX)
+#   tbf on hhnet/hhvI shapes what rank I receives   (NIC RX / switch port)
+# so each rank has RATE in each direction, like a real switched port, and an
+# N-to-1 incast is bottlenecked at the receiver's port as on real hardware.
+#
+# Requires root (CAP_NET_ADMIN + CAP_SYS_ADMIN), iproute2 (ip, tc), python3.
+#
+# Usage:
+#   ci/netcluster.sh up N [RATE]     # RATE is a tc rate, default 1gbit; "none" = unshaped
+#   ci/netcluster.sh down            # idempotent, never fails
+#   ci/netcluster.sh exec I CMD...   # run CMD inside namespace hhI
+#   ci/netcluster.sh hosts [N]       # one address per line (MPI hostfile material)
+#   ci/netcluster.sh measure [MB] [--duplex]   # TCP throughput hh0 -> hh1, prints MB/s
+#   ci/netcluster.sh launch N CMD... # torchrun-like: CMD in hh0..hh{N-1} with RANK etc.
+#   ci/netcluster.sh mpirun N CMD... # Open MPI job, one rank per namespace
+#   ci/netcluster.sh rsh HOST CMD... # (internal) Open MPI's plm_rsh_agent
+#
+# Recipe 1 -- torch.distributed / gloo, 4 ranks:
+#   ci/netcluster.sh up 4 1gbit
+#   ci/netcluster.sh launch 4 python /tmp/gloo_ar.py
+# which for each I in 0..3 is equivalent to
+#   ip netns exec hhI env RANK=I WORLD_SIZE=4 LOCAL_RANK=0 MASTER_ADDR=10.77.0.1 \
+#       MASTER_PORT=29500 GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 python /tmp/gloo_ar.py &
+#   wait
+# (init_process_group("gloo") with the default env:// init method.)
+#
+# Recipe 2 -- Open MPI + mpi4py, 4 ranks:
+#   ci/netcluster.sh up 4 1gbit
+#   ci/netcluster.sh mpirun 4 python /tmp/mpi_ar.py
+# which runs, inside hh0 (mpirun must live inside the emulated network: the
+# orted daemons in the other namespaces have to connect back to it and the
+# root namespace is deliberately unreachable from them):
+#   ip netns exec hh0 mpirun --allow-run-as-root --oversubscribe -np 4 \
+#       --hostfile HF --mca plm_rsh_agent "ci/netcluster.sh rsh" \
+#       --mca btl tcp,self --mca btl_tcp_if_include eth0 \
+#       --mca oob_tcp_if_include eth0 python /tmp/mpi_ar.py
+# with HF = "10.77.0.1 slots=1" ... "10.77.0.4 slots=1". There is no sshd
+# between namespaces, so the rsh agent is this script: Open MPI calls it as
+# "rsh <host-address> <orted command...>" and we map the address back to its
+# namespace and run the command there with ssh-like "sh -c" semantics.
+#
+# Environment knobs: HH_SUBNET (default 10.77.0), HH_BURST (tbf burst, default
+# max(256kb, 2 ms at RATE)), HH_LATENCY (tbf queue bound, default 20ms),
+# HH_MTU (default 1500), PYTHON (default python3), MASTER_PORT (default 29500).
+
+set -euo pipefail
+
+SELF=$(readlink -f "${BASH_SOURCE[0]}")
+SUBNET=${HH_SUBNET:-10.77.0}
+BRNS=hhnet
+BR=hhbr0
+IFACE=eth0
+LATENCY=${HH_LATENCY:-20ms}
+MTU=${HH_MTU:-1500}
+PYTHON=${PYTHON:-python3}
+
+die() { echo "netcluster: $*" >&2; exit 1; }
+log() { echo "netcluster: $*" >&2; }
+
+addr_of() { echo "$SUBNET.$(( $1 + 1 ))"; }
+
+# Ranks that currently exist, in numeric order. Only names we create are
+# considered, so an unrelated namespace is never touched.
+existing_ranks() {
+    ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^hh[0-9]+$' \
+        | sed 's/^hh//' | sort -n || true
+}
+
+cluster_size() { existing_ranks | wc -l; }
+
+need_rank() {
+    [[ $1 =~ ^[0-9]+$ ]] || die "rank must be a number, got '$1'"
+    ip netns list | awk '{print $1}' | grep -qx "hh$1" \
+        || die "namespace hh$1 does not exist (run: $0 up N)"
+}
+
+# tc itself understands the rate string; we only need bytes/s to size the
+# tbf bucket. A bucket smaller than what the kernel may release per timer
+# tick (or than one GSO super-packet) caps throughput below RATE, so use at
+# least 256 KiB, and 2 ms worth of traffic at higher rates.
+rate_bytes_per_s() {
+    awk -v r="$1" 'BEGIN {
+        if (!match(r, /^[0-9]+(\.[0-9]+)?/)) exit 1
+        n = substr(r, 1, RLENGTH); u = tolower(substr(r, RLENGTH + 1))
+        m["bit"]=1/8; m[""]=1/8; m["kbit"]=1e3/8; m["mbit"]=1e6/8; m["gbit"]=1e9/8; m["tbit"]=1e12/8
+        m["kibit"]=1024/8; m["mibit"]=1048576/8; m["gibit"]=1073741824/8
+        m["bps"]=1; m["kbps"]=1e3; m["mbps"]=1e6; m["gbps"]=1e9
+        if (!(u in m)) exit 1
+        printf "%d\n", n * m[u] }'
+}
+
+# Run CMD in rank I's namespace under its own hostname (a private UTS
+# namespace). With one shared hostname Open MPI's per-host session dirs in
+# /tmp collide between "nodes", MPI_Get_processor_name cannot tell nodes
+# apart, and any host-based locality logic would think all ranks are local.
+# The name resolves through /etc/netns/hhI/hosts, which "ip netns exec"
+# bind-mounts over /etc/hosts.
+# It is a command prefix rather than a function so that "${NS_ARGV[@]}" cmd &
+# leaves $! = the rank process itself (every stage execs), which launch
+# needs in order to stop the ranks.
+ns_argv() {  # ns_argv I  -> sets NS_ARGV
+    NS_ARGV=(ip netns exec "hh$1" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "hh$1")
+}
+
+shape() {  # shape NS DEV RATE BURST
+    ip netns exec "$1" tc qdisc replace dev "$2" root tbf \
+        rate "$3" burst "$4" latency "$LATENCY"
+}
+
+cmd_down() {
+    set +e
+    local ns pids
+    for ns in $(existing_ranks | sed 's/^/hh/') $BRNS; do
+        ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$ns" || continue
+        # A namespace outlives "ip netns del" while processes still run in it
+        # (leftover ranks/orteds of a crashed job). Those can only be ours.
+        pids=$(ip netns pids "$ns" 2>/dev/null)
+        if [[ -n $pids ]]; then
+            log "stopping leftover processes in $ns: $pids"
+            kill -TERM $pids 2>/dev/null
+            sleep 1
+            pids=$(ip netns pids "$ns" 2>/dev/null)
+            [[ -n $pids ]] && kill -KILL $pids 2>/dev/null
+        fi
+        # Deleting the namespace destroys its veth end, and with it the peer
+        # (and, for hhnet, the bridge).
+        ip netns del "$ns" 2>/dev/null
+    done
+    local d
+    for d in /etc/netns/hh[0-9]*; do
+        [[ -d $d && ${d##*/} =~ ^hh[0-9]+$ ]] && rm -rf -- "$d"
+    done
+    [[ -d /etc/netns ]] && rmdir /etc/netns 2>/dev/null
+    set -e
+    return 0
+}
+
+cmd_up() {
+    local n=${1:-} rate=${2:-1gbit} i bps burst
+    [[ $n =~ ^[0-9]+$ ]] && (( n >= 1 && n <= 250 )) || die "usage: up N [RATE] (1 <= N <= 250)"
+    [[ $(id -u) == 0 ]] || die "must run as root (needs CAP_NET_ADMIN/CAP_SYS_ADMIN)"
+    if [[ -n $(existing_ranks) ]] || ip netns list | awk '{print $1}' | grep -qx "$BRNS"; then
+        log "existing cluster found; tearing it down first"
+        cmd_down
+    fi
+    if [[ $rate != none ]]; then
+        bps=$(rate_bytes_per_s "$rate") || die "cannot parse RATE '$rate' (use e.g. 100mbit, 1gbit, 10gbit)"
+        burst=${HH_BURST:-$(( bps / 500 > 262144 ? bps / 500 : 262144 ))}
+    fi
+    # On any failure half-way, leave nothing behind.
+    trap 'log "up failed; cleaning up"; cmd_down' ERR
+
+    ip netns add "$BRNS"
+    ip -n "$BRNS" link set lo up
+    ip -n "$BRNS" link add "$BR" type bridge
+    # The emulated switch must forward immediately: no STP listening delay,
+    # and no MAC ageing surprises during long runs.
+    ip -n "$BRNS" link set "$BR" type bridge stp_state 0 forward_delay 0
+    ip -n "$BRNS" link set "$BR" up
+
+    for (( i = 0; i < n; i++ )); do
+        local ns=hh$i port=hhv$i
+        ip netns add "$ns"
+        ip -n "$ns" link set lo up
+        # IPv6 would add link-local addresses that Open MPI/gloo may pick and
+        # DAD/RS chatter on the shaped link; the cluster is IPv4-only.
+        ip netns exec "$ns" sh -c 'echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6' 2>/dev/null || true
+        # Create the pair directly in its final namespaces so nothing ever
+        # appears in the root namespace.
+        ip -n "$BRNS" link add "$port" mtu "$MTU" type veth peer name "$IFACE" netns "$ns"
+        ip -n "$ns" link set "$IFACE" mtu "$MTU"
+        ip -n "$BRNS" link set "$port" master "$BR"
+        ip -n "$ns" addr add "$(addr_of "$i")/24" dev "$IFACE"
+        ip -n "$BRNS" link set "$port" up
+        ip -n "$ns" link set "$IFACE" up
+        if [[ $rate != none ]]; then
+            shape "$ns" "$IFACE" "$rate" "$burst"     # rank -> switch
+            shape "$BRNS" "$port" "$rate" "$burst"    # switch -> rank
+        fi
+    done
+    local hosts; hosts=$(printf '127.0.0.1\tlocalhost\n'; for (( i = 0; i < n; i++ )); do printf '%s\thh%d\n' "$(addr_of "$i")" "$i"; done)
+    for (( i = 0; i < n; i++ )); do
+        mkdir -p "/etc/netns/hh$i"
+        echo "$hosts" >"/etc/netns/hh$i/hosts"
+    done
+    trap - ERR
+
+    # With STP off the ports forward as soon as they are up, but confirm it so
+    # callers can start jobs immediately (no ping dependency).
+    for (( i = 0; i < 50; i++ )); do
+        (( $(bridge -n "$BRNS" link show | grep -c 'state forwarding') == n )) && break
+        sleep 0.1
+    done
+    log "up: $n ranks, $SUBNET.1-$SUBNET.$n on $IFACE, rate ${rate}${burst:+ burst ${burst}b} latency $LATENCY"
+}
+
+cmd_exec() {
+    local i=${1:-}; shift || true
+    need_rank "$i"
+    (( $# > 0 )) || die "usage: exec I CMD..."
+    ns_argv "$i"
+    exec "${NS_ARGV[@]}" "$@"
+}
+
+cmd_hosts() {
+    local n=${1:-$(cluster_size)} i
+    (( n > 0 )) || die "no cluster up and no N given"
+    for (( i = 0; i < n; i++ )); do addr_of "$i"; done
+}
+
+# Sender/receiver in plain Python so no extra package (iperf3) is needed.
+# Times from the first received byte to EOF on the receiver, which excludes
+# connection setup and the sender's last unacked window.
+MEASURE_PY='
+import socket, sys, time
+mode, host, port, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if mode == "recv":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port)); s.listen(1)
+    print("ready", flush=True)
+    c, _ = s.accept(); buf = bytearray(1 << 20); got = 0; t0 = None
+    while True:
+        k = c.recv_into(buf)
+        if not k: break
+        if t0 is None: t0 = time.perf_counter()
+        got += k
+    dt = time.perf_counter() - t0
+    print(f"{got/1e6/dt:.1f}")
+else:
+    for _ in range(100):
+        try:
+            c = socket.create_connection((host, port)); break
+        except OSError: time.sleep(0.05)
+    chunk = bytes(1 << 20); left = nbytes
+    while left > 0:
+        c.sendall(chunk[:min(left, len(chunk))]); left -= len(chunk)
+    c.shutdown(socket.SHUT_WR); c.recv(1); c.close()
+'
+
+measure_pair() {  # measure_pair SRC DST MB PORT -> prints MB/s
+    local src=$1 dst=$2 mb=$3 port=$4 fifo out
+    fifo=$(mktemp -u); mkfifo "$fifo"; out=$(mktemp)
+    ip netns exec "hh$dst" "$PYTHON" -c "$MEASURE_PY" recv "$(addr_of "$dst")" "$port" 0 >"$fifo" &
+    local rpid=$!
+    # Block until the receiver is listening; the rest of its output is the result.
+    { read -r _; cat >"$out"; } <"$fifo" &
+    local cpid=$!
+    ip netns exec "hh$src" "$PYTHON" -c "$MEASURE_PY" send "$(addr_of "$dst")" "$port" $(( mb * 1000000 ))
+    wait "$rpid"; wait "$cpid"
+    cat "$out"; rm -f "$fifo" "$out"
+}
+
+cmd_measure() {
+    local mb=100 duplex=0 a
+    for a in "$@"; do
+        case $a in
+            --duplex) duplex=1 ;;
+            *) [[ $a =~ ^[0-9]+$ ]] || die "usage: measure [MB] [--duplex]"; mb=$a ;;
+        esac
+    done
+    need_rank 0; need_rank 1
+    if (( duplex )); then
+        # Both directions at once: a full-duplex port should keep ~RATE each way.
+        local f1 f2; f1=$(mktemp); f2=$(mktemp)
+        measure_pair 0 1 "$mb" 5201 >"$f1" & local p1=$!
+        measure_pair 1 0 "$mb" 5202 >"$f2" & local p2=$!
+        wait "$p1"; wait "$p2"
+        echo "hh0->hh1 $(cat "$f1") MB/s"
+        echo "hh1->hh0 $(cat "$f2") MB/s"
+        rm -f "$f1" "$f2"
+    else
+        echo "hh0->hh1 $(measure_pair 0 1 "$mb" 5201) MB/s"
+    fi
+}
+
+launch_reaped() {  # launch_reaped PID RC  (uses cmd_launch's rank_of/fail)
+    local i=${rank_of[$1]}
+    unset "rank_of[$1]"
+    if (( $2 != 0 && ! fail )); then
+        log "rank $i exited with status $2; stopping the other ranks"
+        fail=$2
+        (( ${#rank_of[@]} > 0 )) && kill -TERM "${!rank_of[@]}" 2>/dev/null || true
+    fi
+    return 0
+}
+
+cmd_launch() {
+    local n=${1:-} i rc=0 pid fail=0
+    shift || true
+    [[ $n =~ ^[0-9]+$ ]] && (( n >= 1 )) && (( $# > 0 )) || die "usage: launch N CMD..."
+    for (( i = 0; i < n; i++ )); do need_rank "$i"; done
+    local -A rank_of=()
+    # Async children of a non-interactive shell ignore SIGINT, so Ctrl-C (or
+    # a CI timeout's TERM) must be forwarded or the ranks would live on.
+    trap '(( ${#rank_of[@]} )) && kill -TERM "${!rank_of[@]}" 2>/dev/null; exit 130' INT TERM
+    for (( i = 0; i < n; i++ )); do
+        # OMP_NUM_THREADS=1 mirrors torchrun: N ranks sharing a small box
+        # must not each spin up one OpenMP thread per core.
+        ns_argv "$i"
+        "${NS_ARGV[@]}" env \
+            RANK="$i" WORLD_SIZE="$n" LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
+            GROUP_RANK="$i" NODE_RANK="$i" \
+            MASTER_ADDR="$(addr_of 0)" MASTER_PORT="${MASTER_PORT:-29500}" \
+            GLOO_SOCKET_IFNAME="$IFACE" TP_SOCKET_IFNAME="$IFACE" \
+            OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
+            "$@" &
+        rank_of[$!]=$i
+    done
+    # Like torchrun: once one rank fails the others would block in a
+    # collective until gloo's 30 min timeout, so stop them.
+    while (( ${#rank_of[@]} > 0 )); do
+        pid=; rc=0
+        wait -n -p pid || rc=$?
+        if [[ -z ${pid:-} ]]; then
+            # bash can drop jobs that ended at the same moment from what
+            # "wait -n" reports; their statuses are still kept per pid.
+            for pid in "${!rank_of[@]}"; do
+                rc=0; wait "$pid" || rc=$?
+                launch_reaped "$pid" "$rc"
+            done
+            break
+        fi
+        [[ -v "rank_of[$pid]" ]] && launch_reaped "$pid" "$rc"
+    done
+    return "$fail"
+}
+
+cmd_mpirun() {
+    local n=${1:-} i hf
+    shift || true
+    [[ $n =~ ^[0-9]+$ ]] && (( n >= 1 )) && (( $# > 0 )) || die "usage: mpirun N CMD..."
+    for (( i = 0; i < n; i++ )); do need_rank "$i"; done
+    hf=$(mktemp /tmp/hh-hostfile.XXXXXX)
+    for (( i = 0; i < n; i++ )); do echo "$(addr_of "$i") slots=1"; done >"$hf"
+    # Each "node" has one slot, so Open MPI believes nothing is oversubscribed
+    # and busy-polls; here all ranks share a few cores, so spinning ranks
+    # would steal CPU from the ones doing reductions -- an artifact a real
+    # cluster does not have. Hence yield_when_idle (HH_MPI_YIELD=0 to disable).
+    local rc=0
+    # shellcheck disable=SC2086  # HH_MPIRUN_ARGS is intentionally word-split
+    ns_argv 0
+    "${NS_ARGV[@]}" mpirun --allow-run-as-root --oversubscribe -np "$n" \
+        --hostfile "$hf" --map-by node \
+        --mca plm_rsh_agent "$SELF rsh" \
+        --mca btl tcp,self --mca btl_tcp_if_include "$IFACE" \
+        --mca oob_tcp_if_include "$IFACE" \
+        --mca mpi_yield_when_idle "${HH_MPI_YIELD:-1}" \
+        -x OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
+        ${HH_MPIRUN_ARGS:-} "$@" || rc=$?
+    rm -f "$hf"
+    return "$rc"
+}
+
+# Open MPI's launcher contract is that of ssh: "agent HOST WORD...", where the
+# words are joined with spaces and interpreted by the remote user's shell.
+cmd_rsh() {
+    local host=${1:-} i=""
+    shift || true
+    # Open MPI may insert ssh-style options before the host.
+    while [[ $host == -* ]]; do host=${1:-}; shift || true; done
+    case $host in
+        hh[0-9]*) i=${host#hh} ;;
+        "$SUBNET".*) i=$(( ${host##*.} - 1 )) ;;
+        *) die "rsh: unknown host '$host' (expected $SUBNET.X or hhI)" ;;
+    esac
+    need_rank "$i"
+    ns_argv "$i"
+    exec "${NS_ARGV[@]}" /bin/sh -c "$*"
+}
+
+main() {
+    local sub=${1:-}
+    shift || true
+    case $sub in
+        up) cmd_up "$@" ;;
+        down) cmd_down ;;
+        exec) cmd_exec "$@" ;;
+        hosts) cmd_hosts "$@" ;;
+        measure) cmd_measure "$@" ;;
+        launch) cmd_launch "$@" ;;
+        mpirun) cmd_mpirun "$@" ;;
+        rsh) cmd_rsh "$@" ;;
+        *) sed -n '2,/^set -euo/p' "$SELF" | sed '$d' | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+    esac
+}
+
+main "$@"

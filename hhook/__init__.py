@@ -1,0 +1,29 @@
+r"""hhook: homomorphic gradient compression for data-parallel PyTorch.
+
+Gradients are rotated, quantized onto levels every rank agrees on, and packed into
+integer lanes with headroom, so a stock SUM allreduce adds the compressed buffers
+directly. One line turns it on::
+
+    ddp_model.register_comm_hook(hhook.THCState(process_group=None, bits=4), hhook.thc_hook)
+"""
+
+from .allreduce import thc_allreduce, thc_allreduce_async
+from .codec import CODEC_VERSION, ConfigMismatchError, THCCodec
+from .ddp_hook import register, thc_hook
+from .launch import detect_env, init_distributed
+from .state import THCState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CODEC_VERSION",
+    "ConfigMismatchError",
+    "THCCodec",
+    "THCState",
+    "detect_env",
+    "init_distributed",
+    "register",
+    "thc_allreduce",
+    "thc_allreduce_async",
+    "thc_hook",
+]

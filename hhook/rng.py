@@ -1,0 +1,77 @@
+r"""Counter-based random numbers for stochastic rounding.
+
+Every uniform is a pure function of ``(key, index)``: a 32-bit integer hash of
+``(index + key) mod 2**32``. There is no generator state, so
+
+* a GPU kernel computing the same hash in ``uint32`` arithmetic produces the same
+  numbers as this torch reference, bit for bit;
+* a bucket can be processed in any order or in chunks;
+* ranks draw independent streams simply by deriving different keys
+  (:func:`stream_key` mixes the rank in), which keeps the 1/n variance reduction of
+  averaging n independently rounded gradients.
+
+The mixer is Chris Wellons' ``lowbias32`` shape with multipliers below ``2**31``, so
+the torch version can run in ``int64`` without ever overflowing: the product of a
+32-bit value and a 31-bit constant stays below ``2**63``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+_MUL1 = 0x21F0AAAD
+_MUL2 = 0x735A2D97
+_STREAM_SALT = 0x68686F6B  # "hhok": separates rounding streams from the sign stream
+_SIGN_SALT = 0x5369676E  # "Sign"
+
+
+def mix32(x: int) -> int:
+    """The 32-bit hash on one Python integer (host side: keys, fingerprints)."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * _MUL1) & MASK32
+    x ^= x >> 15
+    x = (x * _MUL2) & MASK32
+    x ^= x >> 15
+    return x
+
+
+def mix32_(h: torch.Tensor) -> torch.Tensor:
+    """The same hash, in place, on an ``int64`` tensor holding values in [0, 2**32)."""
+    h.bitwise_xor_(h >> 16)
+    h.mul_(_MUL1).bitwise_and_(MASK32)
+    h.bitwise_xor_(h >> 15)
+    h.mul_(_MUL2).bitwise_and_(MASK32)
+    h.bitwise_xor_(h >> 15)
+    return h
+
+
+def stream_key(seed: int, rank: int, counter: int) -> int:
+    """Key of the rounding stream of one rank for one codec call.
+
+    ``counter`` must differ between calls of the same rank (hhook counts calls per
+    state); ``rank`` makes streams independent across ranks.
+    """
+    key = mix32(seed ^ _STREAM_SALT)
+    key = mix32(key ^ rank)
+    key = mix32(key ^ (counter & MASK32))
+    return mix32(key ^ (counter >> 32))
+
+
+def sign_key(seed: int) -> int:
+    """Key of the shared +-1 diagonal of the rotation: the seed only, never the rank."""
+    return mix32(seed ^ _SIGN_SALT)
+
+
+def hash_range(key: int, start: int, count: int, device=None) -> torch.Tensor:
+    """``mix32((start + i + key) mod 2**32)`` for ``i`` in ``[0, count)``, as int64."""
+    h = torch.arange(start + key, start + key + count, dtype=torch.int64, device=device)
+    h.bitwise_and_(MASK32)
+    return mix32_(h)
+
+
+def uniform(key: int, start: int, count: int, device=None) -> torch.Tensor:
+    """Uniform floats in [0, 1): the top 24 bits of the hash, exact in float32."""
+    h = hash_range(key, start, count, device)
+    return (h >> 8).to(torch.float32).mul_(2.0**-24)

@@ -1,0 +1,146 @@
+r"""Per-process-group state shared by the DDP hook and :func:`hhook.thc_allreduce`."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .codec import THCCodec
+
+logger = logging.getLogger(__name__)
+
+
+class THCState:
+    r"""Options, error-feedback residuals and byte counters of THC compression.
+
+    Args:
+        process_group: the group to reduce over; ``None`` means the default group.
+        bits: bits per coordinate before headroom; ``2**bits`` quantization levels (1..8).
+        block_size: rotation and scale block, a power of two (at most 65536). 1024 costs
+            0.03 bits per coordinate for the scales.
+        seed: shared seed of the rotation's random signs; must match on every rank.
+        error_feedback: carry each rank's rounding error into its next call (costs one
+            float32 copy of every compressed tensor). The rounding is unbiased, so this
+            is optional.
+        start_iter: the DDP hook runs a plain allreduce for the iterations before this
+            one. DDP rebuilds its buckets after the first iteration, so per-bucket
+            residuals are stable only from iteration 2.
+
+    Example::
+        >>> state = THCState(process_group=None, bits=4)
+        >>> ddp_model.register_comm_hook(state, thc_hook)
+    """
+
+    __slots__ = [
+        "process_group",
+        "bits",
+        "block_size",
+        "seed",
+        "error_feedback",
+        "start_iter",
+        # per-tensor state: error-feedback residuals keyed by bucket index or name
+        "residuals",
+        # counters
+        "iter",
+        "calls",
+        "_stats",
+        # derived, rebuilt on demand and never pickled
+        "_codec",
+        "_verified",
+    ]
+
+    _PICKLED = ("bits", "block_size", "seed", "error_feedback", "start_iter", "residuals", "iter", "calls", "_stats")
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        bits: int = 4,
+        block_size: int = 1024,
+        seed: int = 0,
+        error_feedback: bool = False,
+        start_iter: int = 2,
+    ):
+        THCCodec(bits, block_size, seed)  # validates the options before any training
+        if not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"start_iter must be a non-negative integer, got {start_iter!r}")
+        if error_feedback and start_iter < 2:
+            logger.warning(
+                "hhook: error_feedback with start_iter=%d: DDP rebuilds buckets after the first "
+                "iteration, so residuals of iteration 0 may be dropped", start_iter
+            )
+        self.process_group = process_group
+        self.bits = bits
+        self.block_size = block_size
+        self.seed = seed
+        self.error_feedback = bool(error_feedback)
+        self.start_iter = start_iter
+        self.residuals: dict = {}
+        self.iter = 0
+        self.calls = 0
+        self._stats = {"dense_bytes": 0, "wire_bytes": 0, "compressed_calls": 0, "dense_calls": 0, "nonfinite_calls": 0}
+        self._codec = None
+        self._verified = False
+
+    def __getstate__(self):
+        # Like PowerSGDState: a process group cannot be pickled; the default one is used after loading.
+        return {name: getattr(self, name) for name in self._PICKLED}
+
+    def __setstate__(self, saved):
+        self.process_group = None
+        self._codec = None
+        self._verified = False
+        for name, value in saved.items():
+            setattr(self, name, value)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.process_group)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    def codec(self) -> THCCodec:
+        """The codec for this group's world size (built on first use)."""
+        if self._codec is None:
+            if not dist.is_initialized():
+                raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")
+            self._codec = THCCodec(self.bits, self.block_size, self.seed, self.world_size)
+        return self._codec
+
+    def residual(self, key, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """The error-feedback residual of ``key``, zeroed when the tensor's shape changed."""
+        r = self.residuals.get(key)
+        if r is None or r.shape != shape or r.device != device:
+            r = self.residuals[key] = torch.zeros(shape, dtype=torch.float32, device=device)
+        return r
+
+    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
+        """Count DDP iterations: one per backward pass, on its last bucket."""
+        if bucket.is_last():
+            self.iter += 1
+
+    def count(self, kind: str | None, dense_bytes: int, wire_bytes: int) -> None:
+        """Add one call of ``kind`` (None: wire traffic that is not a call)."""
+        if kind is not None:
+            self._stats[kind] += 1
+        self._stats["dense_bytes"] += dense_bytes
+        self._stats["wire_bytes"] += wire_bytes
+
+    def stats(self) -> dict:
+        """Bytes since creation (or :meth:`reset_stats`) on this rank.
+
+        ``dense_bytes``: what the same calls would have sent as float32.
+        ``wire_bytes``: what was handed to collectives: codes, scales and the one-time
+        configuration handshake, or the dense tensors of plain-allreduce iterations.
+        """
+        s = dict(self._stats)
+        s["ratio"] = s["dense_bytes"] / s["wire_bytes"] if s["wire_bytes"] else float("nan")
+        s["iter"] = self.iter
+        return s
+
+    def reset_stats(self) -> None:
+        for name in self._stats:
+            self._stats[name] = 0

@@ -1,0 +1,67 @@
+"""Run a function on N local processes joined by a Gloo process group."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, results):
+    torch.set_num_threads(1)  # N ranks share two cores
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
+    """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process.
+
+    ``fn`` must be a module-level function. A rank's exception fails the call with
+    every rank's traceback; a hang fails it after ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout)
+            (out.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+    except queue.Empty:
+        errors.append(f"timed out after {timeout}s; ranks that answered: {sorted(out)}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [out[r] for r in range(world_size)]
+
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
