@@ -4,9 +4,10 @@ The codec does no communication. A transport (:mod:`hhook.allreduce` for
 torch.distributed, the profiler for MPI, :mod:`hhook.horovod`) drives it in three stages
 around two collectives:
 
-1. :meth:`THCCodec.prepare` rotates the tensor (plus its error-feedback residual) and
+1. :meth:`THCCodec.prepare` rotates the tensor, adds its error-feedback residual, and
    returns a small float32 vector: a header ``[non-finite flag, fingerprint,
-   -fingerprint]`` followed by this rank's max ``|y|`` per block.
+   -fingerprint]`` followed by this rank's max ``|y|`` per block of the rotated tensor
+   (without the residual).
 2. The transport MAX-allreduces that vector. Every rank now holds the same scales;
    the flag says whether any rank saw inf/NaN, and ``max(f) == -max(-f)`` holds only
    if every rank has the same fingerprint (configuration and tensor length).
@@ -141,14 +142,17 @@ class THCCodec:
             padded[:numel] = flat
             flat = padded
         blocks = rotation.rotate(flat.view(n_blocks, block), self.seed)
-        if residual is not None:
-            blocks.add_(residual)
         scales = torch.empty(HEADER + n_blocks, dtype=torch.float32, device=x.device)
         maxima = scales[HEADER:]
         torch.linalg.vector_norm(blocks, float("inf"), dim=1, out=maxima)
         finite = bool(torch.isfinite(maxima).all())
         if not finite:
             maxima.zero_()
+        if residual is not None:
+            # The scales cover the gradient, not the residual: a residual can be as large
+            # as one step, and letting it raise the scale made it grow geometrically at
+            # 1 bit. Whatever now exceeds the scale is clamped and stays in the residual.
+            blocks.add_(residual)
         f = float(self.fingerprint(numel))
         scales[:HEADER] = torch.tensor([0.0 if finite else 1.0, f, -f])
         return Prepared(numel, blocks, scales)

@@ -1,7 +1,7 @@
 r"""The DDP communication hook: THC compression for every gradient bucket."""
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: DDP inspects the hook's annotations
+# and compares them with dist.GradBucket and Future[Tensor] objects, not strings.
 import logging
 
 import torch
@@ -46,7 +46,7 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     return fut
 
 
-def register(ddp_model: torch.nn.parallel.DistributedDataParallel, **options) -> THCState:
+def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", **options) -> THCState:
     r"""Register :func:`thc_hook` on ``ddp_model``; ``options`` go to :class:`THCState`.
 
     The process group defaults to the model's own.

@@ -18,6 +18,10 @@ import dataclasses
 import torch
 
 
+#: Widest lane: lane sums are decoded through float32, exact up to 2**24.
+MAX_WIDTH = 24
+
+
 @dataclasses.dataclass(frozen=True)
 class LaneLayout:
     width: int  # bits per lane, w
@@ -50,8 +54,11 @@ def choose_layout(world_size: int, levels: int) -> LaneLayout:
     if world_size < 1 or levels < 2:
         raise ValueError(f"need world_size >= 1 and levels >= 2, got {world_size}, {levels}")
     width = lane_width(world_size, levels)
-    if width > 63:
-        raise ValueError(f"lane width {width} bits does not fit a 64-bit word")
+    if width > MAX_WIDTH:
+        raise ValueError(
+            f"{world_size} ranks at {levels} levels need {width}-bit lanes; at most {MAX_WIDTH} "
+            "are supported (use fewer bits)"
+        )
     candidates = [(torch.int32, 32), (torch.int64, 64)]
     best = None
     for dtype, bits in candidates:
@@ -81,11 +88,15 @@ def pack(codes: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     return words
 
 
-def unpack(words: torch.Tensor, layout: LaneLayout, count: int) -> torch.Tensor:
-    """Lane values of ``words`` in code order, cropped to ``count``, as int64."""
+def unpack(words: torch.Tensor, layout: LaneLayout, count: int, dtype=torch.float32) -> torch.Tensor:
+    """Lane values of ``words`` in code order, cropped to ``count``.
+
+    float32 (the default, what decoding needs) holds every lane exactly, since lanes
+    are at most :data:`MAX_WIDTH` bits wide.
+    """
     n_words = words.numel()
-    out = torch.empty(layout.lanes * n_words, dtype=torch.int64, device=words.device)
+    out = torch.empty(layout.lanes * n_words, dtype=dtype, device=words.device)
     planes = out.view(layout.lanes, n_words)
     for lane in range(layout.lanes):
-        torch.bitwise_and(words >> (lane * layout.width), layout.mask, out=planes[lane])
+        planes[lane].copy_((words >> (lane * layout.width)).bitwise_and_(layout.mask))
     return out[:count]

@@ -68,6 +68,6 @@ def quantize_into(
 
 
 def dequantize(sums: torch.Tensor, scales: torch.Tensor, levels: int, world_size: int) -> torch.Tensor:
-    """Mean of the rotated blocks from the lane sums ``S`` (``(n_blocks, B)``, integer)."""
+    """Mean of the rotated blocks from the lane sums ``S`` (float32 ``(n_blocks, B)``), in place."""
     scale = steps(scales, levels).div_(float(world_size))
-    return sums.to(torch.float32).mul_(scale[:, None]).sub_(scales[:, None])
+    return sums.mul_(scale[:, None]).sub_(scales[:, None])

@@ -1,0 +1,200 @@
+"""The reference codec on one process: n ranks simulated by local MAX and SUM."""
+
+import math
+
+import pytest
+import torch
+
+from hhook import lanes, quantization, rng, rotation
+from hhook.benchmark import heavy_tailed, simulate_allreduce, vnmse
+from hhook.codec import ConfigMismatchError, THCCodec
+
+
+# -- counter-based RNG ---------------------------------------------------------
+def test_tensor_hash_matches_scalar_hash():
+    key = rng.stream_key(7, 3, 11)
+    got = rng.hash_range(key, 1000, 64)
+    assert got.tolist() == [rng.mix32(1000 + i + key) for i in range(64)]
+
+
+def test_uniform_is_chunk_invariant_and_in_range():
+    whole = rng.uniform(123, 0, 10_000)
+    parts = torch.cat([rng.uniform(123, s, 1000) for s in range(0, 10_000, 1000)])
+    assert torch.equal(whole, parts)
+    assert whole.min() >= 0 and whole.max() < 1
+    assert abs(whole.mean().item() - 0.5) < 0.01
+    assert abs(whole.var().item() - 1 / 12) < 0.005
+
+
+def test_rank_streams_are_uncorrelated():
+    a = rng.uniform(rng.stream_key(0, 0, 5), 0, 100_000)
+    b = rng.uniform(rng.stream_key(0, 1, 5), 0, 100_000)
+    c = rng.uniform(rng.stream_key(0, 0, 6), 0, 100_000)
+    for other in (b, c):
+        assert abs(torch.corrcoef(torch.stack([a, other]))[0, 1].item()) < 0.01
+
+
+# -- rotation --------------------------------------------------------------------
+@pytest.mark.parametrize("block", [1, 2, 8, 32, 128, 1024])
+def test_rotation_is_the_randomized_hadamard_matrix(block):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    d = torch.diag(rotation.signs(5, block, torch.device("cpu")).double())
+    x = torch.randn(3, block)
+    expected = (h @ d @ x.double().T / math.sqrt(block)).T
+    assert torch.allclose(rotation.rotate(x, 5).double(), expected, atol=1e-5)
+    assert torch.allclose(rotation.unrotate(rotation.rotate(x, 5), 5), x, atol=1e-5)
+
+
+def test_bad_block_sizes_are_rejected():
+    for bad in (0, 3, 1000, 1 << 17, 2.0):
+        with pytest.raises(ValueError):
+            THCCodec(block_size=bad)
+
+
+# -- lanes -----------------------------------------------------------------------
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_lanes_never_overflow_with_every_rank_sending_the_largest_code(bits):
+    levels = 1 << bits
+    for n in range(1, 17):
+        layout = lanes.choose_layout(n, levels)
+        assert n * (levels - 1) < 1 << layout.width <= 2 * n * (levels - 1) + 1
+        count = 3 * layout.lanes + 1
+        codes = lanes.code_buffer(count, layout)
+        codes[:count] = levels - 1
+        words = lanes.pack(codes, layout)
+        total = words.clone()
+        for _ in range(n - 1):
+            total += words  # wraps like the collectives do
+        assert lanes.unpack(total, layout, count, torch.int64).tolist() == [n * (levels - 1)] * count
+
+
+def test_layout_matches_design_table():
+    # DESIGN.md: n=4, L=16 -> 6-bit lanes, 5 per int32, 6.4 bits per coordinate
+    layout = lanes.choose_layout(4, 16)
+    assert (layout.width, layout.lanes, layout.word_dtype) == (6, 5, torch.int32)
+    assert lanes.choose_layout(8, 16).bits_per_code < 8  # int64 packs 9 lanes of 7 bits
+    with pytest.raises(ValueError):
+        lanes.choose_layout(1 << 17, 256)
+
+
+def test_pack_unpack_roundtrip():
+    layout = lanes.choose_layout(3, 8)
+    codes = lanes.code_buffer(1001, layout)
+    values = torch.randint(0, 8, (1001,))
+    codes[:1001] = values
+    assert torch.equal(lanes.unpack(lanes.pack(codes, layout), layout, 1001, torch.int64), values)
+
+
+# -- quantization and the whole codec --------------------------------------------
+def test_codec_is_unbiased():
+    """The mean of many independent decodes converges to the true mean.
+
+    A biased rounding (u = 1/2, round to nearest) is run through the same check and must fail it.
+    """
+    codec = THCCodec(bits=2, block_size=64, world_size=2)
+    inputs = heavy_tailed(4096, 2, seed=1)
+    mean = inputs.mean(0)
+
+    def averaged_error(trials):
+        avg = sum(simulate_allreduce(codec, inputs, step) for step in range(trials)) / trials
+        return float((avg - mean).pow(2).sum() / mean.pow(2).sum())
+
+    single = averaged_error(1)
+    unbiased = averaged_error(200)
+    assert unbiased < 3 * single / 200
+
+    original = rng.uniform
+    rng.uniform = lambda key, start, count, device=None: torch.full((count,), 0.5, device=device)
+    try:
+        biased = averaged_error(200)
+    finally:
+        rng.uniform = original
+    assert biased > 3 * single / 200
+
+
+def test_quality_on_heavy_tailed_gradients():
+    inputs = heavy_tailed(1 << 20, 4, seed=2)
+    assert vnmse(simulate_allreduce(THCCodec(4, 1024, 0, 4), inputs), inputs) <= 2e-2
+    assert vnmse(simulate_allreduce(THCCodec(8, 1024, 0, 4), inputs), inputs) <= 1e-4
+
+
+def test_wire_ratio_at_four_bits_and_four_ranks():
+    numel = 25 << 18
+    assert 4 * numel / THCCodec(4, 1024, 0, 4).wire_bytes(numel) >= 4.9
+
+
+@pytest.mark.parametrize("numel", [1, 2, 3, 15, 16, 17, 1023, 1025, 5000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_any_length_and_dtype(numel, dtype):
+    codec = THCCodec(bits=8, block_size=1024, world_size=3)
+    inputs = torch.randn(3, numel).to(dtype)
+    prepared = [codec.prepare(x) for x in inputs]
+    agreed = torch.stack([p.scales for p in prepared]).amax(0)
+    total = sum(codec.quantize(p, agreed, r) for r, p in enumerate(prepared))
+    out = codec.decode(prepared[1], agreed, total, torch.empty_like(inputs[1]))
+    assert out.dtype == dtype and out.shape == (numel,)
+    exact = inputs.float().mean(0)
+    tol = 0.02 * inputs.float().abs().max().item() + (0.01 if dtype != torch.float32 else 0)
+    assert (out.float() - exact).abs().max().item() < tol
+
+
+def test_zero_tensor_decodes_to_exact_zero():
+    codec = THCCodec(world_size=2)
+    z = torch.zeros(3000)
+    assert torch.equal(simulate_allreduce(codec, torch.stack([z, z])), z)
+
+
+def test_small_tensors_use_small_blocks():
+    codec = THCCodec(bits=4, block_size=1024, world_size=4)
+    assert codec.block_for(10) == 16 and codec.block_for(1) == 1 and codec.block_for(5000) == 1024
+    assert codec.wire_bytes(10) < 40  # less than the fp32 tensor itself
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_one_nonfinite_rank_makes_every_result_nonfinite(bad):
+    codec = THCCodec(world_size=2)
+    inputs = torch.randn(2, 2048)
+    inputs[1, 77] = bad
+    prepared = [codec.prepare(x) for x in inputs]
+    agreed = torch.stack([p.scales for p in prepared]).amax(0)
+    for p in prepared:
+        assert codec.quantize(p, agreed, 0) is None
+        assert codec.decode(p, agreed, None, torch.empty(2048)).isnan().all()
+
+
+def test_mismatched_configuration_is_detected():
+    a, b = THCCodec(4, 1024, 0, 2), THCCodec(4, 1024, 1, 2)
+    x = torch.randn(4096)
+    pa, pb = a.prepare(x), b.prepare(x)
+    agreed = torch.maximum(pa.scales, pb.scales)
+    with pytest.raises(ConfigMismatchError, match="disagree"):
+        a.quantize(pa, agreed, 0)
+    with pytest.raises(ConfigMismatchError, match="different codec configurations"):
+        a.check_handshake(torch.maximum(a.handshake_vector(), THCCodec(4, 512, 0, 2).handshake_vector()))
+    a.check_handshake(torch.maximum(a.handshake_vector(), THCCodec(4, 1024, 0, 2).handshake_vector()))
+
+
+def test_error_feedback_residual_is_own_rounding_error():
+    codec = THCCodec(bits=2, block_size=256, world_size=1)
+    x = torch.randn(1000)
+    prepared = codec.prepare(x)
+    residual = torch.empty_like(prepared.blocks)
+    words = codec.quantize(prepared, prepared.scales, 9, residual)
+    own = codec.decode(prepared, prepared.scales, words, torch.empty(1000))
+    padded = torch.zeros(1024)
+    padded[:1000] = x - own
+    # The residual lives in the rotated domain; cropped padding coordinates aside it is x - decode(x).
+    back = rotation.unrotate(residual, 0).view(-1)
+    assert torch.allclose(back[:1000], padded[:1000], atol=1e-5)
+
+
+def test_unsupported_inputs_are_rejected():
+    with pytest.raises(TypeError, match="float64"):
+        THCCodec().prepare(torch.zeros(10, dtype=torch.float64))
+    for bad in (0, 9, 4.0):
+        with pytest.raises(ValueError, match="bits"):
+            THCCodec(bits=bad)
+    with pytest.raises(ValueError, match="seed"):
+        THCCodec(seed=-1)

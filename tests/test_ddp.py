@@ -1,0 +1,163 @@
+"""The DDP hook against plain fp32 DDP on the same model, data and seeds."""
+
+import contextlib
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hhook
+
+from distributed import run_world
+
+STEPS = 40
+
+# name -> (DDP options, THCState options, parameter dtype, micro-batches per step)
+CASES = {
+    "default": ({}, {}, torch.float32, 1),
+    "gradient_as_bucket_view": ({"gradient_as_bucket_view": True}, {}, torch.float32, 1),
+    "static_graph": ({"static_graph": True}, {}, torch.float32, 1),
+    "no_sync": ({}, {}, torch.float32, 2),
+    "find_unused_parameters": ({"find_unused_parameters": True}, {}, torch.float32, 1),
+    "many_buckets": ({"bucket_cap_mb": 0.01}, {}, torch.float32, 1),
+    "error_feedback": ({}, {"error_feedback": True, "bits": 2}, torch.float32, 1),
+    "fp16": ({}, {}, torch.float16, 1),
+    "bf16": ({}, {}, torch.bfloat16, 1),
+}
+
+
+class Net(torch.nn.Module):
+    def __init__(self, with_unused=False):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh())
+        self.head = torch.nn.Linear(64, 4)
+        if with_unused:
+            self.unused = torch.nn.Linear(64, 4)  # never called: exercises find_unused_parameters
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _data(rank, dtype):
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own shard
+    teacher = torch.Generator().manual_seed(7)
+    w = torch.randn(32, 4, generator=teacher)
+    x = torch.randn(512, 32, generator=g)
+    return x.to(dtype), (x @ w).argmax(1)
+
+
+def _train(rank, case, hook_state=None, model_state=None, steps=STEPS):
+    ddp_opts, _, dtype, micro = CASES[case]
+    torch.manual_seed(0)
+    model = Net(with_unused=ddp_opts.get("find_unused_parameters", False)).to(dtype)
+    if model_state is not None:
+        model.load_state_dict(model_state)
+    ddp = DDP(model, **ddp_opts)
+    if hook_state is not None:
+        ddp.register_comm_hook(hook_state, hhook.thc_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data(rank, dtype)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        batch = torch.arange(step * 32, step * 32 + 32 * micro) % 512
+        for m in range(micro):
+            idx = batch[m * 32 : (m + 1) * 32]
+            # accumulate locally (forward and backward inside no_sync) until the last micro-batch
+            sync = contextlib.nullcontext() if m == micro - 1 else ddp.no_sync()
+            with sync:
+                loss = torch.nn.functional.cross_entropy(ddp(x[idx]).float(), y[idx]) / micro
+                loss.backward()
+        opt.step()
+        losses.append(loss.item() * micro)
+    with torch.no_grad():
+        full = torch.nn.functional.cross_entropy(model(x).float(), y)
+    total = torch.tensor([full.item()])
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size(), model
+
+
+def _case_worker(rank, world, cases):
+    results = {}
+    for case in cases:
+        fp32_loss, _ = _train(rank, case)
+        state = hhook.THCState(**CASES[case][1])
+        thc_loss, model = _train(rank, case, state)
+        params = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(params) for _ in range(world)]
+        dist.all_gather(gathered, params)
+        results[case] = {
+            "fp32": fp32_loss,
+            "thc": thc_loss,
+            "stats": state.stats(),
+            "in_sync": all(torch.equal(g, params) for g in gathered),
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_world(_case_worker, 2, list(CASES), timeout=600)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ddp_with_thc_trains_like_fp32(world2, case):
+    initial = 1.386  # log(4): an untrained 4-class head
+    for r in world2:
+        res = r[case]
+        assert res["fp32"] < 0.5 * initial, "the fp32 baseline itself must learn"
+        assert abs(res["thc"] - res["fp32"]) < 0.1, res
+        assert res["in_sync"], "ranks must hold identical parameters"
+        s = res["stats"]
+        assert s["compressed_calls"] > 0 and s["dense_calls"] > 0 and s["ratio"] > 2
+
+
+def test_no_sync_steps_skip_the_hook(world2):
+    one, two = world2[0]["default"]["stats"], world2[0]["no_sync"]["stats"]
+    calls = lambda s: s["compressed_calls"] + s["dense_calls"]
+    assert calls(one) == calls(two) == STEPS  # one bucket, one call per optimizer step
+
+
+def test_small_buckets_make_several_calls_per_step(world2):
+    assert world2[0]["many_buckets"]["stats"]["compressed_calls"] >= 2 * (STEPS - 2)
+
+
+def test_plain_allreduce_before_start_iter(world2):
+    assert world2[0]["default"]["stats"]["dense_calls"] == 2  # start_iter = 2, one bucket
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_ddp_other_world_sizes(world):
+    for r in run_world(_case_worker, world, ["default"], timeout=300):
+        assert abs(r["default"]["thc"] - r["default"]["fp32"]) < 0.1 and r["default"]["in_sync"]
+
+
+def _checkpoint_worker(rank, world):
+    state = hhook.THCState(bits=4, error_feedback=True)
+    _, model = _train(rank, "default", state, steps=10)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "hook": state}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    loaded = saved["hook"]
+    restored = loaded.iter == state.iter and set(loaded.residuals) == set(state.residuals)
+    loss, _ = _train(rank, "default", loaded, model_state=saved["model"], steps=10)
+    return restored, loss, loaded.stats()["compressed_calls"]
+
+
+def test_hook_state_checkpoint_round_trip():
+    for restored, loss, calls in run_world(_checkpoint_worker, 2):
+        assert restored and loss < 0.7 and calls == 18  # 8 + 10 compressed iterations
+
+
+def _register_worker(rank, world):
+    ddp = DDP(Net())
+    state = hhook.register(ddp, bits=3, start_iter=0)
+    ddp(torch.randn(8, 32)).sum().backward()
+    return state.bits, state.stats()["compressed_calls"]
+
+
+def test_register_is_the_one_call_form():
+    assert run_world(_register_worker, 2) == [(3, 1), (3, 1)]
