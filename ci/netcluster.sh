@@ -9,55 +9,83 @@
 # per-port bandwidth (default 1 Gbit/s full duplex, 1500 MTU).
 #
 # Topology (all of it lives in namespaces this script creates; nothing is
-# added to the root namespace, so no traffic can leave the box):
+# added to the root namespace and no namespace has a default route, so no
+# traffic can leave the box):
 #
 #   netns hhnet:  bridge hhbr0 -- hhv0 ... hhv{N-1}   (the "switch")
-#   netns hhI:    eth0 = 10.77.0.(I+1)/24 (peer of hhvI), lo up
+#   netns hhI:    eth0 = 10.77.0.(I+1)/24 (peer of hhvI), lo up, IPv6 off
 #
 #   tbf on hhI/eth0   shapes what rank I sends      (NIC TX)
 #   tbf on hhnet/hhvI shapes what rank I receives   (NIC RX / switch port)
 # so each rank has RATE in each direction, like a real switched port, and an
 # N-to-1 incast is bottlenecked at the receiver's port as on real hardware.
+# Outside the namespaces only /etc/netns/hhI/hosts is written ("ip netns
+# exec" mounts it over /etc/hosts so the names hh0..hh{N-1} resolve); down
+# removes it. The helpers (exec/launch/mpirun/rsh) also give each rank its own
+# hostname hhI through a private UTS namespace.
 #
-# Requires root (CAP_NET_ADMIN + CAP_SYS_ADMIN), iproute2 (ip, tc), python3.
+# Requires root (CAP_NET_ADMIN + CAP_SYS_ADMIN), iproute2 (ip, tc, bridge),
+# util-linux (unshare), python3; Open MPI + mpi4py for the MPI recipe.
 #
 # Usage:
-#   ci/netcluster.sh up N [RATE]     # RATE is a tc rate, default 1gbit; "none" = unshaped
+#   ci/netcluster.sh up N [RATE]     # RATE is a tc rate, default 1gbit; "none" = unshaped.
+#                                    # An existing cluster is torn down first.
 #   ci/netcluster.sh down            # idempotent, never fails
 #   ci/netcluster.sh exec I CMD...   # run CMD inside namespace hhI
 #   ci/netcluster.sh hosts [N]       # one address per line (MPI hostfile material)
 #   ci/netcluster.sh measure [MB] [--duplex]   # TCP throughput hh0 -> hh1, prints MB/s
-#   ci/netcluster.sh launch N CMD... # torchrun-like: CMD in hh0..hh{N-1} with RANK etc.
+#   ci/netcluster.sh launch N CMD... # torchrun-like: CMD in hh0..hh{N-1} with RANK etc.;
+#                                    # non-zero if any rank fails (the rest are stopped)
 #   ci/netcluster.sh mpirun N CMD... # Open MPI job, one rank per namespace
 #   ci/netcluster.sh rsh HOST CMD... # (internal) Open MPI's plm_rsh_agent
 #
-# Recipe 1 -- torch.distributed / gloo, 4 ranks:
+# Recipe 1 -- torch.distributed / gloo, 4 ranks (init_process_group("gloo"),
+# default env:// init):
 #   ci/netcluster.sh up 4 1gbit
 #   ci/netcluster.sh launch 4 python /tmp/gloo_ar.py
-# which for each I in 0..3 is equivalent to
-#   ip netns exec hhI env RANK=I WORLD_SIZE=4 LOCAL_RANK=0 MASTER_ADDR=10.77.0.1 \
-#       MASTER_PORT=29500 GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 python /tmp/gloo_ar.py &
-#   wait
-# (init_process_group("gloo") with the default env:// init method.)
+# which, apart from the per-rank hostname, is the same as
+#   for I in 0 1 2 3; do
+#     ip netns exec hh$I env RANK=$I WORLD_SIZE=4 LOCAL_RANK=0 \
+#       MASTER_ADDR=10.77.0.1 MASTER_PORT=29500 GLOO_SOCKET_IFNAME=eth0 \
+#       OMP_NUM_THREADS=1 python /tmp/gloo_ar.py &
+#   done; wait
+# c10d logs "The hostname of the client socket cannot be retrieved. err=-3"
+# once per rank: its store sees peers as ::ffff:10.77.0.x, which has no
+# reverse entry and no DNS is reachable. Harmless.
 #
 # Recipe 2 -- Open MPI + mpi4py, 4 ranks:
 #   ci/netcluster.sh up 4 1gbit
 #   ci/netcluster.sh mpirun 4 python /tmp/mpi_ar.py
-# which runs, inside hh0 (mpirun must live inside the emulated network: the
-# orted daemons in the other namespaces have to connect back to it and the
-# root namespace is deliberately unreachable from them):
+# which is the same as (except that by hand mpirun and rank 0 keep the
+# machine's hostname)
+#   ci/netcluster.sh hosts 4 | sed 's/$/ slots=1/' >/tmp/hh.hosts
 #   ip netns exec hh0 mpirun --allow-run-as-root --oversubscribe -np 4 \
-#       --hostfile HF --mca plm_rsh_agent "ci/netcluster.sh rsh" \
+#       --hostfile /tmp/hh.hosts --map-by node \
+#       --mca plm_rsh_agent "$PWD/ci/netcluster.sh rsh" \
 #       --mca btl tcp,self --mca btl_tcp_if_include eth0 \
-#       --mca oob_tcp_if_include eth0 python /tmp/mpi_ar.py
-# with HF = "10.77.0.1 slots=1" ... "10.77.0.4 slots=1". There is no sshd
-# between namespaces, so the rsh agent is this script: Open MPI calls it as
-# "rsh <host-address> <orted command...>" and we map the address back to its
-# namespace and run the command there with ssh-like "sh -c" semantics.
+#       --mca oob_tcp_if_include eth0 --mca mpi_yield_when_idle 1 \
+#       python /tmp/mpi_ar.py
+# mpirun has to run inside the emulated network (here in hh0): the orted
+# daemons in the other namespaces connect back to it, and the root namespace
+# is deliberately unreachable from them. There is no sshd between namespaces,
+# so the rsh agent is this script: Open MPI calls it like ssh, as
+# "rsh <host-address> <orted command words...>", and it maps the address back
+# to its namespace and runs the words there through "sh -c", as sshd would.
+# Extra mpirun options go in HH_MPIRUN_ARGS, e.g. the ring allreduce:
+#   HH_MPIRUN_ARGS="--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm 4"
 #
-# Environment knobs: HH_SUBNET (default 10.77.0), HH_BURST (tbf burst, default
-# max(256kb, 2 ms at RATE)), HH_LATENCY (tbf queue bound, default 20ms),
-# HH_MTU (default 1500), PYTHON (default python3), MASTER_PORT (default 29500).
+# Measured on a 2-core VM at 1gbit (25 MB = 6.25M fp32, median of 5):
+#   measure: 119-120 MB/s each way, also with --duplex (theory: 125 MB/s
+#            x 1448/1514 TCP payload per frame = 119.6 MB/s)
+#   gloo all_reduce, 4 ranks: ~316 ms (ring theory 2*3/4*25 MB/119.6 MB/s = 314 ms)
+#   Open MPI Allreduce, 4 ranks: ~520-620 ms with Open MPI 4.1's default
+#            algorithm choice, ~345 ms with the ring (algorithm 4).
+#
+# Environment knobs: HH_SUBNET (default 10.77.0), HH_BURST (tbf burst bytes,
+# default max(256 KiB, 2 ms at RATE)), HH_LATENCY (tbf queue bound, default
+# 20ms), HH_MTU (default 1500), PYTHON (default python3), MASTER_PORT
+# (default 29500), OMP_NUM_THREADS (default 1), HH_MPI_YIELD (default 1),
+# HH_MPIRUN_ARGS.
 
 set -euo pipefail
 
@@ -115,6 +143,7 @@ rate_bytes_per_s() {
 # leaves $! = the rank process itself (every stage execs), which launch
 # needs in order to stop the ranks.
 ns_argv() {  # ns_argv I  -> sets NS_ARGV
+    # shellcheck disable=SC2016  # $0/$@ belong to the inner sh
     NS_ARGV=(ip netns exec "hh$1" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "hh$1")
 }
 
@@ -125,18 +154,19 @@ shape() {  # shape NS DEV RATE BURST
 
 cmd_down() {
     set +e
-    local ns pids
+    local ns
+    local -a pids
     for ns in $(existing_ranks | sed 's/^/hh/') $BRNS; do
         ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$ns" || continue
         # A namespace outlives "ip netns del" while processes still run in it
         # (leftover ranks/orteds of a crashed job). Those can only be ours.
-        pids=$(ip netns pids "$ns" 2>/dev/null)
-        if [[ -n $pids ]]; then
-            log "stopping leftover processes in $ns: $pids"
-            kill -TERM $pids 2>/dev/null
+        mapfile -t pids < <(ip netns pids "$ns" 2>/dev/null)
+        if (( ${#pids[@]} )); then
+            log "stopping leftover processes in $ns: ${pids[*]}"
+            kill -TERM "${pids[@]}" 2>/dev/null
             sleep 1
-            pids=$(ip netns pids "$ns" 2>/dev/null)
-            [[ -n $pids ]] && kill -KILL $pids 2>/dev/null
+            mapfile -t pids < <(ip netns pids "$ns" 2>/dev/null)
+            (( ${#pids[@]} )) && kill -KILL "${pids[@]}" 2>/dev/null
         fi
         # Deleting the namespace destroys its veth end, and with it the peer
         # (and, for hhnet, the bridge).
@@ -153,7 +183,9 @@ cmd_down() {
 
 cmd_up() {
     local n=${1:-} rate=${2:-1gbit} i bps burst
-    [[ $n =~ ^[0-9]+$ ]] && (( n >= 1 && n <= 250 )) || die "usage: up N [RATE] (1 <= N <= 250)"
+    if ! [[ $n =~ ^[0-9]+$ ]] || (( n < 1 || n > 250 )); then
+        die "usage: up N [RATE] (1 <= N <= 250)"
+    fi
     [[ $(id -u) == 0 ]] || die "must run as root (needs CAP_NET_ADMIN/CAP_SYS_ADMIN)"
     if [[ -n $(existing_ranks) ]] || ip netns list | awk '{print $1}' | grep -qx "$BRNS"; then
         log "existing cluster found; tearing it down first"
@@ -163,14 +195,16 @@ cmd_up() {
         bps=$(rate_bytes_per_s "$rate") || die "cannot parse RATE '$rate' (use e.g. 100mbit, 1gbit, 10gbit)"
         burst=${HH_BURST:-$(( bps / 500 > 262144 ? bps / 500 : 262144 ))}
     fi
-    # On any failure half-way, leave nothing behind.
-    trap 'log "up failed; cleaning up"; cmd_down' ERR
+    # On any failure half-way (set -e may exit from inside a helper, where an
+    # ERR trap would not fire), leave nothing behind.
+    UP_DONE=0
+    trap '(( UP_DONE )) || { log "up failed; cleaning up"; cmd_down; }' EXIT
 
     ip netns add "$BRNS"
     ip -n "$BRNS" link set lo up
     ip -n "$BRNS" link add "$BR" type bridge
-    # The emulated switch must forward immediately: no STP listening delay,
-    # and no MAC ageing surprises during long runs.
+    # The emulated switch must forward as soon as a port is up: no STP
+    # listening/learning delay.
     ip -n "$BRNS" link set "$BR" type bridge stp_state 0 forward_delay 0
     ip -n "$BRNS" link set "$BR" up
 
@@ -194,12 +228,18 @@ cmd_up() {
             shape "$BRNS" "$port" "$rate" "$burst"    # switch -> rank
         fi
     done
-    local hosts; hosts=$(printf '127.0.0.1\tlocalhost\n'; for (( i = 0; i < n; i++ )); do printf '%s\thh%d\n' "$(addr_of "$i")" "$i"; done)
+    # Keep the machine's own entries: "ip netns exec" without our hostname
+    # switch still reports the root hostname, which must keep resolving.
+    local hosts
+    hosts=$(cat /etc/hosts 2>/dev/null || printf '127.0.0.1\tlocalhost\n'
+            echo "# netcluster.sh ranks"
+            for (( i = 0; i < n; i++ )); do printf '%s\thh%d\n' "$(addr_of "$i")" "$i"; done)
     for (( i = 0; i < n; i++ )); do
         mkdir -p "/etc/netns/hh$i"
         echo "$hosts" >"/etc/netns/hh$i/hosts"
     done
-    trap - ERR
+    # shellcheck disable=SC2034  # read by the EXIT trap
+    UP_DONE=1
 
     # With STP off the ports forward as soon as they are up, but confirm it so
     # callers can start jobs immediately (no ping dependency).
@@ -295,7 +335,7 @@ launch_reaped() {  # launch_reaped PID RC  (uses cmd_launch's rank_of/fail)
     if (( $2 != 0 && ! fail )); then
         log "rank $i exited with status $2; stopping the other ranks"
         fail=$2
-        (( ${#rank_of[@]} > 0 )) && kill -TERM "${!rank_of[@]}" 2>/dev/null || true
+        if (( ${#rank_of[@]} > 0 )); then kill -TERM "${!rank_of[@]}" 2>/dev/null || true; fi
     fi
     return 0
 }
@@ -303,7 +343,7 @@ launch_reaped() {  # launch_reaped PID RC  (uses cmd_launch's rank_of/fail)
 cmd_launch() {
     local n=${1:-} i rc=0 pid fail=0
     shift || true
-    [[ $n =~ ^[0-9]+$ ]] && (( n >= 1 )) && (( $# > 0 )) || die "usage: launch N CMD..."
+    if ! [[ $n =~ ^[0-9]+$ ]] || (( n < 1 || $# == 0 )); then die "usage: launch N CMD..."; fi
     for (( i = 0; i < n; i++ )); do need_rank "$i"; done
     local -A rank_of=()
     # Async children of a non-interactive shell ignore SIGINT, so Ctrl-C (or
@@ -342,28 +382,31 @@ cmd_launch() {
 }
 
 cmd_mpirun() {
-    local n=${1:-} i hf
+    local n=${1:-} i
     shift || true
-    [[ $n =~ ^[0-9]+$ ]] && (( n >= 1 )) && (( $# > 0 )) || die "usage: mpirun N CMD..."
+    if ! [[ $n =~ ^[0-9]+$ ]] || (( n < 1 || $# == 0 )); then die "usage: mpirun N CMD..."; fi
     for (( i = 0; i < n; i++ )); do need_rank "$i"; done
-    hf=$(mktemp /tmp/hh-hostfile.XXXXXX)
-    for (( i = 0; i < n; i++ )); do echo "$(addr_of "$i") slots=1"; done >"$hf"
+    HOSTFILE=$(mktemp /tmp/hh-hostfile.XXXXXX)   # global: the EXIT trap outlives this function
+    trap 'rm -f "$HOSTFILE"' EXIT
+    for (( i = 0; i < n; i++ )); do echo "$(addr_of "$i") slots=1"; done >"$HOSTFILE"
     # Each "node" has one slot, so Open MPI believes nothing is oversubscribed
     # and busy-polls; here all ranks share a few cores, so spinning ranks
     # would steal CPU from the ones doing reductions -- an artifact a real
     # cluster does not have. Hence yield_when_idle (HH_MPI_YIELD=0 to disable).
+    # The agent string is split on spaces by Open MPI, hence no spaces in $SELF.
+    # It runs as mpirun's child, so the orteds (and ranks) inherit this
+    # environment (PATH, venv/pyenv, PYTHONPATH) unlike with real ssh.
     local rc=0
-    # shellcheck disable=SC2086  # HH_MPIRUN_ARGS is intentionally word-split
     ns_argv 0
+    # shellcheck disable=SC2086  # HH_MPIRUN_ARGS is intentionally word-split
     "${NS_ARGV[@]}" mpirun --allow-run-as-root --oversubscribe -np "$n" \
-        --hostfile "$hf" --map-by node \
+        --hostfile "$HOSTFILE" --map-by node \
         --mca plm_rsh_agent "$SELF rsh" \
         --mca btl tcp,self --mca btl_tcp_if_include "$IFACE" \
         --mca oob_tcp_if_include "$IFACE" \
         --mca mpi_yield_when_idle "${HH_MPI_YIELD:-1}" \
         -x OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
         ${HH_MPIRUN_ARGS:-} "$@" || rc=$?
-    rm -f "$hf"
     return "$rc"
 }
 
