@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from . import lanes, quantization, rng, rotation
+from . import cuda_kernels, lanes, quantization, rng, rotation
 
 #: Bumped whenever the bits on the wire change meaning; part of the fingerprint.
 CODEC_VERSION = 1
@@ -135,6 +135,9 @@ class THCCodec:
             raise TypeError(f"hhook compresses float32, float16 and bfloat16 tensors, not {x.dtype}")
         numel = x.numel()
         block = self.block_for(numel)
+        # On GPUs, fused kernels compute the same stage (hhook.cuda_kernels).
+        if x.is_cuda and cuda_kernels.available() and cuda_kernels.supports(block):
+            return cuda_kernels.prepare(self, x, residual)
         n_blocks = self.n_blocks(numel)
         flat = x.reshape(-1).to(torch.float32)
         if n_blocks * block != numel:
@@ -176,6 +179,9 @@ class THCCodec:
         if agreed[0].item() > 0:
             prepared.nonfinite = True
             return None
+        # On GPUs, fused kernels compute the same stage (hhook.cuda_kernels).
+        if prepared.blocks.is_cuda and cuda_kernels.available():
+            return cuda_kernels.quantize(self, prepared, agreed, key, residual)
         blocks = prepared.blocks
         codes = lanes.code_buffer(blocks.numel(), self.layout, blocks.device)
         quantization.quantize_into(codes, blocks, agreed[HEADER:], self.levels, key, residual)
@@ -187,6 +193,9 @@ class THCCodec:
         if prepared.nonfinite or words is None:
             return out.fill_(float("nan"))
         n_blocks, block = prepared.blocks.shape
+        # On GPUs, fused kernels compute the same stage (hhook.cuda_kernels).
+        if words.is_cuda and cuda_kernels.available() and cuda_kernels.supports(block):
+            return cuda_kernels.decode(self, prepared, agreed, words, out)
         sums = lanes.unpack(words, self.layout, n_blocks * block).view(n_blocks, block)
         mean = quantization.dequantize(sums, agreed[HEADER:], self.levels, self.world_size)
         flat = rotation.unrotate(mean, self.seed).view(-1)[: prepared.numel]

@@ -24,16 +24,21 @@ from . import rng
 CHUNK = 1 << 16
 
 
+# Divisions below go through tensors: torch on CUDA computes ``tensor / python_float``
+# as a multiply by the reciprocal, which can differ by an ulp from the true division
+# that the CPU and the CUDA kernels perform.
+
+
 def inverse_steps(scales: torch.Tensor, levels: int) -> torch.Tensor:
-    """``(L - 1) / (2 M)`` per block, 0 for all-zero blocks (every code is then 0)."""
-    doubled = scales * 2.0
-    inv = torch.full_like(scales, float(levels - 1)).div_(doubled)
-    return inv.masked_fill_(scales == 0, 0.0)
+    """``(L - 1) / (2 M)`` per block; 0 where that is not finite (M == 0, or M so small
+    that the quotient overflows), which makes every code of the block 0."""
+    inv = torch.full_like(scales, float(levels - 1)).div_(scales * 2.0)
+    return inv.masked_fill_(~torch.isfinite(inv), 0.0)
 
 
 def steps(scales: torch.Tensor, levels: int) -> torch.Tensor:
     """Quantization step ``2 M / (L - 1)`` per block."""
-    return scales * 2.0 / float(levels - 1)
+    return (scales * 2.0).div_(torch.full_like(scales, float(levels - 1)))
 
 
 def quantize_into(
@@ -69,5 +74,5 @@ def quantize_into(
 
 def dequantize(sums: torch.Tensor, scales: torch.Tensor, levels: int, world_size: int) -> torch.Tensor:
     """Mean of the rotated blocks from the lane sums ``S`` (float32 ``(n_blocks, B)``), in place."""
-    scale = steps(scales, levels).div_(float(world_size))
+    scale = steps(scales, levels).div_(torch.full_like(scales, float(world_size)))
     return sums.mul_(scale[:, None]).sub_(scales[:, None])

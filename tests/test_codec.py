@@ -198,3 +198,10 @@ def test_unsupported_inputs_are_rejected():
             THCCodec(bits=bad)
     with pytest.raises(ValueError, match="seed"):
         THCCodec(seed=-1)
+
+
+def test_vanishing_scale_gives_zero_codes_not_garbage():
+    codes = torch.full((8,), -1, dtype=torch.int32)
+    blocks = torch.full((2, 4), 1e-39)
+    quantization.quantize_into(codes, blocks, torch.tensor([1e-39, 0.0]), 16, 3)
+    assert codes.tolist() == [0] * 8
