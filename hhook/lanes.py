@@ -69,12 +69,14 @@ def choose_layout(world_size: int, levels: int) -> LaneLayout:
 
 
 def code_buffer(count: int, layout: LaneLayout, device=None) -> torch.Tensor:
-    """A zeroed buffer of ``lanes * n_words`` codes in the word dtype, ready for :func:`pack`.
+    """A buffer of ``lanes * n_words`` codes in the word dtype, ready for :func:`pack`.
 
-    Quantizers write the first ``count`` codes into it; the zero padding packs to
-    lanes that decode to nothing.
+    Quantizers write the first ``count`` codes into it; the padding after them is zero
+    and packs to lanes that decode to nothing.
     """
-    return torch.zeros(layout.lanes * layout.n_words(count), dtype=layout.word_dtype, device=device)
+    codes = torch.empty(layout.lanes * layout.n_words(count), dtype=layout.word_dtype, device=device)
+    codes[count:] = 0
+    return codes
 
 
 def pack(codes: torch.Tensor, layout: LaneLayout) -> torch.Tensor:

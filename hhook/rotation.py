@@ -52,18 +52,22 @@ def signs(seed: int, block_size: int, device: torch.device) -> torch.Tensor:
     return (1.0 - 2.0 * bits.to(torch.float32)).to(device)
 
 
-def _hadamard(blocks: torch.Tensor) -> torch.Tensor:
+def _hadamard(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     n_blocks, block_size = blocks.shape
     left, right = _factors(block_size, blocks.device)
-    x = blocks.reshape(n_blocks, left.shape[0], right.shape[0])
-    return torch.matmul(torch.matmul(left, x), right).reshape(n_blocks, block_size)
+    shape = (n_blocks, left.shape[0], right.shape[0])
+    x = torch.matmul(left, blocks.reshape(shape))
+    if out is None:
+        return torch.matmul(x, right).reshape(n_blocks, block_size)
+    torch.matmul(x, right, out=out.view(shape))
+    return out
 
 
-def rotate(blocks: torch.Tensor, seed: int) -> torch.Tensor:
+def rotate(blocks: torch.Tensor, seed: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``H D x / sqrt(B)`` for each row of a float32 ``(n_blocks, B)`` tensor."""
-    return _hadamard(blocks * signs(seed, blocks.shape[1], blocks.device))
+    return _hadamard(blocks * signs(seed, blocks.shape[1], blocks.device), out)
 
 
-def unrotate(blocks: torch.Tensor, seed: int) -> torch.Tensor:
+def unrotate(blocks: torch.Tensor, seed: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`rotate`: ``D H y / sqrt(B)`` for each row."""
-    return _hadamard(blocks).mul_(signs(seed, blocks.shape[1], blocks.device))
+    return _hadamard(blocks, out).mul_(signs(seed, blocks.shape[1], blocks.device))

@@ -11,10 +11,14 @@ from hhook.codec import ConfigMismatchError, THCCodec
 
 
 # -- counter-based RNG ---------------------------------------------------------
-def test_tensor_hash_matches_scalar_hash():
+@pytest.mark.parametrize("count", [1, 7, 64, 1001])  # vectorized loops and their scalar tails
+@pytest.mark.parametrize("start", [0, 2**31 - 5, 2**32 - 3])  # across the int32 sign and wrap
+def test_tensor_hash_matches_exact_scalar_hash(count, start):
     key = rng.stream_key(7, 3, 11)
-    got = rng.hash_range(key, 1000, 64)
-    assert got.tolist() == [rng.mix32(1000 + i + key) for i in range(64)]
+    got = (rng.hash_range(key, start, count).long() & rng.MASK32).tolist()
+    assert got == [rng.mix32(start + i + key) for i in range(count)]
+    u = rng.uniform(key, start, count)
+    assert u.tolist() == [(rng.mix32(start + i + key) >> 8) * 2.0**-24 for i in range(count)]
 
 
 def test_uniform_is_chunk_invariant_and_in_range():
