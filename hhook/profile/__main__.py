@@ -1,0 +1,7 @@
+"""``python -m hhook.profile``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,307 @@
+"""hhook-profile: runs under mpirun, writes valid JSON, fits and models match hand values,
+and bad arguments end every rank with a clear message."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from hhook.codec import THCCodec
+from hhook.profile import cli, models
+from hhook.profile.link import fit_alpha_beta, ring_rounds
+from hhook.profile.units import iterations, parse_rate, parse_size, sweep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REQUIRED = ("op", "method", "bytes", "time_us", "algbw_GBps", "busbw_GBps", "wire_bytes", "ratio", "codec_us", "vnmse")
+
+MPIRUN = shutil.which("mpirun")
+HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
+needs_mpi = pytest.mark.skipif(
+    MPIRUN is None or not HAVE_MPI4PY,
+    reason="needs Open MPI's mpirun and mpi4py (apt install openmpi-bin libopenmpi-dev; pip install mpi4py)",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    # Ranks share two cores: yield instead of busy-polling while waiting.
+    env["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    env.update(extra)
+    return env
+
+
+def mpirun(np_: int, *args: str, timeout: float = 90, **env) -> subprocess.CompletedProcess:
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(np_),
+           sys.executable, "-m", "hhook.profile", *args]
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"hhook-profile hung (> {timeout}s): {' '.join(cmd)}\n{e.stdout}\n{e.stderr}")
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def _load(path) -> dict:
+    with open(path) as f:
+        doc = json.load(f)
+    assert set(doc) == {"meta", "results"}
+    assert doc["results"], "no results"
+    for r in doc["results"]:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, f"result lacks {missing}: {r}"
+    return doc
+
+
+# -- under mpirun ---------------------------------------------------------------
+@needs_mpi
+@pytest.mark.parametrize("np_", [2, 4])
+def test_allreduce_writes_json_and_fp32_is_exact(np_, tmp_path):
+    out, png = tmp_path / "ar.json", tmp_path / "ar.png"
+    methods = "fp32,thc,fp16,zlib" if np_ == 2 else "fp32,thc"
+    proc = mpirun(np_, "allreduce", "--sizes", "4K,64K", "-n", "2", "-w", "1", "--threads", "1",
+                  "--methods", methods, "--json", str(out), "--plot", str(png))
+    _ok(proc)
+    assert "Out of bounds values : 0 OK" in proc.stdout
+    assert f"{np_} ranks on" in proc.stdout and "Open MPI" in proc.stdout
+    doc = _load(out)
+    meta = doc["meta"]
+    assert meta["world_size"] == np_ and meta["backend"] == "mpi" and len(meta["hosts"]) == np_
+    rows = doc["results"]
+    assert {r["method"] for r in rows} == set(methods.split(","))
+    assert {r["bytes"] for r in rows} == {4096, 65536}
+    for r in rows:
+        assert r["op"] == "allreduce" and r["time_us"] > 0
+        assert r["time_us_min"] <= r["time_us"] <= r["time_us_max"]
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * (np_ - 1) / np_)
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_us"] / 1e3)
+        assert r["time_us"] == pytest.approx(r["codec_us"] + r["wire_us"], rel=1e-6)
+        assert r["ratio"] == pytest.approx(r["bytes"] / r["wire_bytes"])
+        if r["method"] == "fp32":
+            assert r["wrong"] == 0 and r["vnmse"] < 1e-12 and r["codec_us"] == 0
+        if r["method"] == "thc":
+            codec = THCCodec(4, 1024, 0, np_)
+            assert r["wire_bytes"] == codec.wire_bytes(r["bytes"] // 4)
+            assert 0 < r["vnmse"] < 0.05  # 4 bits, rotation and per-block scales
+            assert r["speedup_wire"] > 0 and r["speedup_total"] > 0
+        if r["method"] == "fp16":
+            assert r["ratio"] == 2.0 and r["vnmse"] < 1e-6
+        if r["method"] == "zlib":
+            assert r["vnmse"] < 1e-12  # lossless; only the float32 summation rounds
+    assert png.stat().st_size > 10_000
+
+
+@needs_mpi
+@pytest.mark.parametrize("np_", [2, 4])
+def test_link_writes_json_with_fit(np_, tmp_path):
+    out = tmp_path / "link.json"
+    proc = mpirun(np_, "link", "-b", "1", "-e", "64K", "-f", "4", "-n", "5", "-w", "2", "--json", str(out))
+    _ok(proc)
+    assert "Fit t(S) = alpha + S / beta" in proc.stdout
+    doc = _load(out)
+    rows = doc["results"]
+    assert [r["bytes"] for r in rows] == sweep(1, 64 << 10, 4)
+    pairs = 1 if np_ == 2 else np_
+    for r in rows:
+        assert r["op"] == "pingpong" and len(r["pairs"]) == pairs
+        assert r["time_us_min"] <= r["time_us"] <= r["time_us_max"]
+    fit = doc["meta"]["fit"]
+    assert set(fit) >= {"alpha_us", "beta_GBps", "r2", "points"} and fit["points"] == len(rows)
+
+
+@needs_mpi
+def test_gloo_backend_through_torch_distributed(tmp_path):
+    out = tmp_path / "gloo.json"
+    proc = mpirun(2, "allreduce", "--backend", "gloo", "--sizes", "16K", "-n", "2", "-w", "1", "--threads", "1",
+                  "--methods", "fp32,thc,fp16", "--json", str(out),
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), GLOO_SOCKET_IFNAME="lo")
+    _ok(proc)
+    doc = _load(out)
+    assert doc["meta"]["backend"] == "gloo"
+    fp32 = next(r for r in doc["results"] if r["method"] == "fp32")
+    assert fp32["wrong"] == 0
+
+
+@needs_mpi
+@pytest.mark.parametrize(
+    "np_,args,message",
+    [
+        (2, ["allreduce", "--methods", "fp32,bogus"], "unknown method 'bogus'"),
+        (2, ["allreduce", "--sizes", "0"], "sizes must be positive"),
+        (1, ["link"], "link needs at least 2 ranks"),
+    ],
+)
+def test_bad_arguments_end_every_rank_with_a_message(np_, args, message):
+    proc = mpirun(np_, *args, timeout=60)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert proc.stderr.count("hhook-profile: error:") == 1  # rank 0 speaks for all
+    assert "Traceback" not in proc.stderr
+
+
+# -- in process: arguments, fit, models, units -------------------------------------
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["allreduce", "--methods", "fp32,foo"], "unknown method 'foo'"),
+        (["allreduce", "--methods", "thc:9"], "THC bits must be in 1..8"),
+        (["allreduce", "--sizes", "0"], "sizes must be positive"),
+        (["allreduce", "--sizes", "10"], "not a whole number of float32 elements"),
+        (["allreduce", "--sizes", "4Q"], "unknown size unit"),
+        (["allreduce", "-b", "1M", "-e", "4K"], "smaller than"),
+        (["allreduce", "--bits", "0"], "bits must be an integer in 1..8"),
+        (["allreduce", "--block-size", "1000"], "power of two"),
+        (["allreduce", "--iters", "0"], "--iters must be at least 1"),
+        (["link"], "link needs at least 2 ranks"),
+        (["link", "--sizes", "0"], "sizes must be positive"),
+        (["model", "--workers", "0,4"], "--workers must list integers >= 1"),
+        (["model", "--compute-ms", "-1"], "--compute-ms must be positive"),
+        (["model", "--codec-ms", "foo=3"], "no method 'foo'"),
+        (["model", "--link-json", "/nonexistent.json"], "cannot use /nonexistent.json"),
+        (["model", "--beta", "fast"], "cannot read rate"),
+        (["model", "--plot", "/tmp/x.jpg"], "must end in .png"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_bad_arguments_in_process(args, message, capsys, monkeypatch):
+    for var in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "RANK", "WORLD_SIZE", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    assert cli.main(args) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "hhook-profile: error:" in err and message in err, err
+
+
+def test_other_ranks_stay_silent_on_bad_arguments(capsys, monkeypatch):
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert cli.main(["allreduce", "--methods", "nope"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == ""
+
+
+def test_fit_recovers_alpha_and_beta():
+    alpha, beta = 35e-6, 117e6  # 35 us, ~0.94 Gbit/s
+    sizes = sweep(1, 16 << 20, 2)
+    exact = fit_alpha_beta(sizes, [alpha + s / beta for s in sizes])
+    assert exact.alpha_s == pytest.approx(alpha, rel=1e-9)
+    assert exact.beta_Bps == pytest.approx(beta, rel=1e-9)
+    assert exact.r2 == pytest.approx(1.0)
+    # +-3% deterministic "noise": both parameters within a few percent, R^2 still high.
+    noisy = [(alpha + s / beta) * (1 + 0.03 * math.sin(7 * i)) for i, s in enumerate(sizes)]
+    fit = fit_alpha_beta(sizes, noisy)
+    assert fit.alpha_s == pytest.approx(alpha, rel=0.05)
+    assert fit.beta_Bps == pytest.approx(beta, rel=0.05)
+    assert 0.95 < fit.r2 < 1.0
+    with pytest.raises(ValueError):
+        fit_alpha_beta([8, 8], [1e-5, 1e-5])
+
+
+def test_ring_rounds_cover_every_neighbour_pair_once():
+    assert ring_rounds(2) == [[(0, 1)]]
+    for n in (3, 4, 5, 8):
+        rounds = ring_rounds(n)
+        pairs = [p for r in rounds for p in r]
+        assert sorted(pairs) == sorted((i, (i + 1) % n) for i in range(n))
+        for r in rounds:
+            ranks = [x for p in r for x in p]
+            assert len(ranks) == len(set(ranks))
+        assert len(rounds) <= 3
+
+
+def test_ring_model_matches_hand_computation():
+    # 4 workers, 100 MB at 125 MB/s (1 Gbit/s), alpha 50 us.
+    assert models.ring_allreduce_s(4, 100e6, 50e-6, 125e6) == pytest.approx(6 * 50e-6 + 1.5 * 0.8)
+    assert models.ring_allreduce_s(1, 100e6, 50e-6, 125e6) == 0.0
+    assert models.allgather_s(4, 20e6, 50e-6, 125e6) == pytest.approx(3 * (50e-6 + 0.16))
+    thc = models.ModelMethod("thc", 5.0, encode_s=0.05, decode_s=0.02)
+    t, comm, codec = models.ring_update_s(4, 0.2, 100e6, 50e-6, 125e6, thc)
+    assert comm == pytest.approx(6 * 50e-6 + 1.5 * 20e6 / 125e6)
+    assert codec == pytest.approx(0.07)
+    assert t == pytest.approx(0.05 + comm + 0.07)
+    zlib = models.ModelMethod("zlib", 1.07, encode_s=0.3, decode_s=0.4, n_ref=4, collective="allgather")
+    t, comm, codec = models.ring_update_s(8, 0.2, 100e6, 0.0, 125e6, zlib)
+    assert comm == pytest.approx(7 * 100e6 / 1.07 / 125e6)
+    assert codec == pytest.approx(0.3 + 0.4 * 8 / 4)  # decompresses M payloads
+
+
+def test_paper_model_matches_hand_computation():
+    # T = h C / M + rho M W / chi
+    assert models.paper_update_s(8, 0.25, 100e6, 125e6, 0.2, 1.0) == pytest.approx(0.25 / 8 + 0.2 * 8 * 0.8)
+    assert models.paper_update_s(4, 1.0, 233e6, 125e6, 1 / 1.079, 1.5) == pytest.approx(1.5 / 4 + 4 * 233e6 / 1.079 / 125e6)
+    rows = models.predict([models.ModelMethod("fp32", 1.0), models.ModelMethod("thc", 5.0)], [1, 4], 0.1, 125e6, 0.0, 125e6)
+    by = {(r["model"], r["method"], r["workers"]): r for r in rows}
+    assert by[("paper", "fp32", 4)]["time_us"] == pytest.approx((0.025 + 4.0) * 1e6)
+    assert by[("paper", "thc", 4)]["time_us"] == pytest.approx((0.025 + 0.8) * 1e6)
+    assert by[("ring", "fp32", 4)]["time_us"] == pytest.approx((0.025 + 1.5) * 1e6)
+    assert by[("ring", "thc", 4)]["time_us"] == pytest.approx((0.025 + 0.3) * 1e6)
+    assert by[("ring", "thc", 4)]["speedup"] == pytest.approx(0.1 / 0.325)
+    assert by[("ring", "thc", 4)]["speedup_vs_fp32"] == pytest.approx(1.525 / 0.325)
+    assert by[("ring", "fp32", 1)]["speedup"] == pytest.approx(1.0)
+
+
+def test_thc_ratio_follows_the_lane_layout():
+    # 4 ranks, 4 bits: 6-bit lanes, 5 per int32; 1000 blocks of 1024 -> 3 + 1000 float32 scales.
+    W = 4 * 1024 * 1000
+    m = models.ModelMethod("thc", 1.0, bits=4, block_size=1024)
+    assert m.ratio_at(4, W) == pytest.approx(W / (4 * 1003 + 4 * math.ceil(1024000 / 5)))
+    assert m.ratio_at(16, W) < m.ratio_at(4, W)  # wider lanes with more workers
+    assert m.ratio_at(16, W, fixed=True) == 1.0
+
+
+def test_model_cli_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    out, png = tmp_path / "model.json", tmp_path / "model.png"
+    rc = cli.main(["model", "--alpha-us", "0", "--beta", "1gbit", "--ratio", "thc=5", "--compute-ms", "100",
+                   "--model-bytes", "125MB", "--workers", "1,4", "--json", str(out), "--plot", str(png)])
+    assert rc == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    assert "Ring (alpha-beta)" in text and "Paper model" in text
+    doc = _load(out)
+    by = {(r["model"], r["method"], r["workers"]): r for r in doc["results"]}
+    assert by[("ring", "thc", 4)]["time_us"] == pytest.approx(325e3)
+    assert by[("paper", "fp32", 4)]["time_us"] == pytest.approx(4025e3)
+    assert png.stat().st_size > 10_000
+
+
+def test_codec_subcommand_wraps_the_benchmark(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("hhook.benchmark")
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    out = tmp_path / "codec.json"
+    assert cli.main(["codec", "--sizes", "64K", "--bits", "4", "--repeats", "1", "--world-size", "4",
+                     "--json", str(out)]) == 0
+    r = _load(out)["results"][0]
+    assert r["op"] == "codec" and r["bytes"] == 65536
+    assert r["wire_bytes"] == THCCodec(4, 1024, 0, 4).wire_bytes(16384)
+
+
+def test_units():
+    assert parse_size("25MB") == 25_000_000
+    assert parse_size("4K") == parse_size("4KiB") == 4096
+    assert parse_size("1.5MiB") == 1572864
+    assert parse_rate("1gbit") == 125e6 and parse_rate("100mbit") == 12.5e6
+    assert parse_rate("0.5GB/s") == 0.5e9
+    assert sweep(4, 64, 4) == [4, 16, 64]
+    assert iterations(1 << 20, 20, 5, False) == (20, 5)
+    assert iterations(64 << 20, 20, 5, False) == (3, 1)
+    assert iterations(64 << 20, 20, 5, True) == (20, 5)
+    with pytest.raises(ValueError):
+        parse_size("-3")
