@@ -114,12 +114,16 @@ def codec_benchmark(
     return rows
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / MB:g}MB" if nbytes >= MB else f"{nbytes / 1024:g}KB"
+
+
 def format_table(rows: list[dict]) -> str:
     head = f"{'size':>8} {'bits':>4} {'block':>6} {'encode ms':>10} {'decode ms':>10} {'GB/s':>7} {'copy GB/s':>10} {'ratio':>6} {'vNMSE':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['size_bytes'] / MB:>6.0f}MB {r['bits']:>4} {r['block_size']:>6} {r['encode_ms']:>10.1f} "
+            f"{_size(r['size_bytes']):>8} {r['bits']:>4} {r['block_size']:>6} {r['encode_ms']:>10.1f} "
             f"{r['decode_ms']:>10.1f} {r['GBps']:>7.2f} {r['copy_GBps']:>10.2f} {r['wire_ratio']:>6.2f} {r['vnmse']:>9.2e}"
         )
     return "\n".join(lines)

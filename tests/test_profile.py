@@ -76,7 +76,8 @@ def _load(path) -> dict:
 def test_allreduce_writes_json_and_fp32_is_exact(np_, tmp_path):
     out, png = tmp_path / "ar.json", tmp_path / "ar.png"
     methods = "fp32,thc,fp16,zlib" if np_ == 2 else "fp32,thc"
-    proc = mpirun(np_, "allreduce", "--sizes", "4K,64K", "-n", "2", "-w", "1", "--threads", "1",
+    sizes = "4K,64K" if np_ == 2 else "16K"
+    proc = mpirun(np_, "allreduce", "--sizes", sizes, "-n", "2", "-w", "1", "--threads", "1",
                   "--methods", methods, "--json", str(out), "--plot", str(png))
     _ok(proc)
     assert "Out of bounds values : 0 OK" in proc.stdout
@@ -86,7 +87,7 @@ def test_allreduce_writes_json_and_fp32_is_exact(np_, tmp_path):
     assert meta["world_size"] == np_ and meta["backend"] == "mpi" and len(meta["hosts"]) == np_
     rows = doc["results"]
     assert {r["method"] for r in rows} == set(methods.split(","))
-    assert {r["bytes"] for r in rows} == {4096, 65536}
+    assert {r["bytes"] for r in rows} == ({4096, 65536} if np_ == 2 else {16384})
     for r in rows:
         assert r["op"] == "allreduce" and r["time_us"] > 0
         assert r["time_us_min"] <= r["time_us"] <= r["time_us_max"]
@@ -112,12 +113,12 @@ def test_allreduce_writes_json_and_fp32_is_exact(np_, tmp_path):
 @pytest.mark.parametrize("np_", [2, 4])
 def test_link_writes_json_with_fit(np_, tmp_path):
     out = tmp_path / "link.json"
-    proc = mpirun(np_, "link", "-b", "1", "-e", "64K", "-f", "4", "-n", "5", "-w", "2", "--json", str(out))
+    proc = mpirun(np_, "link", "-b", "1", "-e", "16K", "-f", "16", "-n", "3", "-w", "1", "--json", str(out))
     _ok(proc)
     assert "Fit t(S) = alpha + S / beta" in proc.stdout
     doc = _load(out)
     rows = doc["results"]
-    assert [r["bytes"] for r in rows] == sweep(1, 64 << 10, 4)
+    assert [r["bytes"] for r in rows] == [1, 16, 256, 4096]
     pairs = 1 if np_ == 2 else np_
     for r in rows:
         assert r["op"] == "pingpong" and len(r["pairs"]) == pairs
@@ -144,7 +145,6 @@ def test_gloo_backend_through_torch_distributed(tmp_path):
     "np_,args,message",
     [
         (2, ["allreduce", "--methods", "fp32,bogus"], "unknown method 'bogus'"),
-        (2, ["allreduce", "--sizes", "0"], "sizes must be positive"),
         (1, ["link"], "link needs at least 2 ranks"),
     ],
 )

@@ -493,10 +493,15 @@ def _run_model(args, cfg) -> tuple[dict, list[dict]]:
     if args.plot:
         panels = []
         link_doc, ar_doc = cfg["link_doc"], cfg["ar_doc"]
+        fit = None
         if link_doc:
-            panels.append(lambda ax: plot.link_panel(ax, link_doc["results"], link_doc["meta"].get("fit")))
+            from .link import fit_rows
+
+            pings = [r for r in link_doc["results"] if r.get("op") == "pingpong"]
+            # Refit with the current fit (as the model does) rather than trusting the file's.
+            fit = fit_rows(pings).as_dict() if len({r["bytes"] for r in pings}) >= 2 else link_doc["meta"].get("fit")
+            panels.append(lambda ax: plot.link_panel(ax, link_doc["results"], fit))
         if ar_doc:
-            fit = link_doc["meta"].get("fit") if link_doc else None
             panels.append(lambda ax: plot.busbw_panel(ax, ar_doc["results"], fit))
             panels.append(lambda ax: plot.breakdown_panel(ax, ar_doc["results"]))
         panels.append(lambda ax: plot.speedup_panel(ax, rows))
