@@ -17,11 +17,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import digits  # the shared task, beside this script
 import hhook
 
 
@@ -45,14 +44,6 @@ def counting_collective_bytes(counter: dict):
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-
-
-def make_model(hidden: int) -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 10),
-    )
 
 
 def register_hook(ddp: DDP, args):
@@ -84,14 +75,10 @@ def main():
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    x, y = load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=0.25, random_state=0, stratify=y)
-    x_train, x_test = (torch.tensor(a, dtype=torch.float32) for a in (x_train, x_test))
-    y_train, y_test = (torch.tensor(a) for a in (y_train, y_test))
-    shard = torch.arange(rank, len(x_train), world)  # each rank its own slice of the training set
+    x_train, y_train, x_test, y_test, shard = digits.load(rank, world)
 
     torch.manual_seed(0)
-    model = make_model(args.hidden)
+    model = digits.make_model(args.hidden)
     ddp = DDP(model)
     state = register_hook(ddp, args)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
