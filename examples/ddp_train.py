@@ -87,16 +87,12 @@ def main():
     steps, counter = 0, {}
     start = time.perf_counter()
     with counting_collective_bytes(counter):
-        for epoch in range(args.epochs):
-            g = torch.Generator().manual_seed(epoch)
-            order = shard[torch.randperm(len(shard), generator=g)]
-            for i in range(0, len(order) - args.batch_size + 1, args.batch_size):
-                idx = order[i : i + args.batch_size]
-                opt.zero_grad()
-                loss = torch.nn.functional.cross_entropy(ddp(x_train[idx]), y_train[idx])
-                loss.backward()
-                opt.step()
-                steps += 1
+        for idx in digits.batches(shard, args.batch_size, args.epochs):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(ddp(x_train[idx]), y_train[idx])
+            loss.backward()
+            opt.step()
+            steps += 1
     elapsed = time.perf_counter() - start
 
     with torch.no_grad():

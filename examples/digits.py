@@ -21,3 +21,11 @@ def make_model(hidden: int) -> torch.nn.Module:
         torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
         torch.nn.Linear(hidden, 10),
     )
+
+
+def batches(shard: torch.Tensor, batch_size: int, epochs: int):
+    """Index batches of this rank's shard, reshuffled each epoch (same order on every run)."""
+    for epoch in range(epochs):
+        order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(epoch))]
+        for i in range(0, len(order) - batch_size + 1, batch_size):
+            yield order[i : i + batch_size]

@@ -103,40 +103,36 @@ def main():
     steps, counter = 0, {"bytes": 0, "on": True}
     start = time.perf_counter()
     with counting_allreduce_bytes(counter):
-        for epoch in range(args.epochs):
-            g = torch.Generator().manual_seed(epoch)
-            order = shard[torch.randperm(len(shard), generator=g)]
-            for i in range(0, len(order) - args.batch_size + 1, args.batch_size):
-                idx = order[i : i + args.batch_size]
-                opt.zero_grad()
-                loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
-                if not args.report_vnmse:
-                    loss.backward()
+        for idx in digits.batches(shard, args.batch_size, args.epochs):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
+            if not args.report_vnmse:
+                loss.backward()
+                opt.step()
+            else:
+                # autograd.grad fires no Horovod hook: take the raw gradients, hand them
+                # to the optimizer's synchronize() (which compresses and reduces them),
+                # and compare both estimates with the exact mean of the same gradients.
+                raw = torch.autograd.grad(loss, params)
+                for p_, g_ in zip(params, raw):
+                    p_.grad = g_.clone()
+                opt.synchronize()
+                counter["on"] = False
+                err = {"this_run": 0.0, "agreed_max": 0.0}
+                norm = 0.0
+                for k, (name, p_, g_) in enumerate(zip(names, params, raw)):
+                    mean = hvd.allreduce(g_, op=hvd.Average, name=f"vnmse.mean.{name}")
+                    norm += hvd.allreduce(g_.pow(2).sum(), op=hvd.Average, name=f"vnmse.norm.{name}").item()
+                    err["this_run"] += (p_.grad - mean).pow(2).sum().item()
+                    est = agreed_max_mean(g_, reference, name, steps * len(params) + k)
+                    err["agreed_max"] += (est - mean).pow(2).sum().item()
+                if steps > 0:  # step 0 is THC's dense warm-up
+                    for key in err:
+                        vnmse[key].append(err[key] / norm)
+                counter["on"] = True
+                with opt.skip_synchronize():
                     opt.step()
-                else:
-                    # autograd.grad fires no Horovod hook: take the raw gradients, hand them
-                    # to the optimizer's synchronize() (which compresses and reduces them),
-                    # and compare both estimates with the exact mean of the same gradients.
-                    raw = torch.autograd.grad(loss, params)
-                    for p_, g_ in zip(params, raw):
-                        p_.grad = g_.clone()
-                    opt.synchronize()
-                    counter["on"] = False
-                    err = {"this_run": 0.0, "agreed_max": 0.0}
-                    norm = 0.0
-                    for k, (name, p_, g_) in enumerate(zip(names, params, raw)):
-                        mean = hvd.allreduce(g_, op=hvd.Average, name=f"vnmse.mean.{name}")
-                        norm += hvd.allreduce(g_.pow(2).sum(), op=hvd.Average, name=f"vnmse.norm.{name}").item()
-                        err["this_run"] += (p_.grad - mean).pow(2).sum().item()
-                        est = agreed_max_mean(g_, reference, name, steps * len(params) + k)
-                        err["agreed_max"] += (est - mean).pow(2).sum().item()
-                    if steps > 0:  # step 0 is THC's dense warm-up
-                        for key in err:
-                            vnmse[key].append(err[key] / norm)
-                    counter["on"] = True
-                    with opt.skip_synchronize():
-                        opt.step()
-                steps += 1
+            steps += 1
     elapsed = time.perf_counter() - start
 
     with torch.no_grad():

@@ -54,22 +54,20 @@ def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=0) -> torch.f
     state.calls += 1
     # The old residual was consumed by prepare(); quantize() overwrites it with the new one.
     words = codec.quantize(prepared, agreed, stream, residual)
-    dense = 4 * tensor.numel()
-    if words is None:
-        state.count("nonfinite_calls", dense, agreed.nbytes)
-        codec.decode(prepared, agreed, None, target)
-        if target is not tensor:
-            tensor.copy_(target)
-        return _completed(tensor)
-    state.count("compressed_calls", dense, agreed.nbytes + words.nbytes)
 
-    def finish(fut: torch.futures.Future) -> torch.Tensor:
-        codec.decode(prepared, agreed, fut.value()[0], target)
+    def finish(summed: torch.Tensor | None) -> torch.Tensor:
+        codec.decode(prepared, agreed, summed, target)
         if target is not tensor:
             tensor.copy_(target)
         return tensor
 
-    return dist.all_reduce(words, dist.ReduceOp.SUM, group=group, async_op=True).get_future().then(finish)
+    dense = 4 * tensor.numel()
+    if words is None:  # some rank is non-finite: every rank skips the SUM and returns NaN
+        state.count("nonfinite_calls", dense, agreed.nbytes)
+        return _completed(finish(None))
+    state.count("compressed_calls", dense, agreed.nbytes + words.nbytes)
+    fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=group, async_op=True).get_future()
+    return fut.then(lambda f: finish(f.value()[0]))
 
 
 def thc_allreduce(tensor: torch.Tensor, state: THCState, key=0) -> torch.Tensor:

@@ -162,9 +162,13 @@ class THCCodec:
         finite = bool(torch.isfinite(maxima).all())
         if not finite:
             maxima.zero_()
-        f = float(self.fingerprint(numel))
-        scales[:HEADER] = torch.tensor([0.0 if finite else 1.0, f, -f])
+        scales[:HEADER] = self.header(numel, nonfinite=not finite)
         return Prepared(numel, blocks, scales)
+
+    def header(self, numel: int, nonfinite: bool = False, device=None) -> torch.Tensor:
+        """The scale vector's header: ``[non-finite flag, fingerprint, -fingerprint]``."""
+        f = float(self.fingerprint(numel))
+        return torch.tensor([1.0 if nonfinite else 0.0, f, -f], dtype=torch.float32, device=device)
 
     # -- stage 3 ------------------------------------------------------------
     def quantize(

@@ -418,8 +418,7 @@ class THCCompressor:
         prepared = codec.prepare(tensor, residual)
         flag = int(prepared.scales[0].item() > 0)
         scales = state.scales
-        f = float(codec.fingerprint(numel))
-        agreed = torch.cat([torch.tensor([0.0, f, -f], dtype=torch.float32, device=scales.device), scales])
+        agreed = torch.cat([codec.header(numel, device=scales.device), scales])
         codes = None
         if not flag:
             stream = rng.stream_key(self.seed, self._process_set(opt).rank(), next(self._calls))
