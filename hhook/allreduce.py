@@ -46,25 +46,22 @@ def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=0) -> torch.f
 
     n_blocks, block = codec.n_blocks(tensor.numel()), codec.block_for(tensor.numel())
     residual = state.residual(key, (n_blocks, block), tensor.device) if state.error_feedback else None
-    prepared = codec.prepare(target, residual)
+    prepared = codec.prepare(target)
     agreed = prepared.scales
     dist.all_reduce(agreed, dist.ReduceOp.MAX, group=group)
+    codec.verify(agreed, tensor.numel())
 
     stream = rng.stream_key(state.seed, state.rank, state.calls)
     state.calls += 1
-    # The old residual was consumed by prepare(); quantize() overwrites it with the new one.
     words = codec.quantize(prepared, agreed, stream, residual)
 
-    def finish(summed: torch.Tensor | None) -> torch.Tensor:
+    def finish(summed: torch.Tensor) -> torch.Tensor:
         codec.decode(prepared, agreed, summed, target)
         if target is not tensor:
             tensor.copy_(target)
         return tensor
 
     dense = 4 * tensor.numel()
-    if words is None:  # some rank is non-finite: every rank skips the SUM and returns NaN
-        state.count("nonfinite_calls", dense, agreed.nbytes)
-        return _completed(finish(None))
     state.count("compressed_calls", dense, agreed.nbytes + words.nbytes)
     fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=group, async_op=True).get_future()
     return fut.then(lambda f: finish(f.value()[0]))

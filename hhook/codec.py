@@ -4,21 +4,27 @@ The codec does no communication. A transport (:mod:`hhook.allreduce` for
 torch.distributed, the profiler for MPI, :mod:`hhook.horovod`) drives it in three stages
 around two collectives:
 
-1. :meth:`THCCodec.prepare` rotates the tensor, adds its error-feedback residual, and
-   returns a small float32 vector: a header ``[non-finite flag, fingerprint,
-   -fingerprint]`` followed by this rank's max ``|y|`` per block of the rotated tensor
-   (without the residual).
-2. The transport MAX-allreduces that vector. Every rank now holds the same scales;
-   the flag says whether any rank saw inf/NaN, and ``max(f) == -max(-f)`` holds only
-   if every rank has the same fingerprint (configuration and tensor length).
-3. :meth:`THCCodec.quantize` rounds stochastically onto the agreed scales and packs
-   the codes into lanes of integer words (see :mod:`hhook.lanes`).
+1. :meth:`THCCodec.prepare` rotates the tensor and returns a small float32 vector: a
+   header (:data:`HEADER`: non-finite flag, configuration fingerprint, digest of the
+   tensor's bits) followed by this rank's max ``|y|`` per block of the rotated tensor.
+2. The transport MAX-allreduces that vector. Every rank now holds the same scales; the
+   flag says whether any rank saw inf/NaN, and ``max(v) == -max(-v)`` says whether every
+   rank sent the same fingerprint (configuration and length) and the same digest
+   (identical tensors, whose mean is exact without any rounding).
+3. :meth:`THCCodec.quantize` rounds stochastically onto the agreed scales (plus the
+   error-feedback residual) and packs the codes into lanes of integer words
+   (:mod:`hhook.lanes`).
 4. The transport SUM-allreduces the words: every lane adds up without carries.
-5. :meth:`THCCodec.decode` unpacks the lane sums, dequantizes to the mean, rotates
-   back and writes the averaged result into the output in its own dtype.
+5. :meth:`THCCodec.decode` unpacks the lane sums, dequantizes to the mean, rotates back
+   and writes the averaged result into the output in its own dtype.
 
-This pure-torch codec is the specification: every accelerated path keeps these
-signatures and is tested against it.
+No stage reads a device value on the host: the header's verdicts are applied by tensor
+operations (or inside the kernels), so on a GPU nothing stalls the stream. A transport
+that wants an exception for a configuration mismatch calls :meth:`THCCodec.verify` where
+a synchronisation is free or happens anyway; :meth:`~THCCodec.decode` writes NaN in any case.
+
+This pure-torch codec is the specification: every accelerated backend (a module with
+``prepare``, ``quantize`` and ``decode`` of the same signatures) is tested against it.
 """
 
 from __future__ import annotations
@@ -30,8 +36,12 @@ import torch
 from . import cuda_kernels, lanes, quantization, rng, rotation
 
 #: Bumped whenever the bits on the wire change meaning; part of the fingerprint.
-CODEC_VERSION = 1
-HEADER = 3  # non-finite flag, fingerprint, -fingerprint
+CODEC_VERSION = 2
+#: The scale vector's header: ``[non-finite flag, f, -f, d_lo, -d_lo, d_hi, -d_hi]``.
+#: ``f`` is the configuration fingerprint, ``d_lo``/``d_hi`` the two 24-bit halves of a
+#: 48-bit digest of the tensor's bits. After the MAX allreduce, ``max(v) == -max(-v)``
+#: holds exactly when every rank sent the same ``v``.
+HEADER = 7
 _FINGERPRINT_BITS = 24  # integers below 2**24 are exact in float32
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -42,12 +52,43 @@ class ConfigMismatchError(RuntimeError):
 
 @dataclasses.dataclass
 class Prepared:
-    """What stage 1 leaves for stages 3 and 5 of one tensor."""
+    """What stage 1 leaves for stages 3 and 5 of one tensor.
+
+    ``source`` is the input flattened (a view when it was contiguous): quantize and
+    decode read it again, so it must not change until :meth:`THCCodec.decode` returns.
+    ``blocks`` holds the rotated blocks where a backend keeps them (the reference does;
+    fused backends recompute the rotation in quantize instead of storing it).
+    """
 
     numel: int
-    blocks: torch.Tensor  # rotated float32 (n_blocks, B), residual included
+    source: torch.Tensor
     scales: torch.Tensor  # header + local block maxima; the transport MAX-reduces it
-    nonfinite: bool = False  # set by quantize() once the agreed header is known
+    blocks: torch.Tensor | None = None
+    backend: object = None  # the fused module that prepared it; None: this reference
+
+
+def agreed_status(agreed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(nonfinite, mismatch, identical)`` of a MAX-reduced header, as 0-d bool tensors.
+
+    Tensor operations only: no host synchronisation. ``identical``: every rank sent a
+    tensor with the same bits, whose mean is that tensor itself.
+    """
+    h = agreed[:HEADER]
+    nonfinite = h[0] > 0
+    mismatch = h[1] != -h[2]
+    identical = (h[3] == -h[4]) & (h[5] == -h[6])
+    return nonfinite, mismatch, identical
+
+
+def fused_backend(x: torch.Tensor, block: int):
+    """The fused module that computes the codec for tensors like ``x``, or None.
+
+    CUDA tensors go to :mod:`hhook.cuda_kernels` when it works on this machine;
+    ``HHOOK_FORCE_REFERENCE=1`` forces this reference everywhere.
+    """
+    if x.is_cuda and cuda_kernels.available() and cuda_kernels.supports(block):
+        return cuda_kernels
+    return None
 
 
 class THCCodec:
@@ -128,92 +169,130 @@ class THCCodec:
                 f"{self.describe()}. Every rank must build THCState with the same options."
             )
 
+    def verify(self, agreed: torch.Tensor, numel: int) -> None:
+        """Raise :class:`ConfigMismatchError` if the ranks' fingerprints differ.
+
+        Reads the agreed header on the host: a transport calls it where a
+        synchronisation costs nothing (CPU tensors) or happens anyway. Without it,
+        :meth:`decode` still turns a mismatch into NaN, never into a wrong mean.
+        """
+        if bool(agreed_status(agreed)[1]):
+            raise ConfigMismatchError(
+                "hhook: ranks disagree on the codec configuration or on the tensor length "
+                f"(this rank: {self.describe()}, numel={numel})"
+            )
+
     # -- stage 1 ------------------------------------------------------------
-    def prepare(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Prepared:
-        """Rotate ``x`` (any shape, fp32/fp16/bf16) and measure its local block maxima."""
+    def header(self, numel: int, nonfinite=0.0, digest=None, device=None) -> torch.Tensor:
+        """The scale vector's header (see :data:`HEADER`).
+
+        ``nonfinite`` and ``digest`` may be tensors (0-d float and int64), so building it
+        never synchronises. ``digest=None`` means "unknown": the header then never
+        reads as identical, which is what a vector of predicted scales needs.
+        """
+        f = float(self.fingerprint(numel))
+        head = torch.tensor([0.0, f, -f, 0.0, 1.0, 0.0, 1.0], dtype=torch.float32, device=device)
+        head[0] = nonfinite
+        if digest is not None:
+            digest = torch.as_tensor(digest, dtype=torch.int64, device=head.device)
+            halves = torch.stack((digest & 0xFFFFFF, (digest >> 24) & 0xFFFFFF)).to(torch.float32)
+            head[3::2] = halves
+            head[4::2] = -halves
+        return head
+
+    def prepare(self, x: torch.Tensor) -> Prepared:
+        """Stage 1: the scale vector of ``x`` (any shape, fp32/fp16/bf16).
+
+        The header carries the non-finite flag (block maxima are zeroed when it is set),
+        the fingerprint of the configuration and length, and the digest of ``x``'s bits;
+        the rest is this rank's max ``|y|`` per block of the rotated tensor. Nothing here
+        reads a device value on the host.
+        """
         if x.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"hhook compresses float32, float16 and bfloat16 tensors, not {x.dtype}")
         numel = x.numel()
         block = self.block_for(numel)
-        # On GPUs, fused kernels compute the same stage (hhook.cuda_kernels).
-        if x.is_cuda and cuda_kernels.available() and cuda_kernels.supports(block):
-            return cuda_kernels.prepare(self, x, residual)
+        source = x.reshape(-1)
+        backend = fused_backend(x, block)
+        if backend is not None:
+            return backend.prepare(self, source)
         n_blocks = self.n_blocks(numel)
-        flat = x.reshape(-1).to(torch.float32)
+        flat = source.to(torch.float32)
+        bits = flat.view(torch.int32)
         if n_blocks * block != numel:
             padded = torch.zeros(n_blocks * block, dtype=torch.float32, device=x.device)
             padded[:numel] = flat
             flat = padded
-        source = flat.view(n_blocks, block)
+        rows_in = flat.view(n_blocks, block)
         blocks = torch.empty(n_blocks, block, dtype=torch.float32, device=x.device)
         scales = torch.empty(HEADER + n_blocks, dtype=torch.float32, device=x.device)
         maxima = scales[HEADER:]
         # Chunks of rows keep each rotated chunk in cache for its max: 2x faster on CPU.
         rows = max(1, quantization.CHUNK // block)
         for first in range(0, n_blocks, rows):
-            y = rotation.rotate(source[first : first + rows], self.seed, out=blocks[first : first + rows])
+            y = rotation.rotate(rows_in[first : first + rows], self.seed, out=blocks[first : first + rows])
             torch.amax(y.abs(), dim=1, out=maxima[first : first + rows])
-            if residual is not None:
-                # The scales cover the gradient, not the residual: a residual can be as
-                # large as one step, and letting it raise the scale made it grow
-                # geometrically at 1 bit. What exceeds the scale is clamped and stays in
-                # the residual.
-                y.add_(residual[first : first + rows])
-        finite = bool(torch.isfinite(maxima).all())
-        if not finite:
-            maxima.zero_()
-        scales[:HEADER] = self.header(numel, nonfinite=not finite)
-        return Prepared(numel, blocks, scales)
-
-    def header(self, numel: int, nonfinite: bool = False, device=None) -> torch.Tensor:
-        """The scale vector's header: ``[non-finite flag, fingerprint, -fingerprint]``."""
-        f = float(self.fingerprint(numel))
-        return torch.tensor([1.0 if nonfinite else 0.0, f, -f], dtype=torch.float32, device=device)
+        nonfinite = ~torch.isfinite(maxima).all()
+        maxima.masked_fill_(nonfinite, 0.0)
+        scales[:HEADER] = self.header(numel, nonfinite, rng.digest(bits), device=x.device)
+        return Prepared(numel, source, scales, blocks)
 
     # -- stage 3 ------------------------------------------------------------
     def quantize(
-        self, prepared: Prepared, agreed: torch.Tensor, key: int, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """Packed words for the SUM allreduce, or ``None`` when some rank is non-finite.
+        self,
+        prepared: Prepared,
+        agreed: torch.Tensor,
+        key: int,
+        residual: torch.Tensor | None = None,
+        residual_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Stage 3: the packed words for the SUM allreduce.
 
-        ``agreed`` is the MAX-reduced scale vector; ``key`` selects this rank's rounding
-        stream (:func:`hhook.rng.stream_key`). ``residual``, shaped like
-        ``prepared.blocks``, receives this rank's rounding error for error feedback.
-        Raises :class:`ConfigMismatchError` if the ranks' fingerprints differ.
+        ``agreed`` is the MAX-reduced scale vector (or, with predicted scales, a header
+        and the predicted scales); ``key`` selects this rank's rounding stream
+        (:func:`hhook.rng.stream_key`). With error feedback, ``residual`` (float32,
+        ``(n_blocks, B)``) is added to the rotated blocks before rounding, and the new
+        rounding error is written to ``residual_out`` (default: ``residual``, in place),
+        unless the header says some rank was non-finite or every rank's tensor is the
+        same: then the words carry nothing (decode ignores them) and ``residual_out``
+        receives the old residual. No host reads: the header checks are tensor operations.
         """
-        if agreed[1].item() != -agreed[2].item():
-            raise ConfigMismatchError(
-                "hhook: ranks disagree on the codec configuration or on the tensor length "
-                f"(this rank: {self.describe()}, numel={prepared.numel})"
-            )
-        if agreed[0].item() > 0:
-            prepared.nonfinite = True
-            return None
-        # On GPUs, fused kernels compute the same stage (hhook.cuda_kernels).
-        if prepared.blocks.is_cuda and cuda_kernels.available():
-            return cuda_kernels.quantize(self, prepared, agreed, key, residual)
+        if residual_out is None:
+            residual_out = residual
+        if prepared.backend is not None:
+            return prepared.backend.quantize(self, prepared, agreed, key, residual, residual_out)
+        nonfinite, _, identical = agreed_status(agreed)
         blocks = prepared.blocks
         codes = lanes.code_buffer(blocks.numel(), self.layout, blocks.device)
-        quantization.quantize_into(codes, blocks, agreed[HEADER:], self.levels, key, residual)
+        if residual is None:
+            quantization.quantize_into(codes, blocks, agreed[HEADER:], self.levels, key)
+        else:
+            fresh = torch.empty_like(blocks)
+            quantization.quantize_into(codes, blocks + residual, agreed[HEADER:], self.levels, key, fresh)
+            residual_out.copy_(torch.where(nonfinite | identical, residual, fresh))
         return lanes.pack(codes, self.layout)
 
     # -- stage 5 ------------------------------------------------------------
-    def decode(self, prepared: Prepared, agreed: torch.Tensor, words: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-        """Write the mean over ranks into ``out`` (NaN everywhere if any rank was non-finite)."""
-        if prepared.nonfinite or words is None:
-            return out.fill_(float("nan"))
-        n_blocks, block = prepared.blocks.shape
-        # On GPUs, fused kernels compute the same stage (hhook.cuda_kernels).
-        if words.is_cuda and cuda_kernels.available() and cuda_kernels.supports(block):
-            return cuda_kernels.decode(self, prepared, agreed, words, out)
+    def decode(self, prepared: Prepared, agreed: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Stage 5: write the mean over ranks into ``out`` (shaped like the input).
+
+        NaN everywhere if any rank was non-finite or the fingerprints differ (see
+        :meth:`verify` for the error); the input itself, exactly, if every rank's input
+        had the same bits.
+        """
+        if prepared.backend is not None:
+            return prepared.backend.decode(self, prepared, agreed, words, out)
+        n_blocks = self.n_blocks(prepared.numel)
+        block = self.block_for(prepared.numel)
+        nonfinite, mismatch, identical = agreed_status(agreed)
         sums = lanes.unpack(words, self.layout, n_blocks * block).view(n_blocks, block)
-        direct = out.dtype == torch.float32 and out.is_contiguous() and out.numel() == sums.numel()
-        dest = out.view(n_blocks, block) if direct else sums
         rows = max(1, quantization.CHUNK // block)
         for first in range(0, n_blocks, rows):
             part = slice(first, first + rows)
             mean = quantization.dequantize(sums[part], agreed[HEADER:][part], self.levels, self.world_size)
-            rotation.unrotate(mean, self.seed, out=dest[part])
-        if not direct:
-            out.view(-1).copy_(sums.view(-1)[: prepared.numel])
+            rotation.unrotate(mean, self.seed, out=sums[part])
+        mean = sums.view(-1)[: prepared.numel]
+        result = torch.where(identical, prepared.source.to(torch.float32), mean)
+        result.masked_fill_(nonfinite | mismatch, float("nan"))
+        out.view(-1).copy_(result) if out.is_contiguous() else out.copy_(result.view(out.shape))
         return out

@@ -27,6 +27,8 @@ _MUL1 = 0x21F0AAAD
 _MUL2 = 0x735A2D97
 _STREAM_SALT = 0x68686F6B  # "hhok": separates rounding streams from the sign stream
 _SIGN_SALT = 0x5369676E  # "Sign"
+_DIGEST_SALT = 0x44696773  # "Digs"
+_DIGEST_MUL = 0x9E3779B9  # golden ratio: spreads the index before it meets the bits
 
 
 def mix32(x: int) -> int:
@@ -84,3 +86,20 @@ def uniform(key: int, start: int, count: int, device=None) -> torch.Tensor:
     """Uniform floats in [0, 1): the top 24 bits of the hash, exact in float32."""
     h = hash_range(key, start, count, device)
     return torch.mul((h >> 8).bitwise_and_(0xFFFFFF), 2.0**-24)
+
+
+def digest(bits: torch.Tensor, chunk: int = 1 << 18) -> torch.Tensor:
+    """48-bit digest of a vector of uint32 bit patterns (an ``int32`` tensor), as a 0-d int64.
+
+    ``sum_i mix32(bits_i + i * 0x9E3779B9 + salt) mod 2**48``. A sum of per-element
+    hashes is independent of the summation order, so chunked, threaded and GPU versions
+    agree exactly; ``mix32`` is a bijection, so two vectors that differ in one element
+    always differ in the digest. Tensor operations only: no host synchronisation.
+    """
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for first in range(0, bits.numel(), chunk):
+        part = bits[first : first + chunk]
+        h = torch.arange(first, first + part.numel(), dtype=torch.int32, device=bits.device)
+        h.mul_(_to_int32(_DIGEST_MUL)).add_(_to_int32(_DIGEST_SALT)).add_(part)
+        total += mix32_(h).to(torch.int64).bitwise_and_(MASK32).sum()
+    return total.bitwise_and_((1 << 48) - 1)

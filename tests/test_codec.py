@@ -7,7 +7,8 @@ import torch
 
 from hhook import lanes, quantization, rng, rotation
 from hhook.benchmark import heavy_tailed, simulate_allreduce, vnmse
-from hhook.codec import ConfigMismatchError, THCCodec
+from hhook.codec import HEADER, ConfigMismatchError, THCCodec
+from hhook.codec import agreed_status as codec_status
 
 
 # -- counter-based RNG ---------------------------------------------------------
@@ -153,7 +154,7 @@ def test_zero_tensor_decodes_to_exact_zero():
 def test_small_tensors_use_small_blocks():
     codec = THCCodec(bits=4, block_size=1024, world_size=4)
     assert codec.block_for(10) == 16 and codec.block_for(1) == 1 and codec.block_for(5000) == 1024
-    assert codec.wire_bytes(10) < 40  # less than the fp32 tensor itself
+    assert codec.wire_bytes(100) < 400  # less than the fp32 tensor itself
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -163,9 +164,12 @@ def test_one_nonfinite_rank_makes_every_result_nonfinite(bad):
     inputs[1, 77] = bad
     prepared = [codec.prepare(x) for x in inputs]
     agreed = torch.stack([p.scales for p in prepared]).amax(0)
-    for p in prepared:
-        assert codec.quantize(p, agreed, 0) is None
-        assert codec.decode(p, agreed, None, torch.empty(2048)).isnan().all()
+    residual = torch.randn(2, 2048)
+    for r, p in enumerate(prepared):
+        old = residual[r].clone()
+        words = codec.quantize(p, agreed, r, residual[r].view(2, 1024))
+        assert torch.equal(residual[r], old)  # a skipped step leaves the residual alone
+        assert codec.decode(p, agreed, words, torch.empty(2048)).isnan().all()
 
 
 def test_mismatched_configuration_is_detected():
@@ -174,7 +178,11 @@ def test_mismatched_configuration_is_detected():
     pa, pb = a.prepare(x), b.prepare(x)
     agreed = torch.maximum(pa.scales, pb.scales)
     with pytest.raises(ConfigMismatchError, match="disagree"):
-        a.quantize(pa, agreed, 0)
+        a.verify(agreed, x.numel())
+    a.verify(torch.maximum(pa.scales, a.prepare(-x).scales), x.numel())
+    # Without the check, the result is NaN, never a wrong mean.
+    words = a.quantize(pa, agreed, 0) + b.quantize(pb, agreed, 1)
+    assert a.decode(pa, agreed, words, torch.empty(4096)).isnan().all()
     with pytest.raises(ConfigMismatchError, match="different codec configurations"):
         a.check_handshake(torch.maximum(a.handshake_vector(), THCCodec(4, 512, 0, 2).handshake_vector()))
     a.check_handshake(torch.maximum(a.handshake_vector(), THCCodec(4, 1024, 0, 2).handshake_vector()))
@@ -184,9 +192,10 @@ def test_error_feedback_residual_is_own_rounding_error():
     codec = THCCodec(bits=2, block_size=256, world_size=1)
     x = torch.randn(1000)
     prepared = codec.prepare(x)
-    residual = torch.empty_like(prepared.blocks)
-    words = codec.quantize(prepared, prepared.scales, 9, residual)
-    own = codec.decode(prepared, prepared.scales, words, torch.empty(1000))
+    agreed = torch.cat([codec.header(x.numel()), prepared.scales[HEADER:]])  # digest unknown
+    residual = torch.zeros_like(prepared.blocks)
+    words = codec.quantize(prepared, agreed, 9, residual)
+    own = codec.decode(prepared, agreed, words, torch.empty(1000))
     padded = torch.zeros(1024)
     padded[:1000] = x - own
     # The residual lives in the rotated domain; cropped padding coordinates aside it is x - decode(x).
@@ -209,3 +218,38 @@ def test_vanishing_scale_gives_zero_codes_not_garbage():
     blocks = torch.full((2, 4), 1e-39)
     quantization.quantize_into(codes, blocks, torch.tensor([1e-39, 0.0]), 16, 3)
     assert codes.tolist() == [0] * 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_identical_inputs_come_back_exact_and_keep_the_residual(dtype):
+    """A tensor that is the same on every rank (an already averaged gradient) must not
+    pick up rounding noise each time it is reduced again."""
+    codec = THCCodec(bits=2, block_size=256, world_size=3)
+    x = torch.randn(1000).to(dtype)
+    prepared = [codec.prepare(x.clone()) for _ in range(3)]
+    agreed = torch.stack([p.scales for p in prepared]).amax(0)
+    residual = torch.randn(3, 4, 256)
+    before = residual.clone()
+    total = sum(codec.quantize(p, agreed, r, residual[r]) for r, p in enumerate(prepared))
+    assert torch.equal(residual, before)
+    out = codec.decode(prepared[0], agreed, total, torch.empty_like(x))
+    assert torch.equal(out, x)
+
+
+def test_one_flipped_bit_is_not_identical():
+    codec = THCCodec(bits=4, block_size=256, world_size=2)
+    x = torch.randn(5000)
+    y = x.clone()
+    y.view(torch.int32)[1234] ^= 1  # one ulp apart
+    agreed = torch.maximum(codec.prepare(x).scales, codec.prepare(y).scales)
+    assert not bool(codec_status(agreed)[2])
+    assert bool(codec_status(torch.maximum(codec.prepare(x).scales, codec.prepare(x.clone()).scales))[2])
+
+
+def test_digest_is_chunk_invariant_and_matches_python():
+    bits = torch.randint(-(2**31), 2**31 - 1, (3000,), dtype=torch.int32)
+    expected = 0
+    for i, b in enumerate(bits.tolist()):
+        expected += rng.mix32((b + i * 0x9E3779B9 + 0x44696773) & rng.MASK32)
+    expected &= (1 << 48) - 1
+    assert int(rng.digest(bits)) == expected == int(rng.digest(bits, chunk=7))
