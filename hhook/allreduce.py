@@ -1,8 +1,23 @@
 r"""THC allreduce over torch.distributed: the transport of :mod:`hhook.codec`.
 
-Two collectives per tensor, both stock: a MAX allreduce of the small scale vector
-(blocking, a few hundred bytes for a 25 MB tensor) and an asynchronous SUM allreduce
-of the packed integer words. Decoding runs as the second one's continuation.
+Nothing here waits. :func:`thc_allreduce_async` launches the first collective and
+returns a future at once; each later stage runs as the continuation of the previous
+collective and the last one completes the returned future. So in DDP the backward pass
+goes on computing (and launching) the next buckets while this one is on the wire.
+
+* ``scales="predicted"`` (:mod:`hhook.predicted`): encode with the scales predicted from
+  the previous step, one SUM allreduce, decode in its continuation.
+* ``scales="agreed"``: MAX-allreduce the scale vector; its continuation quantizes onto
+  the agreed scales and launches the SUM of the words; that one's continuation decodes.
+  Continuations run on the process group's threads in completion order, so the SUMs go
+  on a second process group over the same ranks, launched in hook order by a
+  :class:`~hhook.state.Sequencer`: every rank pairs the same collectives. Continuations
+  never wait (a wait there can deadlock Gloo's few worker threads).
+
+Errors surface through the returned future (in DDP: from ``loss.backward()``) on every
+rank alike: a configuration mismatch raises :class:`~hhook.codec.ConfigMismatchError`
+when the mismatched tensor's future completes. Non-finite inputs on any rank make every
+rank's result NaN (no exception), so ``GradScaler`` skips the step everywhere.
 """
 
 from __future__ import annotations
@@ -11,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import rng
+from .codec import SUPPORTED_DTYPES
 from .state import THCState
 
 
@@ -20,51 +36,138 @@ def _completed(value: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
+def _payload_bytes(tensor: torch.Tensor) -> int:
+    if tensor.is_sparse:
+        return tensor._values().nbytes + tensor._indices().nbytes
+    return tensor.nbytes
+
+
+def check_tensor(tensor: torch.Tensor) -> None:
+    """Refuse, with a plain message, tensors hhook cannot reduce in place."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"hhook reduces torch tensors, not {type(tensor).__name__}")
+    if tensor.is_meta:
+        raise ValueError("hhook cannot reduce a meta tensor: it has no data (materialize it first)")
+    if tensor.requires_grad:
+        raise ValueError(
+            "hhook averages the tensor in place, which autograd forbids for a tensor that requires "
+            "grad: pass tensor.detach() (it shares the data) or call it under torch.no_grad()"
+        )
+
+
+def dense_allreduce(state: THCState, tensor: torch.Tensor) -> torch.futures.Future:
+    """What DDP does without a hook: divide by the world size, then SUM-allreduce.
+
+    Exact; used before ``start_iter`` and for tensors the codec does not take
+    (float64, sparse gradients).
+    """
+    if state.world_size == 1:
+        state.count("local_calls", 0, 0)
+        return _completed(tensor)
+    tensor.div_(state.world_size)
+    size = _payload_bytes(tensor)
+    state.count("dense_calls", size if tensor.is_sparse or tensor.dtype == torch.float64 else 4 * tensor.numel(), size)
+    fut = dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
 def _handshake(state: THCState, device: torch.device) -> None:
+    """Once per state, blocking: catch a differing configuration before the first message,
+    and set up the second group that agreed scales need."""
     codec = state.codec()
     vector = codec.handshake_vector(device)
     dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group)
     state.count(None, 0, vector.nbytes)
     codec.check_handshake(vector)
+    if state.scales == "agreed" and state._sum_group is None:
+        ranks = dist.get_process_group_ranks(state.process_group or dist.group.WORLD)
+        state._sum_group = dist.new_group(ranks, use_local_synchronization=True)
     state._verified = True
 
 
 def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=0) -> torch.futures.Future:
     r"""Start averaging ``tensor`` in place over ``state.process_group`` through the codec.
 
-    Returns a future holding ``tensor`` once it holds the mean. ``key`` names the tensor
-    for error feedback (a DDP bucket index, a parameter name); it must be stable across
-    steps. If any rank's tensor holds inf or NaN, every rank's result is all NaN.
+    Returns at once a future holding ``tensor`` once it holds the mean. ``key`` names the
+    tensor for error feedback and predicted scales (a DDP bucket index, a parameter name);
+    it must be stable across steps. Call it in the same order on every rank. If any
+    rank's tensor holds inf or NaN, every rank's result is all NaN. In a world of one
+    rank the tensor is returned as it is. float64 and sparse tensors take an exact
+    plain allreduce.
     """
+    check_tensor(tensor)
     if tensor.numel() == 0:
         return _completed(tensor)
-    codec = state.codec()
-    group = state.process_group
+    if state.world_size == 1 or tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES:
+        return dense_allreduce(state, tensor)
     if not state._verified:
         _handshake(state, tensor.device)
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
-
-    n_blocks, block = codec.n_blocks(tensor.numel()), codec.block_for(tensor.numel())
-    residual = state.residual(key, (n_blocks, block), tensor.device) if state.error_feedback else None
-    prepared = codec.prepare(target)
-    agreed = prepared.scales
-    dist.all_reduce(agreed, dist.ReduceOp.MAX, group=group)
-    codec.verify(agreed, tensor.numel())
-
-    stream = rng.stream_key(state.seed, state.rank, state.calls)
+    call = state.calls
     state.calls += 1
-    words = codec.quantize(prepared, agreed, stream, residual)
+    if state.scales == "predicted":
+        fut = _predicted(state, target, key, call)
+    else:
+        fut = _agreed(state, target, key, call)
+    if target is tensor:
+        return fut
+    return fut.then(lambda f: tensor.copy_(f.value()))
 
-    def finish(summed: torch.Tensor) -> torch.Tensor:
-        codec.decode(prepared, agreed, summed, target)
-        if target is not tensor:
-            tensor.copy_(target)
-        return tensor
 
-    dense = 4 * tensor.numel()
-    state.count("compressed_calls", dense, agreed.nbytes + words.nbytes)
-    fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=group, async_op=True).get_future()
-    return fut.then(lambda f: finish(f.value()[0]))
+def _predicted(state: THCState, target: torch.Tensor, key, call: int) -> torch.futures.Future:
+    """One round: encode with predicted scales, SUM, decode in the continuation."""
+    words, msg = state.predicted.encode(target, key, state.rank, state.world_size, call)
+    state.count("dense_calls" if msg.dense else "compressed_calls", 4 * target.numel(), words.nbytes)
+    fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=state.process_group, async_op=True).get_future()
+    return fut.then(lambda f: state.predicted.decode(f.value()[0], msg, out=target))
+
+
+def _agreed(state: THCState, target: torch.Tensor, key, call: int) -> torch.futures.Future:
+    """Two rounds: MAX of the scales, then (in its continuation) quantize and SUM."""
+    codec = state.codec()
+    numel = target.numel()
+    residual = None
+    if state.error_feedback:
+        residual = state.residual(key, (codec.n_blocks(numel), codec.block_for(numel)), target.device)
+    prepared = codec.prepare(target)
+    stream = rng.stream_key(state.seed, state.rank, call)
+    ticket = state._sequencer.ticket()
+    word_bytes = codec.words_numel(numel) * codec.layout.word_bits // 8
+    state.count("compressed_calls", 4 * numel, prepared.scales.nbytes + word_bytes)
+    result = torch.futures.Future()
+    sum_group = state._sum_group
+
+    def quantize_and_sum(f: torch.futures.Future) -> None:
+        try:
+            agreed = f.value()[0]
+            if not agreed.is_cuda:  # a host read is free here; on a GPU decode writes NaN instead
+                codec.verify(agreed, numel)
+            words = codec.quantize(prepared, agreed, stream, residual)
+        except BaseException as exc:  # every rank reaches the same verdict and skips the SUM
+            state._sequencer.launch(ticket, None)
+            result.set_exception(exc)
+            return
+
+        def decode(g: torch.futures.Future) -> None:
+            try:
+                result.set_result(codec.decode(prepared, agreed, g.value()[0], target))
+            except BaseException as exc:
+                result.set_exception(exc)
+
+        def launch() -> None:
+            try:
+                sent = dist.all_reduce(words, dist.ReduceOp.SUM, group=sum_group, async_op=True)
+            except BaseException as exc:
+                result.set_exception(exc)
+                return
+            sent.get_future().then(decode)
+
+        state._sequencer.launch(ticket, launch)
+
+    dist.all_reduce(prepared.scales, dist.ReduceOp.MAX, group=state.process_group, async_op=True).get_future().then(
+        quantize_and_sum
+    )
+    return result
 
 
 def thc_allreduce(tensor: torch.Tensor, state: THCState, key=0) -> torch.Tensor:

@@ -95,12 +95,12 @@ class THCCodec:
     """Rotation, common scales, stochastic rounding and lane packing for ``world_size`` ranks."""
 
     def __init__(self, bits: int = 4, block_size: int = 1024, seed: int = 0, world_size: int = 1):
-        if not isinstance(bits, int) or not 1 <= bits <= 8:
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
             raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
         rotation.check_block_size(block_size)
-        if not isinstance(seed, int) or not 0 <= seed < 2**32:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
-        if not isinstance(world_size, int) or world_size < 1:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
         self.bits = bits
         self.levels = 1 << bits

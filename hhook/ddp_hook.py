@@ -7,39 +7,38 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .allreduce import thc_allreduce_async
+from .allreduce import dense_allreduce, thc_allreduce_async
 from .state import THCState
 
 logger = logging.getLogger(__name__)
-
-
-def _dense_allreduce(state: THCState, buffer: torch.Tensor) -> torch.futures.Future:
-    """What DDP does without a hook: divide by the world size, then SUM-allreduce."""
-    buffer.div_(state.world_size)
-    state.count("dense_calls", 4 * buffer.numel(), buffer.nbytes)
-    fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
 
 
 def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     r"""Average a gradient bucket with homomorphic THC compression.
 
     1. Before ``state.start_iter``, run DDP's plain allreduce (buckets are rebuilt after
-       the first iteration).
-    2. Otherwise rotate the bucket (randomized Hadamard, shared seed) and MAX-allreduce
-       the per-block maxima, a header carrying the non-finite flag and the configuration
-       fingerprint.
-    3. Quantize with unbiased stochastic rounding onto the agreed scales, pack the codes
-       into lanes with headroom, and SUM-allreduce the integer words.
+       the first iteration). So do float64 and sparse buckets, always.
+    2. Otherwise rotate the bucket (randomized Hadamard, shared seed) and take its block
+       maxima. With ``scales="agreed"`` MAX-allreduce them (and a header with the
+       non-finite flag, the configuration fingerprint and a digest); with
+       ``scales="predicted"`` use the scales predicted from the previous step instead.
+    3. Quantize with unbiased stochastic rounding, pack the codes into lanes with
+       headroom, and SUM-allreduce the integer words (with predicted scales, this step's
+       block maxima ride along for the next step's prediction).
     4. Decode the sum once, into ``bucket.buffer()``, already averaged.
+
+    The hook returns at once; every later stage is a continuation of a collective.
 
     Example::
         >>> state = THCState(process_group=None, bits=4)
         >>> ddp_model.register_comm_hook(state, thc_hook)
     """
     buffer = bucket.buffer()
-    if state.iter < state.start_iter:
-        fut = _dense_allreduce(state, buffer)
+    # With predicted scales the last plain iteration is the warm-up that measures the first
+    # scales: the same number of exact iterations as with agreed scales.
+    dense_until = state.start_iter - (1 if state.scales == "predicted" and state.start_iter > 0 else 0)
+    if state.iter < dense_until or buffer.is_sparse:
+        fut = dense_allreduce(state, buffer)
     else:
         fut = thc_allreduce_async(buffer, state, key=bucket.index())
     state.maybe_increase_iter(bucket)

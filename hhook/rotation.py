@@ -22,7 +22,7 @@ from . import rng
 
 
 def check_block_size(block_size: int) -> None:
-    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 1, got {block_size!r}")
     if block_size > 1 << 16:
         raise ValueError(f"block_size must be at most 65536, got {block_size}")

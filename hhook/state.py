@@ -3,11 +3,17 @@ r"""Per-process-group state shared by the DDP hook and :func:`hhook.thc_allreduc
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 import torch.distributed as dist
 
 from .codec import THCCodec
+from .predicted import PredictedScales
+
+#: The scale policies: agree on each step's maxima (two collectives), or predict them
+#: from the previous step (one collective; :mod:`hhook.predicted`).
+SCALE_MODES = ("agreed", "predicted")
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +32,13 @@ class THCState:
             is optional.
         start_iter: the DDP hook runs a plain allreduce for the iterations before this
             one. DDP rebuilds its buckets after the first iteration, so per-bucket
-            residuals are stable only from iteration 2.
+            residuals are stable only from iteration 2. With predicted scales the last
+            of these iterations also measures the first scales (its maxima travel with it).
+        scales: ``"predicted"`` (default): one SUM allreduce per bucket, with scales
+            predicted from the previous step's block maxima, which travel in-band
+            (:mod:`hhook.predicted`). ``"agreed"``: a MAX allreduce of this step's block
+            maxima first, then the SUM; two rounds, but scales that never clip. The
+            README's measurements say why predicted is the default.
 
     Example::
         >>> state = THCState(process_group=None, bits=4)
@@ -40,8 +52,10 @@ class THCState:
         "seed",
         "error_feedback",
         "start_iter",
+        "scales",
         # per-tensor state: error-feedback residuals keyed by bucket index or name
         "residuals",
+        "predicted",
         # counters
         "iter",
         "calls",
@@ -49,9 +63,14 @@ class THCState:
         # derived, rebuilt on demand and never pickled
         "_codec",
         "_verified",
+        "_sum_group",
+        "_sequencer",
     ]
 
-    _PICKLED = ("bits", "block_size", "seed", "error_feedback", "start_iter", "residuals", "iter", "calls", "_stats")
+    _PICKLED = (
+        "bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "residuals", "predicted",
+        "iter", "calls", "_stats",
+    )
 
     def __init__(
         self,
@@ -61,10 +80,17 @@ class THCState:
         seed: int = 0,
         error_feedback: bool = False,
         start_iter: int = 2,
+        scales: str = "predicted",
     ):
         THCCodec(bits, block_size, seed)  # validates the options before any training
-        if not isinstance(start_iter, int) or start_iter < 0:
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter must be a non-negative integer, got {start_iter!r}")
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+        if scales not in SCALE_MODES:
+            raise ValueError(f"scales must be one of {SCALE_MODES}, got {scales!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {process_group!r}")
         if error_feedback and start_iter < 2:
             logger.warning(
                 "hhook: error_feedback with start_iter=%d: DDP rebuilds buckets after the first "
@@ -76,12 +102,16 @@ class THCState:
         self.seed = seed
         self.error_feedback = bool(error_feedback)
         self.start_iter = start_iter
+        self.scales = scales
         self.residuals: dict = {}
+        self.predicted = PredictedScales(bits, block_size, seed, self.error_feedback) if scales == "predicted" else None
         self.iter = 0
         self.calls = 0
-        self._stats = {"dense_bytes": 0, "wire_bytes": 0, "compressed_calls": 0, "dense_calls": 0, "nonfinite_calls": 0}
+        self._stats = dict.fromkeys(("dense_bytes", "wire_bytes", "compressed_calls", "dense_calls", "local_calls"), 0)
         self._codec = None
         self._verified = False
+        self._sum_group = None
+        self._sequencer = Sequencer()
 
     def __getstate__(self):
         # Like PowerSGDState: a process group cannot be pickled; the default one is used after loading.
@@ -91,6 +121,10 @@ class THCState:
         self.process_group = None
         self._codec = None
         self._verified = False
+        self._sum_group = None
+        self._sequencer = Sequencer()
+        saved.setdefault("scales", "agreed")  # saved before there was a choice
+        saved.setdefault("predicted", None)
         for name, value in saved.items():
             setattr(self, name, value)
 
@@ -135,6 +169,7 @@ class THCState:
         ``dense_bytes``: what the same calls would have sent as float32.
         ``wire_bytes``: what was handed to collectives: codes, scales and the one-time
         configuration handshake, or the dense tensors of plain-allreduce iterations.
+        ``local_calls``: calls in a world of one rank, which send and count nothing.
         """
         s = dict(self._stats)
         s["ratio"] = s["dense_bytes"] / s["wire_bytes"] if s["wire_bytes"] else float("nan")
@@ -144,3 +179,35 @@ class THCState:
     def reset_stats(self) -> None:
         for name in self._stats:
             self._stats[name] = 0
+
+
+class Sequencer:
+    """Issues collectives from continuations in ticket order, the same on every rank.
+
+    With agreed scales the SUM of a bucket is launched when its MAX completes, from
+    whichever thread completes it; buckets can finish their MAX out of order, and two
+    ranks launching SUMs in different orders would pair unrelated collectives. Tickets
+    are drawn in hook order (identical on every rank); a launch waits, without blocking
+    anything, until every earlier ticket has launched or been skipped.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._next_ticket = 0
+        self._next_launch = 0
+        self._ready: dict = {}
+
+    def ticket(self) -> int:
+        with self._lock:
+            self._next_ticket += 1
+            return self._next_ticket - 1
+
+    def launch(self, ticket: int, fn) -> None:
+        """Run ``fn`` (None: skip the ticket) once all earlier tickets have run."""
+        with self._lock:
+            self._ready[ticket] = fn
+            while self._next_launch in self._ready:
+                fn = self._ready.pop(self._next_launch)
+                self._next_launch += 1
+                if fn is not None:
+                    fn()

@@ -22,6 +22,9 @@ CASES = {
     "no_sync": ({}, {}, torch.float32, 2),
     "find_unused_parameters": ({"find_unused_parameters": True}, {}, torch.float32, 1),
     "many_buckets": ({"bucket_cap_mb": 0.01}, {}, torch.float32, 1),
+    "agreed": ({}, {"scales": "agreed"}, torch.float32, 1),
+    "agreed_many_buckets": ({"bucket_cap_mb": 0.01}, {"scales": "agreed"}, torch.float32, 1),
+    "agreed_error_feedback": ({}, {"scales": "agreed", "error_feedback": True, "bits": 2}, torch.float32, 1),
     "error_feedback": ({}, {"error_feedback": True, "bits": 2}, torch.float32, 1),
     "fp16": ({}, {}, torch.float16, 1),
     "bf16": ({}, {}, torch.bfloat16, 1),
@@ -153,11 +156,17 @@ def test_hook_state_checkpoint_round_trip():
 
 
 def _register_worker(rank, world):
-    ddp = DDP(Net())
-    state = hhook.register(ddp, bits=3, start_iter=0)
-    ddp(torch.randn(8, 32)).sum().backward()
-    return state.bits, state.stats()["compressed_calls"]
+    out = []
+    for scales in ("agreed", "predicted"):
+        ddp = DDP(Net())
+        state = hhook.register(ddp, bits=3, start_iter=0, scales=scales)
+        for _ in range(2):
+            ddp(torch.randn(8, 32)).sum().backward()
+        s = state.stats()
+        out.append((state.bits, s["compressed_calls"], s["dense_calls"]))
+    return out
 
 
 def test_register_is_the_one_call_form():
-    assert run_world(_register_worker, 2) == [(3, 1), (3, 1)]
+    # Agreed scales compress from the first call; predicted ones warm up once (exact).
+    assert run_world(_register_worker, 2) == [[(3, 2, 0), (3, 1, 1)]] * 2
