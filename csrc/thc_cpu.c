@@ -3,7 +3,8 @@
  * Each function does one stage over a range of blocks or words, so that Python threads
  * can split a tensor (ctypes releases the GIL). The pure-torch codec in hhook/codec.py is
  * the specification; quantization reproduces its float32 operations in the same order,
- * so the file must be compiled without floating-point contraction or fast-math.
+ * so the file must be compiled without floating-point contraction or fast-math
+ * (-fno-trapping-math only lets the clamps vectorize; it changes no value).
  *
  *   hh_prepare:  load (fp32/fp16/bf16) + digest of the float32 bits + sign diagonal
  *                + Walsh-Hadamard transform + per-block max |y|, rotated blocks out.
@@ -138,44 +139,76 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
         int64_t count = numel - start < block ? numel - start : block;
         load_f32(src, dtype, start, count, y);
         uint32_t index_hash = (uint32_t)start * HH_DIGEST_MUL + HH_DIGEST_SALT;
-        uint64_t dsum = 0;
+        uint32_t lo = 0, hi = 0; /* count <= 65536: sums of 16-bit halves cannot overflow */
         for (int64_t i = 0; i < count; i++) {
             uint32_t u;
             memcpy(&u, y + i, 4);
-            dsum += mix32(u + index_hash + (uint32_t)i * HH_DIGEST_MUL);
+            uint32_t h = mix32(u + index_hash + (uint32_t)i * HH_DIGEST_MUL);
+            lo += h & 0xFFFFu;
+            hi += h >> 16;
+            y[i] *= signs[i];
         }
-        digest += dsum;
+        digest += (uint64_t)lo + ((uint64_t)hi << 16);
         for (int64_t i = count; i < block; i++) y[i] = 0.0f;
-        for (int64_t i = 0; i < block; i++) y[i] *= signs[i];
         fwht(y, block);
-        float m = 0.0f;
-        int32_t nf = 0;
+        /* max |y| on the bit patterns: integer order is float order for |y|, and inf/NaN
+         * (exponent all ones) sort above every finite value */
+        uint32_t top = 0;
         for (int64_t i = 0; i < block; i++) {
-            float a = fabsf(y[i]);
-            m = a > m ? a : m;
-            nf |= !(a <= 3.40282347e38f);
+            uint32_t u;
+            memcpy(&u, y + i, 4);
+            u &= 0x7FFFFFFFu;
+            top = u > top ? u : top;
         }
-        maxima[b] = m;
-        bad |= nf;
+        memcpy(maxima + b, &top, 4);
+        bad |= top >= 0x7F800000u;
     }
     *digest_out = digest;
     *nonfinite_out = bad;
 }
 
 /* -- stage 3 ---------------------------------------------------------------------- */
-#define HH_TILE 512
+#define HH_TILE 1024
+
+/* Codes of coordinates [p, p + len) of one block: v = y (+ r); a = v + M; b = a * inv;
+ * t = b + u; c = clamp(floor(t), 0, L - 1); residual_out = v - (c * step - M). */
+static void round_segment(const float *y, const float *r, float *ro, float m, float top, uint32_t base,
+                          int64_t len, uint32_t *codes) {
+    float inv = top / (m * 2.0f);
+    if (!isfinite(inv)) inv = 0.0f;
+    float step = (m * 2.0f) / top;
+    if (r) {
+        for (int64_t i = 0; i < len; i++) {
+            float v = y[i] + r[i];
+            float u = (float)(int32_t)(mix32(base + (uint32_t)i) >> 8) * 0x1p-24f;
+            float c = floorf((v + m) * inv + u);
+            c = c < 0.0f ? 0.0f : c;
+            c = c > top ? top : c;
+            ro[i] = v - (c * step - m);
+            codes[i] = (uint32_t)(int32_t)c;
+        }
+    } else {
+        for (int64_t i = 0; i < len; i++) {
+            float u = (float)(int32_t)(mix32(base + (uint32_t)i) >> 8) * 0x1p-24f;
+            float c = floorf((y[i] + m) * inv + u);
+            c = c < 0.0f ? 0.0f : c;
+            c = c > top ? top : c;
+            codes[i] = (uint32_t)(int32_t)c;
+        }
+    }
+}
 
 /* Words [first_word, last_word) of the planar lane layout: lane j of word i holds the code
- * of coordinate j * n_words + i. Each coordinate: v = y (+ r); a = v + M; b = a * inv;
- * t = b + u; c = clamp(floor(t), 0, L - 1); residual_out = v - (c * step - M). */
+ * of coordinate j * n_words + i, rounded by round_segment. */
 void hh_quantize(const float *blocks, const float *residual, float *residual_out, const float *maxima,
                  int64_t count, int log2_block, int levels, uint32_t key, int64_t n_words, int lanes,
                  int width, int word_bits, int64_t first_word, int64_t last_word, void *words) {
     const float top = (float)(levels - 1);
-    uint64_t acc[HH_TILE];
+    uint32_t codes[HH_TILE];
     for (int64_t w0 = first_word; w0 < last_word; w0 += HH_TILE) {
         int64_t tile = last_word - w0 < HH_TILE ? last_word - w0 : HH_TILE;
-        memset(acc, 0, sizeof acc);
+        uint32_t *out32 = (uint32_t *)words + w0;
+        uint64_t *out64 = (uint64_t *)words + w0;
         for (int lane = 0; lane < lanes; lane++) {
             int shift = lane * width;
             int64_t p0 = lane * n_words + w0;
@@ -185,45 +218,23 @@ void hh_quantize(const float *blocks, const float *residual, float *residual_out
                 int64_t b = p >> log2_block;
                 int64_t seg_end = (b + 1) << log2_block;
                 if (seg_end > p_end) seg_end = p_end;
-                float m = maxima[b];
-                float inv = top / (m * 2.0f);
-                if (!isfinite(inv)) inv = 0.0f;
-                float step = (m * 2.0f) / top;
-                uint64_t *a_out = acc + (p - p0);
-                const float *y = blocks + p;
-                int64_t len = seg_end - p;
-                uint32_t base = (uint32_t)p + key;
-                if (residual) {
-                    const float *r = residual + p;
-                    float *ro = residual_out + p;
-                    for (int64_t i = 0; i < len; i++) {
-                        float v = y[i] + r[i];
-                        float u = (float)(mix32(base + (uint32_t)i) >> 8) * 0x1p-24f;
-                        float t = (v + m) * inv + u;
-                        float c = floorf(t);
-                        c = c < 0.0f ? 0.0f : c;
-                        c = c > top ? top : c;
-                        ro[i] = v - (c * step - m);
-                        a_out[i] |= (uint64_t)(int32_t)c << shift;
-                    }
-                } else {
-                    for (int64_t i = 0; i < len; i++) {
-                        float u = (float)(mix32(base + (uint32_t)i) >> 8) * 0x1p-24f;
-                        float t = (y[i] + m) * inv + u;
-                        float c = floorf(t);
-                        c = c < 0.0f ? 0.0f : c;
-                        c = c > top ? top : c;
-                        a_out[i] |= (uint64_t)(int32_t)c << shift;
-                    }
-                }
+                round_segment(blocks + p, residual ? residual + p : 0, residual_out ? residual_out + p : 0,
+                              maxima[b], top, (uint32_t)p + key, seg_end - p, codes + (p - p0));
                 p = seg_end;
             }
-        }
-        if (word_bits == 32) {
-            uint32_t *out = (uint32_t *)words + w0;
-            for (int64_t i = 0; i < tile; i++) out[i] = (uint32_t)acc[i];
-        } else {
-            memcpy((uint64_t *)words + w0, acc, (size_t)tile * 8);
+            int64_t filled = p_end > p0 ? p_end - p0 : 0;
+            for (int64_t i = filled; i < tile; i++) codes[i] = 0; /* padding codes */
+            if (word_bits == 32) {
+                if (lane == 0)
+                    for (int64_t i = 0; i < tile; i++) out32[i] = codes[i];
+                else
+                    for (int64_t i = 0; i < tile; i++) out32[i] |= codes[i] << shift;
+            } else {
+                if (lane == 0)
+                    for (int64_t i = 0; i < tile; i++) out64[i] = codes[i];
+                else
+                    for (int64_t i = 0; i < tile; i++) out64[i] |= (uint64_t)codes[i] << shift;
+            }
         }
     }
 }

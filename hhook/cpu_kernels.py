@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 FORCE_REFERENCE_ENV = "HHOOK_FORCE_REFERENCE"
 CACHE_ENV = "HHOOK_CACHE_DIR"
 SOURCE_NAME = "thc_cpu.c"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-std=c11", "-fPIC", "-shared")
 _HEADER = 7  # codec.HEADER, repeated to keep this module free of a circular import
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MIN_PER_THREAD = 1 << 16  # coordinates: below this a second thread costs more than it saves
