@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hhook import lanes, quantization, rng, rotation
-from hhook.benchmark import heavy_tailed, simulate_allreduce, vnmse
+from hhook.simulation import heavy_tailed, simulate_allreduce, vnmse
 from hhook.codec import HEADER, ConfigMismatchError, THCCodec
 from hhook.codec import agreed_status as codec_status
 
