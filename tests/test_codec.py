@@ -11,6 +11,13 @@ from hhook.codec import HEADER, ConfigMismatchError, THCCodec
 from hhook.codec import agreed_status as codec_status
 
 
+@pytest.fixture(autouse=True)
+def reference_codec(monkeypatch):
+    """These tests specify the torch reference (tests/test_cpu_kernels.py checks the fused
+    CPU path against it), so the reference is forced even where a compiler exists."""
+    monkeypatch.setenv("HHOOK_FORCE_REFERENCE", "1")
+
+
 # -- counter-based RNG ---------------------------------------------------------
 @pytest.mark.parametrize("count", [1, 7, 64, 1001])  # vectorized loops and their scalar tails
 @pytest.mark.parametrize("start", [0, 2**31 - 5, 2**32 - 3])  # across the int32 sign and wrap
