@@ -23,6 +23,7 @@ import torch
 from .. import cpu_kernels, rng
 from ..codec import THCCodec, fused_backend
 from ..simulation import heavy_tailed, simulate_allreduce, vnmse
+from .units import format_size as _size
 
 IMPLS = ("fused", "reference")
 
@@ -122,9 +123,6 @@ def codec_rows(sizes, bits, block_sizes, world_size: int = 4, repeats: int = 5, 
     return rows
 
 
-def _size(nbytes: int) -> str:
-    mb = 1 << 20
-    return f"{nbytes / mb:g}MB" if nbytes >= mb else f"{nbytes / 1024:g}KB"
 
 
 def format_table(rows: list[dict]) -> str:
