@@ -33,7 +33,7 @@ import dataclasses
 
 import torch
 
-from . import cuda_kernels, lanes, quantization, rng, rotation
+from . import cpu_kernels, cuda_kernels, lanes, quantization, rng, rotation
 
 #: Bumped whenever the bits on the wire change meaning; part of the fingerprint.
 CODEC_VERSION = 2
@@ -83,11 +83,14 @@ def agreed_status(agreed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 def fused_backend(x: torch.Tensor, block: int):
     """The fused module that computes the codec for tensors like ``x``, or None.
 
-    CUDA tensors go to :mod:`hhook.cuda_kernels` when it works on this machine;
+    CUDA tensors go to :mod:`hhook.cuda_kernels` when it works on this machine, CPU
+    tensors to :mod:`hhook.cpu_kernels` when a C compiler built it (once per machine);
     ``HHOOK_FORCE_REFERENCE=1`` forces this reference everywhere.
     """
     if x.is_cuda and cuda_kernels.available() and cuda_kernels.supports(block):
         return cuda_kernels
+    if x.device.type == "cpu" and cpu_kernels.supports(block) and cpu_kernels.available():
+        return cpu_kernels
     return None
 
 

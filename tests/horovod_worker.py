@@ -488,7 +488,7 @@ def heavy_tailed():
     gradients (a slowly drifting Student-t signal with rare spikes, plus per-rank noise),
     no error feedback: at 4 bits the prediction must not be much worse (2 and 8 bits
     are reported, and only checked loosely)."""
-    from hhook.benchmark import heavy_tailed as sample
+    from hhook.simulation import heavy_tailed as sample
 
     numel, n, steps = 1 << 16, hvd.size(), 12
     limits = {2: 1.5, 4: 1.5, 8: 10.0}

@@ -6,9 +6,16 @@ import pytest
 import torch
 
 from hhook import lanes, quantization, rng, rotation
-from hhook.benchmark import heavy_tailed, simulate_allreduce, vnmse
+from hhook.simulation import heavy_tailed, simulate_allreduce, vnmse
 from hhook.codec import HEADER, ConfigMismatchError, THCCodec
 from hhook.codec import agreed_status as codec_status
+
+
+@pytest.fixture(autouse=True)
+def reference_codec(monkeypatch):
+    """These tests specify the torch reference (tests/test_cpu_kernels.py checks the fused
+    CPU path against it), so the reference is forced even where a compiler exists."""
+    monkeypatch.setenv("HHOOK_FORCE_REFERENCE", "1")
 
 
 # -- counter-based RNG ---------------------------------------------------------

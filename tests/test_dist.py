@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import hhook
 from hhook import lanes
-from hhook.benchmark import heavy_tailed, vnmse
+from hhook.simulation import heavy_tailed, vnmse
 
 from distributed import run_world
 

@@ -281,16 +281,27 @@ def test_model_cli_json(tmp_path, capsys, monkeypatch):
     assert png.stat().st_size > 10_000
 
 
-def test_codec_subcommand_wraps_the_benchmark(tmp_path, capsys, monkeypatch):
-    pytest.importorskip("hhook.benchmark")
+def test_codec_subcommand_compares_implementations(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
     monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
     out = tmp_path / "codec.json"
     assert cli.main(["codec", "--sizes", "64K", "--bits", "4", "--repeats", "1", "--world-size", "4",
-                     "--json", str(out)]) == 0
-    r = _load(out)["results"][0]
-    assert r["op"] == "codec" and r["bytes"] == 65536
+                     "--impl", "reference", "--threads", "1,2", "--json", str(out)]) == 0
+    rows = _load(out)["results"]
+    assert [(r["impl"], r["threads"]) for r in rows] == [("reference", 1), ("reference", 2)]
+    r = rows[0]
+    assert r["op"] == "codec" and r["bytes"] == 65536 and r["copy_GBps"] > 0
     assert r["wire_bytes"] == THCCodec(4, 1024, 0, 4).wire_bytes(16384)
+    assert 1e-3 < r["vnmse"] < 3e-2  # a real mean of 4 ranks, not the copy "identical" would give
+
+
+@pytest.mark.parametrize("bad", [["--bits", "9"], ["--bits", "x"], ["--block-sizes", "1000"],
+                                 ["--impl", "fast"], ["--threads", "0"], ["--sizes", "3"]])
+def test_codec_subcommand_rejects_bad_values_in_one_line(bad, capsys, monkeypatch):
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+    assert cli.main(["codec", *bad]) == 2
+    err = capsys.readouterr().err
+    assert "error" in err and "Traceback" not in err
 
 
 def test_units():

@@ -16,7 +16,8 @@ micro-benchmarks, with four subcommands:
     alpha-beta ring model and the homomorphic-compression paper's
     ``T = h C / M + rho M W / chi``, for measured (or given) link and ratios.
 ``codec``
-    Encode/decode throughput of the codec alone (:mod:`hhook.benchmark`).
+    Encode/decode throughput of the codec alone, fused beside reference and copy
+    (:mod:`hhook.profile.codec_bench`).
 
 Run it with ``mpirun -np N python -m hhook.profile SUBCOMMAND ...`` (or the
 ``hhook-profile`` console script). ``--backend gloo|nccl`` takes the same measurements

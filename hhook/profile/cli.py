@@ -84,6 +84,10 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _word_list(text: str) -> list[str]:
+    return [t.strip().lower() for t in text.split(",") if t.strip()]
+
+
 def _rate(text: str) -> float:
     try:
         return parse_rate(text)
@@ -189,16 +193,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="use the measured THC ratio at every M instead of the lane layout at M")
     common(md, comm=False)
 
-    cd = sub.add_parser("codec", help="THC encode/decode throughput (hhook.benchmark)",
-                        description="Encode/decode throughput of the codec alone; runs on rank 0 only.")
+    cd = sub.add_parser("codec", help="THC encode/decode throughput, fused beside reference and copy",
+                        description="Encode/decode throughput and vNMSE of the codec alone, beside a copy of "
+                                    "the same tensor; runs on rank 0 only.")
     cd.add_argument("--sizes", type=_size_list, default=[1 << 20, 25 << 20], metavar="LIST",
                     help="float32 bytes per tensor (default 1M,25M)")
     cd.add_argument("--bits", type=_int_list, default=[4], metavar="LIST", help="bits, e.g. 2,4,8 (default 4)")
     cd.add_argument("--block-sizes", type=_int_list, default=[1024], metavar="LIST", help="default 1024")
     cd.add_argument("--world-size", type=int, help="lane layout for this many ranks (default: the launcher's, or 4)")
-    cd.add_argument("--repeats", type=int, default=5, help="timed repeats (default 5)")
+    cd.add_argument("--repeats", type=int, default=5, help="timed cycles, best reported (default 5)")
     cd.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    cd.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+    cd.add_argument("--threads", type=_int_list, metavar="LIST",
+                    help="torch threads, e.g. 1,2 (default: torch's own)")
+    cd.add_argument("--impl", type=_word_list, metavar="LIST",
+                    help="fused,reference (default: both where a fused backend works here)")
     common(cd, comm=False)
     return p
 
@@ -230,7 +238,7 @@ def _check_sweep(args, float32: bool) -> list[int]:
 
 
 def _check_common(args) -> None:
-    if getattr(args, "threads", None) is not None and args.threads < 1:
+    if args.command != "codec" and getattr(args, "threads", None) is not None and args.threads < 1:
         raise UsageError(f"--threads must be at least 1, got {args.threads}")
     if getattr(args, "timeout", 1.0) <= 0:
         raise UsageError("--timeout must be positive")
@@ -393,9 +401,17 @@ def _check_codec(args, env) -> dict:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device available")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError("--threads must be at least 1")
-    return {"world": world}
+    if args.threads is not None and (not args.threads or min(args.threads) < 1):
+        raise UsageError("--threads must be positive integers")
+    from .codec_bench import IMPLS, fused_available
+
+    impls = args.impl if args.impl is not None else [i for i in IMPLS if i != "fused" or fused_available(args.device)]
+    bad = [i for i in impls if i not in IMPLS]
+    if bad or not impls:
+        raise UsageError(f"--impl takes {','.join(IMPLS)}, got {','.join(impls) or 'nothing'}")
+    if "fused" in impls and not fused_available(args.device):
+        raise UsageError(f"--impl fused: no fused codec backend works for {args.device} here (see the log above)")
+    return {"world": world, "impls": impls, "threads": args.threads or [None]}
 
 
 # -- subcommands -----------------------------------------------------------------
@@ -512,28 +528,35 @@ def _run_model(args, cfg) -> tuple[dict, list[dict]]:
 
 
 def _run_codec(args, cfg) -> tuple[dict, list[dict]]:
+    from .. import cpu_kernels
     from ..codec import THCCodec
-    from . import plot
+    from . import codec_bench, plot
+    from .progress import Progress
 
+    total = len(args.sizes) * len(args.bits) * len(args.block_sizes) * len(cfg["threads"]) * len(cfg["impls"])
+    progress = Progress(total, enabled=not args.quiet)
     try:
-        from .. import benchmark
-    except ImportError as e:
-        raise RuntimeError(f"hhook.benchmark is not available in this installation ({e})") from None
-    rows = benchmark.codec_benchmark(sizes=list(args.sizes), bits=list(args.bits), block_sizes=list(args.block_sizes),
-                                     world_size=cfg["world"], repeats=args.repeats, device=args.device)
-    _say(benchmark.format_table(rows))
+        rows = codec_bench.codec_rows(args.sizes, args.bits, args.block_sizes, cfg["world"], args.repeats,
+                                      args.device, cfg["threads"], cfg["impls"], progress)
+    finally:
+        progress.close()
+    if cpu_kernels.build_info:
+        b = cpu_kernels.build_info
+        how = f"compiled in {b['compile_seconds']:.2f} s" if b.get("compiled") else "loaded from the cache"
+        _say(f"# fused CPU codec: {how}, ready after {b.get('seconds', 0.0):.3f} s ({b['path']})")
+    _say(codec_bench.format_table(rows))
     results = []
     for r in rows:
-        size, ws = int(r["size_bytes"]), int(r.get("world_size", cfg["world"]))
+        size, ws = int(r["size_bytes"]), int(r["world_size"])
         wire = THCCodec(int(r["bits"]), int(r["block_size"]), 0, ws).wire_bytes(size // 4)
         t_us = (r["encode_ms"] + r["decode_ms"]) * 1e3
         results.append({**r, "op": "codec", "method": "thc", "bytes": size, "time_us": t_us,
                         "algbw_GBps": r["GBps"], "busbw_GBps": r["GBps"], "wire_bytes": wire,
                         "ratio": size / wire, "codec_us": t_us, "encode_us": r["encode_ms"] * 1e3,
-                        "decode_us": r["decode_ms"] * 1e3, "vnmse": r.get("vnmse")})
+                        "decode_us": r["decode_ms"] * 1e3, "vnmse": r["vnmse"]})
     if args.plot:
         plot.save(args.plot, [lambda ax: plot.codec_panel(ax, results)])
-    return {"world_size_layout": cfg["world"]}, results
+    return {"world_size_layout": cfg["world"], "cpu_build": dict(cpu_kernels.build_info)}, results
 
 
 # -- main ----------------------------------------------------------------------
@@ -552,7 +575,7 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    if getattr(args, "threads", None):
+    if getattr(args, "threads", None) and args.command != "codec":  # codec sweeps its list
         import torch
 
         torch.set_num_threads(args.threads)

@@ -110,10 +110,13 @@ def link_panel(ax, rows, fit=None):
 
 def codec_panel(ax, rows):
     rows = [r for r in rows if r["op"] == "codec"]
-    keys = list(dict.fromkeys((r["bits"], r["block_size"]) for r in rows))
-    for i, (bits, block) in enumerate(keys):
-        pts = sorted((r["bytes"], r["algbw_GBps"]) for r in rows if (r["bits"], r["block_size"]) == (bits, block))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=_color("", i), ms=4, label=f"bits {bits}, block {block}")
+    def key(r):
+        return r["bits"], r["block_size"], r.get("impl", ""), r.get("threads", "")
+
+    for i, (bits, block, impl, threads) in enumerate(dict.fromkeys(map(key, rows))):
+        pts = sorted((r["bytes"], r["algbw_GBps"]) for r in rows if key(r) == (bits, block, impl, threads))
+        label = f"bits {bits}, block {block}" + (f", {impl}, {threads} thr" if impl else "")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=_color("", i), ms=4, label=label)
     copy = sorted({(r["bytes"], r.get("copy_GBps")) for r in rows if r.get("copy_GBps")})
     if copy:
         ax.plot([c[0] for c in copy], [c[1] for c in copy], ":", color="gray", label="memory copy")

@@ -1,0 +1,138 @@
+r"""Codec throughput and quality beside a copy of the same tensor (``hhook-profile codec``).
+
+Encode is :meth:`THCCodec.prepare` + :meth:`THCCodec.quantize` (rotation, block maxima,
+stochastic rounding, packing); decode is :meth:`THCCodec.decode`. No communication:
+``world_size`` ranks' gradients are simulated (:mod:`hhook.simulation`) and the scale
+vector that every rank agrees on is the MAX over the simulated ranks, as after a real
+allreduce (one rank's own vector would read as "every rank identical" and make decode a
+copy). Each timed repeat is one prepare -> quantize -> decode cycle into a reused output,
+as in training; the best of the repeats is reported. Throughput counts float32 input
+bytes of one rank's encode + decode; the copy column is ``clone()`` of the same tensor,
+timed in the same run. ``impl`` A/Bs the fused backend (:mod:`hhook.cpu_kernels` on CPU,
+:mod:`hhook.cuda_kernels` on CUDA) against the torch reference (``HHOOK_FORCE_REFERENCE``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+
+from .. import cpu_kernels, rng
+from ..codec import THCCodec, fused_backend
+from ..simulation import heavy_tailed, simulate_allreduce, vnmse
+from .units import format_size as _size
+
+IMPLS = ("fused", "reference")
+
+
+@contextlib.contextmanager
+def implementation(impl: str):
+    """Force the reference codec (``impl="reference"``) or let it choose (``"fused"``)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    env = cpu_kernels.FORCE_REFERENCE_ENV
+    old = os.environ.get(env)
+    os.environ[env] = "1" if impl == "reference" else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[env]
+        else:
+            os.environ[env] = old
+
+
+def fused_available(device) -> bool:
+    """Whether a fused backend serves tensors on ``device`` (compiles the CPU one if needed)."""
+    with implementation("fused"):
+        return fused_backend(torch.empty(1, device=device), 1) is not None
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _cycle_times(codec, x, agreed, out, repeats: int, device) -> tuple[float, float]:
+    """Best encode and decode seconds over ``repeats`` prepare -> quantize -> decode cycles."""
+    enc = dec = float("inf")
+    for i in range(repeats + 1):  # the first cycle warms caches and allocations
+        _sync(device)
+        t0 = time.perf_counter()
+        prepared = codec.prepare(x)
+        words = codec.quantize(prepared, agreed, rng.stream_key(codec.seed, 0, i))
+        _sync(device)
+        t1 = time.perf_counter()
+        codec.decode(prepared, agreed, words, out)
+        _sync(device)
+        t2 = time.perf_counter()
+        if i:
+            enc, dec = min(enc, t1 - t0), min(dec, t2 - t1)
+    return enc, dec
+
+
+def _copy_time(x, repeats: int, device) -> float:
+    best = float("inf")
+    for i in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        x.clone()
+        _sync(device)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def codec_rows(sizes, bits, block_sizes, world_size: int = 4, repeats: int = 5, device="cpu",
+               threads=(None,), impls=IMPLS, progress=None) -> list[dict]:
+    """One row per (size, bits, block, threads, impl); ``threads=None`` keeps torch's own."""
+    rows = []
+    for size in sizes:
+        numel = size // 4
+        inputs = heavy_tailed(numel, world_size, device=device)
+        x = inputs[0]
+        out = torch.empty_like(x)
+        for b in bits:
+            for block in block_sizes:
+                codec = THCCodec(b, block, 0, world_size)
+                agreed = torch.stack([codec.prepare(v).scales for v in inputs]).amax(0)
+                for n_threads in threads:
+                    previous = torch.get_num_threads()
+                    if n_threads is not None:
+                        torch.set_num_threads(n_threads)
+                    try:
+                        copy_s = _copy_time(x, repeats, device)
+                        for impl in impls:
+                            with implementation(impl):
+                                enc, dec = _cycle_times(codec, x, agreed, out, repeats, device)
+                                error = vnmse(simulate_allreduce(codec, inputs), inputs)
+                            rows.append({
+                                "size_bytes": size, "bits": b, "block_size": block, "world_size": world_size,
+                                "impl": impl, "threads": torch.get_num_threads(),
+                                "encode_ms": enc * 1e3, "decode_ms": dec * 1e3,
+                                "GBps": size / (enc + dec) / 1e9, "copy_GBps": size / copy_s / 1e9,
+                                "wire_ratio": 4 * numel / codec.wire_bytes(numel), "vnmse": error,
+                            })
+                            if progress is not None:
+                                progress.advance(1, f"{_size(size)} bits {b} block {block} {impl}")
+                    finally:
+                        torch.set_num_threads(previous)
+    return rows
+
+
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'size':>8} {'bits':>4} {'block':>6} {'impl':>9} {'threads':>7} {'encode ms':>10} {'decode ms':>10} "
+            f"{'GB/s':>7} {'copy GB/s':>10} {'fp32/wire':>9} {'vNMSE':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{_size(r['size_bytes']):>8} {r['bits']:>4} {r['block_size']:>6} {r['impl']:>9} {r['threads']:>7} "
+            f"{r['encode_ms']:>10.1f} {r['decode_ms']:>10.1f} {r['GBps']:>7.2f} {r['copy_GBps']:>10.2f} "
+            f"{r['wire_ratio']:>9.2f} {r['vnmse']:>9.2e}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,53 @@
+r"""Ranks simulated on one process: gradient-like data, the THC allreduce computed
+locally (MAX of the scale vectors, SUM of the words), and the error metric.
+
+What the tests, the codec benchmark (``hhook-profile codec``) and the examples use to
+measure quality without communication.
+
+Example::
+
+    inputs = heavy_tailed(1 << 20, world_size=4)
+    codec = THCCodec(bits=4, world_size=4)
+    print(vnmse(simulate_allreduce(codec, inputs), inputs))  # about 9e-3
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import rng
+from .codec import THCCodec
+
+
+def heavy_tailed(numel: int, world_size: int, seed: int = 0, device="cpu") -> torch.Tensor:
+    """``world_size`` gradient-like vectors: a shared Student-t (df=3) signal with rare
+    large outliers, plus independent per-rank noise."""
+    g = torch.Generator().manual_seed(seed)
+    common = _t_sample(g, numel)
+    spikes = torch.rand(numel, generator=g) < 1e-4
+    common = common + spikes * torch.randn(numel, generator=g) * 100
+    noise = torch.randn(world_size, numel, generator=g) * common.abs().mean()
+    return (common + noise).to(device)
+
+
+def _t_sample(g: torch.Generator, numel: int, df: float = 3.0) -> torch.Tensor:
+    z = torch.randn(numel, generator=g)
+    chi2 = torch.randn(int(df), numel, generator=g).pow_(2).sum(0)
+    return z / (chi2 / df).sqrt_()
+
+
+def vnmse(estimate: torch.Tensor, inputs: torch.Tensor) -> float:
+    """``||estimate - mean||^2 / mean_i ||x_i||^2`` (the DESIGN.md definition)."""
+    mean = inputs.mean(0)
+    return float((estimate - mean).pow(2).sum() / inputs.pow(2).sum(1).mean())
+
+
+def simulate_allreduce(codec: THCCodec, inputs: torch.Tensor, step: int = 0) -> torch.Tensor:
+    """The mean that THC allreduce of the rows of ``inputs`` decodes on every rank."""
+    prepared = [codec.prepare(x) for x in inputs]
+    agreed = torch.stack([p.scales for p in prepared]).amax(0)
+    words = [codec.quantize(p, agreed, rng.stream_key(codec.seed, r, step)) for r, p in enumerate(prepared)]
+    total = words[0].clone()
+    for w in words[1:]:
+        total.add_(w)
+    return codec.decode(prepared[0], agreed, total, torch.empty_like(inputs[0]))

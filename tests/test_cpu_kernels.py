@@ -1,0 +1,229 @@
+"""The fused CPU codec (hhook.cpu_kernels) against the torch reference, and its build cache."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from hhook import cpu_kernels, rng
+from hhook.codec import HEADER, Prepared, THCCodec
+from hhook.simulation import heavy_tailed, simulate_allreduce, vnmse
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("HHOOK_FORCE_REFERENCE") == "1" or not cpu_kernels.available(),
+    reason="fused CPU codec unavailable (no C compiler, or forced off)",
+)
+
+
+@pytest.fixture
+def reference(monkeypatch):
+    """Run the block under the reference: ``with reference(): ...``."""
+
+    class Ctx:
+        def __enter__(self):
+            monkeypatch.setenv("HHOOK_FORCE_REFERENCE", "1")
+
+        def __exit__(self, *exc):
+            monkeypatch.setenv("HHOOK_FORCE_REFERENCE", "0")
+
+    monkeypatch.setenv("HHOOK_FORCE_REFERENCE", "0")
+    return Ctx
+
+
+def _not_identical(scales: torch.Tensor) -> torch.Tensor:
+    agreed = scales.clone()
+    agreed[4] = agreed[3] + 1.0  # the digest halves disagree: a real mean over ranks
+    return agreed
+
+
+CASES = [(block, numel) for block in (1, 2, 16, 1024, 65536) for numel in (1, 5, 1000, 70001)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block,numel", CASES)
+def test_fused_stages_match_the_reference(block, numel, dtype, reference):
+    codec = THCCodec(4, block, 3, 4)
+    x = (torch.randn(numel) * 3).to(dtype)
+    fused = codec.prepare(x)
+    assert fused.backend is cpu_kernels
+    with reference():
+        ref = codec.prepare(x)
+    # header (flag, fingerprint, digest) exactly; maxima and rotation up to summation order
+    assert torch.equal(fused.scales[:HEADER], ref.scales[:HEADER])
+    torch.testing.assert_close(fused.scales[HEADER:], ref.scales[HEADER:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.blocks, ref.blocks, rtol=1e-4, atol=1e-5)
+
+    # quantize: bit for bit on the fused path's own rotated blocks, residual included
+    agreed = _not_identical(fused.scales)
+    residual = torch.randn_like(fused.blocks) * 0.01
+    on_fused_blocks = Prepared(numel, fused.source, fused.scales, fused.blocks.clone())
+    r_ref, r_fused = torch.empty_like(residual), torch.empty_like(residual)
+    with reference():
+        words_ref = codec.quantize(on_fused_blocks, agreed, 12345, residual, r_ref)
+    words = codec.quantize(fused, agreed, 12345, residual, r_fused)
+    assert words.dtype == words_ref.dtype and torch.equal(words, words_ref)
+    assert torch.equal(r_fused, r_ref)
+
+    # decode: the same words decode alike up to the rotation's summation order
+    out, out_ref = torch.empty_like(x), torch.empty_like(x)
+    codec.decode(fused, agreed, words, out)
+    with reference():
+        codec.decode(on_fused_blocks, agreed, words_ref, out_ref)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(out.float(), out_ref.float(), rtol=tol, atol=tol * out_ref.float().abs().max().item())
+
+
+def test_residual_in_place_and_without_residual(reference):
+    codec = THCCodec(4, 256, 0, 4)
+    x = torch.randn(5000)
+    p = codec.prepare(x)
+    agreed = _not_identical(p.scales)
+    residual = torch.randn_like(p.blocks) * 0.1
+    expected = torch.empty_like(residual)
+    with reference():
+        plain = codec.quantize(Prepared(p.numel, p.source, p.scales, p.blocks.clone()), agreed, 9)
+        codec.quantize(Prepared(p.numel, p.source, p.scales, p.blocks.clone()), agreed, 9, residual, expected)
+    assert torch.equal(codec.quantize(p, agreed, 9), plain)
+    codec.quantize(p, agreed, 9, residual)  # residual_out defaults to residual: in place
+    assert torch.equal(residual, expected)
+
+
+def test_whole_pipeline_quality_and_words_match_the_reference(reference):
+    codec = THCCodec(4, 1024, 0, 4)
+    inputs = heavy_tailed(1 << 18, 4)
+    fused = simulate_allreduce(codec, inputs)
+    with reference():
+        ref = simulate_allreduce(codec, inputs)
+    err_fused, err_ref = vnmse(fused, inputs), vnmse(ref, inputs)
+    assert 4e-3 < err_fused < 2e-2 and abs(err_fused / err_ref - 1) < 0.05
+    # codes may differ only where rotated values differ in the last bits: rarely
+    assert (fused - ref).abs().gt(1e-3 * inputs.abs().max()).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_input_sets_the_flag_and_decodes_to_nan(bad, reference):
+    codec = THCCodec(4, 64, 0, 2)
+    x = torch.randn(1000)
+    x[123] = bad
+    p = codec.prepare(x)
+    assert p.scales[0] == 1 and torch.all(p.scales[HEADER:] == 0)
+    residual = torch.randn_like(p.blocks)
+    kept = residual.clone()
+    words = codec.quantize(p, p.scales, 1, residual)
+    assert torch.equal(residual, kept)  # skipped step: residual left alone
+    out = codec.decode(p, p.scales, words, torch.empty_like(x))
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_identical_inputs_come_back_exact_and_keep_the_residual(dtype):
+    codec = THCCodec(4, 128, 0, 3)
+    x = torch.randn(1000).to(dtype)
+    p = codec.prepare(x)  # one rank's own vector reads as "every rank identical"
+    residual = torch.randn_like(p.blocks)
+    out_residual = torch.empty_like(residual)
+    words = codec.quantize(p, p.scales, 5, residual, out_residual)
+    assert torch.equal(out_residual, residual)
+    out = torch.empty(10, 100, dtype=dtype).t()  # non-contiguous output
+    codec.decode(p, p.scales, words, out)
+    assert torch.equal(out, x.view(100, 10))
+
+
+def test_fingerprint_mismatch_decodes_to_nan():
+    codec = THCCodec(4, 128, 0, 2)
+    x = torch.randn(1000)
+    p = codec.prepare(x)
+    agreed = _not_identical(p.scales)
+    words = codec.quantize(p, agreed, 5)
+    agreed[2] = -agreed[1] + 1  # another rank sent another fingerprint
+    assert torch.isnan(codec.decode(p, agreed, words, torch.empty_like(x))).all()
+
+
+def test_digest_equals_rng_digest_exactly():
+    codec = THCCodec(4, 1024, 0, 4)
+    for numel in (1, 1023, 1025, 300_000):
+        x = torch.randn(numel)
+        x[0] = -0.0
+        d = int(codec.prepare(x).scales[3]) + (int(codec.prepare(x).scales[5]) << 24)
+        assert d == int(rng.digest(x.view(torch.int32)))
+
+
+def test_threads_split_work_without_changing_results():
+    codec = THCCodec(4, 1024, 0, 4)
+    x = torch.randn(1 << 20)
+    previous = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            p = codec.prepare(x)
+            agreed = _not_identical(p.scales)
+            words = codec.quantize(p, agreed, 7)
+            results.append((p.scales, words, codec.decode(p, agreed, words, torch.empty_like(x))))
+    finally:
+        torch.set_num_threads(previous)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+# -- build cache ---------------------------------------------------------------------
+_BUILD = textwrap.dedent("""
+    import json, logging, sys, time
+    logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+    from hhook import cpu_kernels
+    ok = cpu_kernels.available()
+    print(json.dumps({"ok": ok, **cpu_kernels.build_info}))
+""")
+
+
+def _spawn(cache: Path, **env):
+    full = {**os.environ, "HHOOK_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT), **env}
+    full.pop("HHOOK_FORCE_REFERENCE", None)
+    return subprocess.Popen([sys.executable, "-c", _BUILD], env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc):
+    import json
+
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def test_four_processes_compile_once_and_later_ones_load_the_cache(tmp_path):
+    procs = [_spawn(tmp_path) for _ in range(4)]
+    results = [_result(p)[0] for p in procs]
+    assert all(r["ok"] for r in results)
+    assert sum(r["compiled"] for r in results) == 1  # the lock let one compile
+    assert len({r["path"] for r in results}) == 1
+    libs = [f for f in tmp_path.iterdir() if f.suffix == ".so"]
+    assert len(libs) == 1 and not [f for f in tmp_path.iterdir() if f.name.endswith(".tmp")]
+    again, _ = _result(_spawn(tmp_path))
+    assert again["ok"] and not again["compiled"]
+
+
+def test_without_a_compiler_the_reference_is_used_with_one_log_line(tmp_path):
+    result, err = _result(_spawn(tmp_path, CC=str(tmp_path / "no-such-cc")))
+    assert not result["ok"]
+    lines = [ln for ln in err.splitlines() if ln.startswith("LOG")]
+    assert len(lines) == 1 and "reference" in lines[0] and "no-such-cc" in lines[0]
+    script = "import torch; from hhook.codec import THCCodec; print(THCCodec().prepare(torch.ones(10)).backend)"
+    env = {**os.environ, "HHOOK_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), "CC": str(tmp_path / "x")}
+    env.pop("HHOOK_FORCE_REFERENCE", None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "None"
+
+
+def test_force_reference_env_is_honoured(monkeypatch):
+    monkeypatch.setenv("HHOOK_FORCE_REFERENCE", "1")
+    assert THCCodec().prepare(torch.ones(10)).backend is None
+    monkeypatch.setenv("HHOOK_FORCE_REFERENCE", "0")
+    assert THCCodec().prepare(torch.ones(10)).backend is cpu_kernels
