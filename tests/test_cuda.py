@@ -807,8 +807,8 @@ def _shared_gpu_ranks(rank, world_size, stream_kind, pressure):
             want = sum(torch.randn(3, 700_001, generator=torch.Generator().manual_seed(100 * step + r))[:, ::2][:, :300_000].t() for r in range(world_size)) / world_size
             fut = hhook.thc_allreduce_async(x, state, key="x")
             if pressure:  # reuse whatever the hook freed, and scribble on it
-                junk = [torch.full((n,), float("nan"), device="cuda") for n in (7 + 300_000 // 1024, 900_000, 2 ** 20)]
-                del junk
+                for n in (7 + 300_000 // 1024, 900_000, 2**20):
+                    torch.full((n,), float("nan"), device="cuda")
             out = fut.wait()
             torch.cuda.current_stream().synchronize()
             err = (out.cpu() - want).norm() / want.norm()
@@ -836,8 +836,8 @@ def _nccl_pressure(rank, world_size):
         want = x.clone()
         fut = hhook.thc_allreduce_async(x[::1], state, key="a")
         fut2 = hhook.thc_allreduce_async(x2, state, key="b")
-        junk = [torch.full((n,), float("nan"), device="cuda") for n in (7 + 2_000_003 // 1024, 2_000_003, 4_000_000)]
-        del junk
+        for n in (7 + 2_000_003 // 1024, 2_000_003, 4_000_000):
+            torch.full((n,), float("nan"), device="cuda")
         fut.wait(), fut2.wait()
         errs.append(float(((x - want).norm() + (x2 - want).norm()) / want.norm()))
     return errs
