@@ -83,11 +83,12 @@ def agreed_status(agreed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 def fused_backend(x: torch.Tensor, block: int):
     """The fused module that computes the codec for tensors like ``x``, or None.
 
-    CUDA tensors go to :mod:`hhook.cuda_kernels` when it works on this machine, CPU
-    tensors to :mod:`hhook.cpu_kernels` when a C compiler built it (once per machine);
-    ``HHOOK_FORCE_REFERENCE=1`` forces this reference everywhere.
+    CUDA tensors go to :mod:`hhook.cuda_kernels` when its kernels compiled for that
+    device, CPU tensors to :mod:`hhook.cpu_kernels` when a C compiler built it (each
+    once; a failure logs one line and falls back here); ``HHOOK_FORCE_REFERENCE=1``
+    forces this reference everywhere.
     """
-    if x.is_cuda and cuda_kernels.available() and cuda_kernels.supports(block):
+    if x.is_cuda and cuda_kernels.usable(x.device, block):
         return cuda_kernels
     if x.device.type == "cpu" and cpu_kernels.supports(block) and cpu_kernels.available():
         return cpu_kernels

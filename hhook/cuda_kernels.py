@@ -1,36 +1,65 @@
 r"""Fused CUDA kernels for :class:`hhook.codec.THCCodec`, compiled at run time by CuPy.
 
 The pure-torch codec is the specification; this module only makes it faster on a GPU.
-:meth:`THCCodec.prepare`, :meth:`~THCCodec.quantize` and :meth:`~THCCodec.decode` call
-:func:`prepare`, :func:`quantize` and :func:`decode` here for CUDA tensors when
-:func:`available` says so. Each stage is one kernel from ``csrc/thc_kernels.cu``:
+:func:`hhook.codec.fused_backend` sends CUDA tensors here when :func:`usable` says so, and
+the codec's three stages call :func:`prepare`, :func:`quantize` and :func:`decode`. Each
+is one kernel from ``csrc/thc_kernels.cu``; none reads a device value on the host.
 
-1. ``prepare``: pad, sign diagonal, Walsh-Hadamard transform, per-block max ``|y|``,
-   error-feedback residual; reads the input in its own dtype (fp32/fp16/bf16).
-2. ``quantize``: stochastic rounding with the counter-based RNG of :mod:`hhook.rng`,
-   written straight into the lane words of :mod:`hhook.lanes`. Given the same rotated
-   blocks and scales the words equal the reference's bit for bit.
-3. ``decode``: unpack, dequantize, inverse rotation, crop, store in the output's dtype.
+1. ``prepare`` reads the input once (fp32/fp16/bf16): sign diagonal, Walsh-Hadamard
+   transform, per-block max ``|y|``, the 48-bit digest of its float32 bits, and the
+   header (:data:`hhook.codec.HEADER`). The last CUDA block to finish writes the header
+   and zeroes the maxima if any was inf/NaN.
+2. ``quantize`` reads the input again and recomputes the rotation instead of storing it
+   (13 bytes of memory traffic per fp32 coordinate for the whole codec, not 17.6), adds
+   the residual, rounds onto the agreed scales and packs the lane words. The agreed
+   header is read on the device: "non-finite" or "identical" makes it copy the old residual.
+3. ``decode`` writes NaN (non-finite, mismatch), the input itself (identical), or the
+   unpacked, dequantized, inverse-rotated mean, in the output's dtype.
 
-The rotation sums in a different order than torch's matmul, so rotated values (and hence,
-rarely, a code) differ from the reference in the last bit.
+Every float operation that the reference also performs is rounded the same way, and the
+transform adds in a fixed order, so the kernels' output is a pure function of the inputs;
+tests reproduce it bit for bit with a torch model of that order. CuPy compiles with
+``-ftz=true``: subnormal intermediates count as zero (the CPU emulator models it).
 
-Why CuPy and NVRTC rather than a compiled extension: ``pip install hhook[cuda]`` needs no
-compiler and no build matched to the torch/CUDA versions; the kernels compile once per
-device on first use (CuPy also caches the binary on disk, ``~/.cupy/kernel_cache``).
-Tensors cross over zero-copy through DLPack and kernels run on torch's current stream.
+**Streams and lifetimes.** Each launch runs on torch's current stream of the tensor's
+device. A transport that runs a later stage on another stream (NCCL and Gloo futures run
+``then`` callbacks on side streams, as soon as the work is queued) must keep what that
+kernel reads or writes alive and ordered: every launch here therefore calls
+:func:`keep_alive` (``Tensor.record_stream``) on its tensors for the stream it runs on, so
+the caching allocator cannot hand their memory to anything else before the kernel is done.
+What each launch touches:
 
-The rotation kernels keep a block in shared memory, so they support block sizes up to
-:data:`MAX_BLOCK`; the codec uses the reference rotation above that (quantization still
-runs here). Set ``HHOOK_FORCE_REFERENCE=1`` to use the reference codec everywhere.
+=========== ============================================ ===============================
+stage       reads                                        writes
+=========== ============================================ ===============================
+prepare     ``source``                                   ``scales`` (header + maxima)
+quantize    ``source``, ``agreed``, ``residual``         ``words``, ``residual_out``
+decode      ``words``, ``agreed``, ``source`` (identical) ``out`` (or a temporary, copied)
+=========== ============================================ ===============================
+
+``source`` (``prepared.source``) must not change between ``prepare`` and ``decode``.
+
+**Host cost.** Tensors cross over as raw ``data_ptr()`` integers (no DLPack: works with
+``requires_grad`` tensors and under ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``), stream
+objects and per-stream workspaces are cached, and there are no helper kernels: one launch
+per stage.
+
+**Availability.** :func:`warm_up` compiles the kernels for a device (NVRTC, seconds, once;
+CuPy also caches the binary on disk, ``~/.cupy/kernel_cache``). Call it when the training
+state is built; otherwise the first compressed bucket does. If compiling fails (no NVRTC,
+no CUDA headers, an unsupported GPU) it logs one line and the codec falls back to the
+reference for that device. ``HHOOK_FORCE_REFERENCE=1`` forces the reference everywhere.
+Block sizes above :data:`MAX_BLOCK` use the reference too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -38,26 +67,36 @@ import torch
 
 from . import rng
 
-#: Largest rotation block the prepare/decode kernels handle (tile in shared memory, < 48 KiB).
-MAX_BLOCK = 8192
+logger = logging.getLogger(__name__)
+
+#: Largest rotation block the kernels handle: quantize's window of coordinates (up to
+#: 2 blocks of 4096 floats) must fit in 48 KiB of shared memory.
+MAX_BLOCK = 4096
 FORCE_REFERENCE_ENV = "HHOOK_FORCE_REFERENCE"
 SOURCE_NAME = "thc_kernels.cu"
-KERNEL_NAMES = (
-    "hh_prepare_f32",
-    "hh_prepare_f16",
-    "hh_prepare_bf16",
-    "hh_quantize_i32",
-    "hh_quantize_i64",
-    *(f"hh_decode_{w}_{o}" for w in ("i32", "i64") for o in ("f32", "f16", "bf16")),
-)
+#: NVRTC options; CuPy appends ``-ftz=true`` (and the architecture) itself.
+COMPILE_OPTIONS = ("-std=c++14",)
 
-_R = 16  # values per thread per butterfly pass: HH_R in the .cu
-_MIN_TILE = 2048  # coordinates per CUDA block at least (several small blocks share one)
-_QUANTIZE_THREADS = 256
-_QUANTIZE_MAX_GRID = 8192  # grid-stride beyond this
-_HEADER = 3  # codec.HEADER, repeated to keep this module free of a circular import
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _WORD_SUFFIX = {torch.int32: "i32", torch.int64: "i64"}
+KERNEL_NAMES = (
+    *(f"hh_prepare_{d}" for d in _DTYPE_SUFFIX.values()),
+    *(f"hh_quantize_{d}_{w}" for d in _DTYPE_SUFFIX.values() for w in _WORD_SUFFIX.values()),
+    *(
+        f"hh_decode_{w}_{o}_{i}"
+        for w in _WORD_SUFFIX.values()
+        for o in _DTYPE_SUFFIX.values()
+        for i in _DTYPE_SUFFIX.values()
+    ),
+)
+
+_R = 8  # HH_R in the .cu: values per thread per butterfly pass
+_MIN_TILE = 2048  # coordinates per CUDA block in prepare/decode at least
+_MAX_THREADS = 512  # HH_THREADS in the .cu (launch bounds)
+_QUANTIZE_THREADS = 256  # at least; more when one span must cover a 4096-block
+_WORDS_PER_THREAD = 8  # HH_MAX_WORDS_PER_THREAD in the .cu
+_HEADER = 7  # codec.HEADER, repeated to keep this module free of a circular import
+_SHARED_LIMIT = 48 * 1024  # bytes of dynamic shared memory without an opt-in
 
 
 # -- availability ----------------------------------------------------------------
@@ -71,18 +110,50 @@ def _cupy_importable() -> bool:
 
 
 def available() -> bool:
-    """Whether CUDA tensors go through these kernels: CuPy importable and not forced off.
-
-    CuPy is imported here, lazily, so importing hhook never needs it.
-    """
+    """Whether CUDA tensors may go through these kernels: CuPy importable and not forced
+    off. CuPy is imported here, lazily, so importing hhook never needs it."""
     if os.environ.get(FORCE_REFERENCE_ENV, "") == "1":
         return False
     return _cupy_importable()
 
 
 def supports(block: int) -> bool:
-    """Whether the rotation kernels handle this block size (the codec falls back if not)."""
+    """Whether the kernels handle this rotation block size (the codec falls back if not)."""
     return 1 <= block <= MAX_BLOCK and block & (block - 1) == 0
+
+
+def _device_index(device) -> int:
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _warm_up(index: int) -> bool:
+    try:
+        _functions(index)
+    except Exception as err:  # NVRTC or headers missing, unsupported GPU, driver too old
+        logger.warning(
+            "hhook: CUDA kernels unavailable on cuda:%d (%s: %s); using the reference codec there",
+            index,
+            type(err).__name__,
+            str(err).splitlines()[0] if str(err) else "",
+        )
+        return False
+    return True
+
+
+def warm_up(device=None) -> bool:
+    """Compile and load the kernels for ``device`` now; False (and one log line) if that fails.
+
+    The transport calls it when its state is built, so that neither the compile (seconds,
+    once) nor a failure happens inside the backward pass.
+    """
+    return available() and _warm_up(_device_index(device))
+
+
+def usable(device, block: int) -> bool:
+    """Whether the codec should run tensors on ``device`` with this block size here."""
+    return available() and supports(block) and _warm_up(_device_index(device))
 
 
 # -- sources -----------------------------------------------------------------------
@@ -101,6 +172,48 @@ def kernel_source() -> str:
     return source_path().read_text()
 
 
+# -- host-side constants -----------------------------------------------------------------
+def sign_bits(seed: int, block: int) -> np.ndarray:
+    """The sign diagonal of :func:`hhook.rotation.signs` as a bit table: bit ``p`` of word
+    ``p // 32`` is set where entry ``p`` is -1."""
+    key = rng.sign_key(seed)
+    table = np.zeros(-(-block // 32), dtype=np.uint32)
+    for p in range(block):
+        if rng.mix32(p + key) & 1:
+            table[p >> 5] |= np.uint32(1 << (p & 31))
+    return table
+
+
+@functools.lru_cache(maxsize=64)
+def _signs_on(seed: int, block: int, device: torch.device) -> torch.Tensor:
+    """The table on ``device``, uploaded once per (seed, block, device)."""
+    return torch.from_numpy(sign_bits(seed, block).view(np.int32)).to(device)
+
+
+_workspaces: dict = {}
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    """prepare's running digest and counters: 2 x int64 of zeros per (device, stream).
+
+    Launches on one stream run in order and each leaves it zeroed again; launches on
+    different streams get different workspaces.
+    """
+    key = (device, _stream_pointer(device))
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = _workspaces[key] = torch.zeros(2, dtype=torch.int64, device=device)
+    return ws
+
+
+def _stream_pointer(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0  # the CPU emulator in the tests
+    index = _device_index(device)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
 # -- launches ----------------------------------------------------------------------
 @dataclasses.dataclass
 class Launch:
@@ -114,80 +227,103 @@ class Launch:
 
 
 def _tile(block: int) -> tuple[int, int]:
-    """``(tile, threads)``: a CUDA block rotates ``tile`` coordinates, whole blocks of B."""
+    """``(tile, threads)`` of prepare/decode: a CUDA block rotates ``tile`` coordinates,
+    whole blocks of B, ``_R`` per thread."""
     tile = max(block, _MIN_TILE)
     return tile, tile // _R
+
+
+def _quantize_geometry(block: int) -> tuple[int, int, int]:
+    """``(threads, span, window)`` of quantize: a CUDA block packs ``span`` words; one
+    lane's codes then lie in a window of at most ``window`` coordinates of whole blocks."""
+    cover = max(block, _R)
+    threads = max(_QUANTIZE_THREADS, cover // _WORDS_PER_THREAD)
+    span = _WORDS_PER_THREAD * threads  # a multiple of cover
+    return threads, span, span + cover
 
 
 def _pad(n: int) -> int:
     return n + (n >> 5)  # hh_pad: one spare float every 32 against bank conflicts
 
 
-def prepare_launch(x_flat, residual, blocks, scales, numel: int, block: int, seed: int, fingerprint: int) -> Launch:
-    total = blocks.numel()
+def _aligned(t: torch.Tensor) -> np.int32:
+    """Whether 4 consecutive elements from a multiple of 4 form one aligned vector access."""
+    return np.int32(t.data_ptr() % (4 * t.element_size()) == 0)
+
+
+def prepare_launch(source, signs, scales, workspace, numel: int, block: int, fingerprint: int) -> Launch:
+    n_blocks = -(-numel // block)
     tile, threads = _tile(block)
-    has_residual = residual is not None
     return Launch(
-        f"hh_prepare_{_DTYPE_SUFFIX[x_flat.dtype]}",
-        -(-total // tile),
+        f"hh_prepare_{_DTYPE_SUFFIX[source.dtype]}",
+        max(1, -(-(n_blocks * block) // tile)),  # one block even when empty: it writes the header
         threads,
-        4 * (_pad(tile) + tile // block),
+        4 * (_pad(tile) + tile // block + 1),
         (
-            x_flat,
-            residual if has_residual else blocks,  # never read when has_residual is 0
-            np.int32(has_residual),
-            blocks,
+            source,
+            signs,
             scales,
+            workspace,
             np.int64(numel),
-            np.int64(total),
+            np.int64(n_blocks * block),
             np.int32(block.bit_length() - 1),
-            np.uint32(rng.sign_key(seed)),
             np.float32(1.0 / math.sqrt(block)),
             np.float32(fingerprint),
+            _aligned(source),
         ),
     )
 
 
-def quantize_launch(blocks, maxima, words, residual, layout, levels: int, key: int) -> Launch:
-    count = blocks.numel()
-    n_words = words.numel()
+def quantize_launch(
+    source, signs, agreed, words, residual, residual_out, block: int, layout, levels: int, key: int
+) -> Launch:
+    numel = source.numel()
+    total = -(-numel // block) * block
+    threads, span, window = _quantize_geometry(block)
     has_residual = residual is not None
     return Launch(
-        f"hh_quantize_{_WORD_SUFFIX[layout.word_dtype]}",
-        max(1, min(-(-n_words // _QUANTIZE_THREADS), _QUANTIZE_MAX_GRID)),
-        _QUANTIZE_THREADS,
-        0,
+        f"hh_quantize_{_DTYPE_SUFFIX[source.dtype]}_{_WORD_SUFFIX[layout.word_dtype]}",
+        -(-words.numel() // span),
+        threads,
+        4 * (_pad(window) + 3 * (window // block)),
         (
-            blocks,
-            maxima,
+            source,
+            signs,
+            agreed,
             words,
-            residual if has_residual else blocks,  # never written when has_residual is 0
+            residual if has_residual else agreed,  # never read when has_residual is 0
+            residual_out if has_residual else agreed,  # never written either
             np.int32(has_residual),
-            np.int64(count),
-            np.int64(n_words),
-            np.int32(blocks.shape[1].bit_length() - 1),
+            np.int64(numel),
+            np.int64(total),
+            np.int64(words.numel()),
+            np.int32(block.bit_length() - 1),
             np.int32(levels),
             np.int32(layout.width),
             np.int32(layout.lanes),
             np.uint32(key & rng.MASK32),
+            np.float32(1.0 / math.sqrt(block)),
+            np.int32(_WORDS_PER_THREAD),
+            _aligned(source),
         ),
     )
 
 
-def decode_launch(
-    words, maxima, out_flat, numel: int, n_blocks: int, block: int, layout, levels: int, world_size: int, seed: int
-) -> Launch:
-    total = n_blocks * block
+def decode_launch(words, signs, agreed, out_flat, source, block: int, layout, levels: int, world_size: int) -> Launch:
+    numel = out_flat.numel()
+    total = -(-numel // block) * block
     tile, threads = _tile(block)
     return Launch(
-        f"hh_decode_{_WORD_SUFFIX[layout.word_dtype]}_{_DTYPE_SUFFIX[out_flat.dtype]}",
+        f"hh_decode_{_WORD_SUFFIX[layout.word_dtype]}_{_DTYPE_SUFFIX[out_flat.dtype]}_{_DTYPE_SUFFIX[source.dtype]}",
         -(-total // tile),
         threads,
         4 * (_pad(tile) + 2 * (tile // block)),
         (
             words,
-            maxima,
+            signs,
+            agreed,
             out_flat,
+            source,
             np.int64(numel),
             np.int64(total),
             np.int64(words.numel()),
@@ -195,49 +331,51 @@ def decode_launch(
             np.int32(levels),
             np.int32(world_size),
             np.int32(layout.width),
-            np.uint32(rng.sign_key(seed)),
             np.float32(1.0 / math.sqrt(block)),
+            _aligned(out_flat),
+            _aligned(source),
         ),
     )
 
 
+# -- running them with CuPy ------------------------------------------------------------
 @functools.cache
-def _module():
+def _functions(index: int) -> dict:
+    """The compiled kernels on device ``index`` (NVRTC once per device; raises on failure)."""
     import cupy
 
-    # CuPy compiles the module with NVRTC for the current device's architecture on first
-    # use and caches it per device (and on disk): compile once per device.
-    return cupy.RawModule(code=kernel_source(), options=("-std=c++14",))
+    with cupy.cuda.Device(index):
+        module = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS)
+        module.compile()
+        # RawKernel.kernel: the driver function for the current device, whose call takes
+        # (grid, block, args, shared_mem, stream) with no per-call conversions.
+        return {name: module.get_function(name).kernel for name in KERNEL_NAMES}
 
 
-@functools.cache
-def _function(name: str):
-    try:
-        return _module().get_function(name)
-    except Exception as err:  # NVRTC missing or failing: say how to carry on without it
-        raise RuntimeError(
-            f"hhook: could not compile the CUDA kernels ({err}); set {FORCE_REFERENCE_ENV}=1 to use the reference codec"
-        ) from err
+@functools.lru_cache(maxsize=256)
+def _cupy_stream(index: int, pointer: int):
+    import cupy
+
+    return cupy.cuda.ExternalStream(pointer, index)
 
 
-def _as_cupy(cupy, value):
-    if not isinstance(value, torch.Tensor):
-        return value
-    if value.dtype in (torch.float16, torch.bfloat16):
-        value = value.view(torch.int16)  # the kernels take raw 16-bit patterns; CuPy has no bf16
-    return cupy.from_dlpack(value)
+def keep_alive(tensors, stream: torch.cuda.Stream | None = None) -> None:
+    """Keep CUDA ``tensors`` from being reused before the work now queued on ``stream``
+    (default: the current one) is done: ``record_stream`` for each. A tensor allocated on
+    that very stream needs nothing (the allocator ignores it then)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(stream if stream is not None else torch.cuda.current_stream(t.device))
 
 
 def _cupy_launch(launch: Launch, device: torch.device) -> None:
-    """Run ``launch`` on ``device``, on torch's current stream there, tensors via DLPack."""
-    import cupy
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with cupy.cuda.Device(index):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream)
-        with stream:
-            args = tuple(_as_cupy(cupy, a) for a in launch.args)
-            _function(launch.name)((launch.grid,), (launch.block,), args, shared_mem=launch.shared_mem)
+    """Run ``launch`` on torch's current stream of ``device``; tensors as raw pointers."""
+    index = _device_index(device)
+    function = _functions(index)[launch.name]
+    stream = _cupy_stream(index, _stream_pointer(device))
+    args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in launch.args)
+    function((launch.grid, 1, 1), (launch.block, 1, 1), args, launch.shared_mem, stream)
+    keep_alive((a for a in launch.args if isinstance(a, torch.Tensor)), torch.cuda.current_stream(index))
 
 
 #: How launches run; tests replace it with a CPU emulator of the kernels.
@@ -245,84 +383,75 @@ _launch = _cupy_launch
 
 
 # -- the three codec stages ----------------------------------------------------------
-def _check_sizes(tensor: torch.Tensor, expected: int, what: str) -> None:
-    """Kernels index raw pointers: a wrong length would read or write out of bounds."""
-    if tensor.numel() != expected:
-        raise ValueError(f"hhook: {what} has {tensor.numel()} elements, expected {expected}")
+def _check(tensor: torch.Tensor, numel: int, dtype, what: str) -> None:
+    """Kernels index raw pointers: a wrong length, dtype or layout would read or write out
+    of bounds, so it is an error, never a silent copy."""
+    if tensor.numel() != numel or tensor.dtype != dtype or not tensor.is_contiguous():
+        raise ValueError(
+            f"hhook: {what} must be a contiguous {dtype} tensor of {numel} elements, got "
+            f"{tensor.dtype} of {tensor.numel()} (contiguous: {tensor.is_contiguous()})"
+        )
 
 
-def prepare(codec, x: torch.Tensor, residual: torch.Tensor | None = None):
-    """:meth:`THCCodec.prepare` in one kernel (block size at most :data:`MAX_BLOCK`)."""
-    from .codec import Prepared
-
-    numel = x.numel()
+def _block_of(codec, numel: int) -> int:
     block = codec.block_for(numel)
-    n_blocks = codec.n_blocks(numel)
     if not supports(block):
         raise ValueError(f"hhook CUDA kernels rotate blocks of at most {MAX_BLOCK}, not {block}")
-    blocks = torch.empty(n_blocks, block, dtype=torch.float32, device=x.device)
-    scales = torch.zeros(_HEADER + n_blocks, dtype=torch.float32, device=x.device)
-    f = codec.fingerprint(numel)
-    if n_blocks == 0:
-        scales[1:_HEADER] = torch.tensor([f, -f], dtype=torch.float32)
-        return Prepared(numel, blocks, scales)
-    if residual is not None:
-        _check_sizes(residual, blocks.numel(), "residual")
-        residual = residual.to(torch.float32).contiguous()
-    flat = x.reshape(-1).contiguous()
-    _launch(prepare_launch(flat, residual, blocks, scales, numel, block, codec.seed, f), x.device)
-    # A non-finite rank reports zero maxima, as the reference does.
-    scales[_HEADER:].masked_fill_(scales[0] != 0, 0.0)
-    return Prepared(numel, blocks, scales)
+    return block
 
 
-def quantize(codec, prepared, agreed: torch.Tensor, key: int, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The words of :meth:`THCCodec.quantize` once the header checks have passed."""
-    blocks = prepared.blocks.contiguous()
+def prepare(codec, source: torch.Tensor):
+    """:meth:`THCCodec.prepare` in one kernel. ``source`` is the flattened input."""
+    from .codec import Prepared
+
+    if not source.is_contiguous() or source.dtype not in _DTYPE_SUFFIX:
+        raise ValueError("hhook: prepare needs a contiguous float32/float16/bfloat16 source")
+    numel = source.numel()
+    block = _block_of(codec, numel)
+    scales = torch.empty(_HEADER + codec.n_blocks(numel), dtype=torch.float32, device=source.device)
+    signs = _signs_on(codec.seed, block, source.device)
+    launch = prepare_launch(source, signs, scales, _workspace(source.device), numel, block, codec.fingerprint(numel))
+    _launch(launch, source.device)
+    return Prepared(numel, source, scales, None, sys.modules[__name__])
+
+
+def quantize(codec, prepared, agreed: torch.Tensor, key: int, residual=None, residual_out=None) -> torch.Tensor:
+    """:meth:`THCCodec.quantize`: the lane words; the residual as described there."""
+    source = prepared.source
+    block = _block_of(codec, prepared.numel)
+    n_blocks = codec.n_blocks(prepared.numel)
     layout = codec.layout
-    words = torch.empty(layout.n_words(blocks.numel()), dtype=layout.word_dtype, device=blocks.device)
+    words = torch.empty(codec.words_numel(prepared.numel), dtype=layout.word_dtype, device=source.device)
     if words.numel() == 0:
         return words
-    maxima = agreed[_HEADER:].to(device=blocks.device, dtype=torch.float32).contiguous()
-    _check_sizes(maxima, blocks.shape[0], "agreed block scales")
-    target = None
+    _check(agreed, _HEADER + n_blocks, torch.float32, "agreed scales")
     if residual is not None:
-        _check_sizes(residual, blocks.numel(), "residual")
-        direct = residual.dtype == torch.float32 and residual.is_contiguous()
-        target = residual if direct else torch.empty(blocks.shape, dtype=torch.float32, device=blocks.device)
-    _launch(quantize_launch(blocks, maxima, words, target, layout, codec.levels, key), blocks.device)
-    if target is not None and target is not residual:
-        residual.copy_(target.view_as(residual))
+        residual_out = residual if residual_out is None else residual_out
+        _check(residual, n_blocks * block, torch.float32, "residual")
+        _check(residual_out, n_blocks * block, torch.float32, "residual_out")
+    signs = _signs_on(codec.seed, block, source.device)
+    launch = quantize_launch(source, signs, agreed, words, residual, residual_out, block, layout, codec.levels, key)
+    _launch(launch, source.device)
     return words
 
 
 def decode(codec, prepared, agreed: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """:meth:`THCCodec.decode` for finite sums: the mean over ranks, written into ``out``."""
-    n_blocks, block = prepared.blocks.shape
-    if not supports(block):
-        raise ValueError(f"hhook CUDA kernels rotate blocks of at most {MAX_BLOCK}, not {block}")
-    _check_sizes(out, prepared.numel, "out")
-    if prepared.numel == 0:
+    """:meth:`THCCodec.decode`: the mean (or NaN, or the input) written into ``out``."""
+    numel = prepared.numel
+    if out.numel() != numel:
+        raise ValueError(f"hhook: out has {out.numel()} elements, expected {numel}")
+    if numel == 0:
         return out
-    _check_sizes(words, codec.layout.n_words(n_blocks * block), "words")
+    block = _block_of(codec, numel)
+    _check(agreed, _HEADER + codec.n_blocks(numel), torch.float32, "agreed scales")
+    _check(words, codec.words_numel(numel), codec.layout.word_dtype, "words")
     direct = out.is_contiguous() and out.dtype in _DTYPE_SUFFIX
-    target = out if direct else torch.empty(out.shape, dtype=torch.float32, device=words.device)
-    maxima = agreed[_HEADER:].to(device=words.device, dtype=torch.float32).contiguous()
-    _check_sizes(maxima, n_blocks, "agreed block scales")
-    words = words.to(codec.layout.word_dtype).contiguous()
+    target = out.view(-1) if direct else torch.empty(numel, dtype=torch.float32, device=out.device)
+    signs = _signs_on(codec.seed, block, out.device)
     launch = decode_launch(
-        words,
-        maxima,
-        target.view(-1),
-        prepared.numel,
-        n_blocks,
-        block,
-        codec.layout,
-        codec.levels,
-        codec.world_size,
-        codec.seed,
+        words, signs, agreed, target, prepared.source, block, codec.layout, codec.levels, codec.world_size
     )
-    _launch(launch, words.device)
+    _launch(launch, out.device)
     if not direct:
-        out.copy_(target)
+        out.copy_(target.view(out.shape))
     return out
