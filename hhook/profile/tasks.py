@@ -39,7 +39,12 @@ def load(rank: int, world: int):
     x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=0.25, random_state=0, stratify=y)
     x_train, x_test = (torch.tensor(a, dtype=torch.float32) for a in (x_train, x_test))
     y_train, y_test = (torch.tensor(a) for a in (y_train, y_test))
-    return x_train, y_train, x_test, y_test, torch.arange(rank, len(x_train), world)
+    return x_train, y_train, x_test, y_test, shard(len(x_train), rank, world)
+
+
+def shard(n: int, rank: int, world: int) -> torch.Tensor:
+    """Training indices of ``rank``: every ``world``-th of ``n`` samples from ``rank``."""
+    return torch.arange(rank, n, world)
 
 
 def make_model(hidden: int) -> nn.Module:
