@@ -303,13 +303,21 @@ def _run_child(spec: dict, workdir: str, timeout_s: float) -> dict:
     except (OSError, ValueError):
         with open(paths["log"]) as f:
             lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
-        why = lines[-1] if lines else f"exit status {proc.returncode}"
-        result = {"status": "failed", "message": f"child exited with status {proc.returncode}: {why}"}
+        code = proc.returncode
+        ended = f"killed by signal {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
+        result = {"status": "failed", "message": f"child {ended}" + (f": {lines[-1]}" if lines else "")}
     result["wall_s"] = wall
     if result["status"] != "ok" and os.environ.get("HHOOK_DEBUG"):
         with open(paths["log"]) as f:
             sys.stderr.write(f.read())
     return result
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 def _verdict(results: list[dict]) -> tuple[str, str]:
@@ -615,11 +623,12 @@ def table(rows: list[dict], target: float) -> str:
     head, body = lines[:2], iter(lines[2:])
     out = list(head)
     for r in rows:
-        out.append(next(body) if r["status"] == "ok" else f"{r['method']:<16s}  {r['message']}")
+        message = r["message"] if len(r["message"]) <= 100 else r["message"][:97] + "..."  # whole in --json
+        out.append(next(body) if r["status"] == "ok" else f"{r['method']:<16s}  {message}")
     return "\n".join(out)
 
 
-def footer(rows: list[dict], cfg: dict, args, world: int) -> list[str]:
+def footer(rows: list[dict], args) -> list[str]:
     lines = [f"# step = forward + backward + optimizer step on rank 0, median and p90 after {args.warmup} "
              f"warm-up steps; s to {args.target_accuracy * 100:g}% = training time (eval excluded) until the "
              f"first evaluation (every {args.eval_every} steps) reaching it"]
@@ -726,7 +735,7 @@ def run(args, cfg) -> int:
         add_speedups(rows)
         if rank0:
             _say(table(rows, args.target_accuracy))
-            for line in footer(rows, cfg, args, control.size):
+            for line in footer(rows, args):
                 _say(line)
             if args.json:
                 report.write_json(args.json, m, rows)
