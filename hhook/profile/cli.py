@@ -14,6 +14,7 @@ Examples::
     mpirun -np 4 python -m hhook.profile allreduce --sizes 25MB --bits 4 --json ar.json
     python -m hhook.profile model --link-json link.json --allreduce-json ar.json --plot p.png
     python -m hhook.profile codec --sizes 1M,25MB --bits 2,4,8
+    torchrun --nproc-per-node 2 -m hhook.profile train --model wide-cnn --methods fp32,fp16,thc:4
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Bandwidth profiler that shows what homomorphic (THC) compression saves. "
         "Launch with mpirun -np N (or torchrun for --backend gloo/nccl).",
     )
-    sub = p.add_subparsers(dest="command", metavar="{link,allreduce,model,codec}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{link,allreduce,model,codec,train}", parser_class=_Parser)
     sub.required = True
 
     def common(sp, comm=True):
@@ -208,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     cd.add_argument("--impl", type=_word_list, metavar="LIST",
                     help="fused,reference (default: both where a fused backend works here)")
     common(cd, comm=False)
+
+    from .train import add_parser as add_train_parser
+
+    add_train_parser(sub, common)
     return p
 
 
@@ -299,6 +304,13 @@ def validate(args) -> dict:
         cfg.update(_check_model(args))
     elif args.command == "codec":
         cfg.update(_check_codec(args, env))
+    elif args.command == "train":
+        from . import train
+
+        try:
+            cfg.update(train.check(args, env))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     return cfg
 
 
@@ -581,6 +593,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if args.command in ("model", "codec"):
         return _run_local(args, cfg, rank0)
+    if args.command == "train":
+        from .train import run
+
+        return run(args, cfg)
     return _run_distributed(args, cfg)
 
 

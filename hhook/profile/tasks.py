@@ -1,0 +1,111 @@
+r"""Training tasks that need no download: scikit-learn's bundled 8x8 handwritten digits.
+
+The examples (``examples/ddp_train.py``, ``examples/horovod_train.py``) and
+``hhook-profile train`` share the data split, the sharding and the models defined here.
+
+Models of ``hhook-profile train`` (``--model``):
+
+``wide-cnn``
+    Communication-bound: two small convolutions, then a 4096 x 1280 fully connected
+    layer; 5.3M parameters (21 MB of float32 gradients) for about 0.6 GFLOP per batch
+    of 32. Compression has the most to gain here.
+``deep-cnn``
+    Compute-heavier: four 3x3 convolutions of 64 channels at full 8x8 resolution;
+    0.12M parameters (0.5 MB of gradients) for about as many FLOPs as ``wide-cnn``:
+    a hundred times more compute per gradient byte.
+    Communication is a small part of a step: compression has little to gain.
+``mlp``
+    The examples' 64-256-256-10 MLP (85k parameters): a step takes about a millisecond,
+    for quick checks and tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def load(rank: int, world: int):
+    """``(x_train, y_train, x_test, y_test, shard)``: a fixed 75/25 split of the digits,
+    pixels scaled to [0, 1] and flattened to 64 features; ``shard`` holds the training
+    indices of this rank (every ``world``-th sample from ``rank``)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=0.25, random_state=0, stratify=y)
+    x_train, x_test = (torch.tensor(a, dtype=torch.float32) for a in (x_train, x_test))
+    y_train, y_test = (torch.tensor(a) for a in (y_train, y_test))
+    return x_train, y_train, x_test, y_test, shard(len(x_train), rank, world)
+
+
+def shard(n: int, rank: int, world: int) -> torch.Tensor:
+    """Training indices of ``rank``: every ``world``-th of ``n`` samples from ``rank``."""
+    return torch.arange(rank, n, world)
+
+
+def make_model(hidden: int) -> nn.Module:
+    """The examples' MLP: 64 -> hidden -> hidden -> 10."""
+    return nn.Sequential(
+        nn.Linear(64, hidden), nn.ReLU(),
+        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(hidden, 10),
+    )
+
+
+def batches(shard: torch.Tensor, batch_size: int, epochs: int | None):
+    """Index batches of this rank's shard, reshuffled each epoch (same order on every run);
+    ``epochs=None`` goes on for ever."""
+    epoch = 0
+    while epochs is None or epoch < epochs:
+        order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(epoch))]
+        for i in range(0, len(order) - batch_size + 1, batch_size):
+            yield order[i : i + batch_size]
+        epoch += 1
+
+
+def _image(x: torch.Tensor) -> torch.Tensor:
+    return x.view(-1, 1, 8, 8)
+
+
+def wide_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(64 * 8 * 8, 1280), nn.ReLU(),
+        nn.Linear(1280, 10),
+    )
+
+
+def deep_cnn(channels: int = 64, layers: int = 4) -> nn.Module:
+    body: list[nn.Module] = [nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, channels, 3, padding=1), nn.ReLU()]
+    for _ in range(layers - 1):
+        body += [nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU()]
+    body += [nn.MaxPool2d(2), nn.Flatten(), nn.Linear(channels * 16, 10)]
+    return nn.Sequential(*body)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A model on the digits with the optimizer settings it trains well with."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    lr: float
+    batch_size: int
+    summary: str
+
+
+TASKS = {
+    t.name: t
+    for t in (
+        Task("wide-cnn", wide_cnn, 0.02, 32, "communication-bound CNN, 5.3M parameters"),
+        Task("deep-cnn", deep_cnn, 0.05, 32, "compute-heavier CNN, 0.12M parameters"),
+        Task("mlp", lambda: make_model(256), 0.05, 32, "the examples' MLP, 85k parameters"),
+    )
+}

@@ -1,0 +1,208 @@
+"""hhook-profile train: bad input ends with one clear line, a hanging method is reported as
+hung and the next one still runs, bytes and figures follow the counting conventions."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from hhook.profile import cli, train
+from hhook.profile.train import Method, add_speedups, parse_methods, summarize
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCHER_VARS = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
+                 "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    env.update(extra)
+    return env
+
+
+def _world(monkeypatch, rank: int, size: int) -> None:
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    if size > 1:
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(size))
+
+
+# -- bad input, in process (no communication happens before the verdict) -------------------
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--methods", "fp32,sgd"], "unknown method 'sgd'"),
+        (["--methods", "_hang"], "unknown method '_hang'"),  # test-only, needs HHOOK_PROFILE_TESTING=1
+        (["--methods", "thc:9"], "bits must be an integer in 1..8"),
+        (["--methods", "thc:4:guessed"], "unknown scale mode 'guessed'"),
+        (["--methods", "powersgd:0"], "RANK >= 1"),
+        (["--methods", "fp16:2"], "fp16 takes no options"),
+        (["--methods", "thc,thc:4"], "listed twice"),
+        (["--model", "resnet"], "unknown model 'resnet'"),
+        (["--steps", "5", "--warmup", "5"], "--warmup must be in 0..steps-1"),
+        (["--target-accuracy", "1.5"], "--target-accuracy must be in (0, 1]"),
+        (["--batch-size", "5000"], "exceeds a rank's shard"),
+        (["--timeout", "0"], "--timeout must be positive"),
+        (["--plot", "x.jpg"], "must end in .png"),
+    ],
+)
+def test_bad_arguments_give_one_line_and_exit_2(args, message, capsys, monkeypatch):
+    _world(monkeypatch, 0, 2)
+    monkeypatch.delenv(train.TESTING_ENV, raising=False)
+    assert cli.main(["train", *args]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("hhook-profile: error:") == 1 and message in err, err
+    assert "Traceback" not in err
+
+
+def test_a_world_of_one_is_refused(capsys, monkeypatch):
+    _world(monkeypatch, 0, 1)
+    assert cli.main(["train"]) == cli.EXIT_USAGE
+    assert "train needs at least 2 ranks" in capsys.readouterr().err
+
+
+def test_other_ranks_stay_silent_on_bad_arguments(capsys, monkeypatch):
+    _world(monkeypatch, 1, 2)
+    assert cli.main(["train", "--model", "nope"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == ""
+
+
+def test_method_names():
+    ms = parse_methods("FP32, fp16,bf16,powersgd,powersgd:4,thc,thc:2:agreed", powersgd_rank=3)
+    assert [m.name for m in ms] == ["fp32", "fp16", "bf16", "powersgd:3", "powersgd:4", "thc:4", "thc:2:agreed"]
+    assert ms[3].rank == 3 and ms[4].rank == 4
+    assert (ms[6].bits, ms[6].scales) == (2, "agreed") and ms[5].scales is None
+
+
+def test_scale_modes_unknown_to_this_hhook_are_reported_not_raised(monkeypatch):
+    import hhook.state
+
+    class WithoutScales:
+        def __init__(self, bits=4):
+            pass
+
+    class WithScales:
+        def __init__(self, bits=4, scales="agreed"):
+            if scales not in ("agreed", "predicted"):
+                raise ValueError(scales)
+
+    thc = Method("thc:4:predicted", "thc", bits=4, scales="predicted")
+    monkeypatch.setattr(hhook.state, "THCState", WithoutScales)
+    assert "unsupported by this hhook" in train.unsupported(thc)
+    assert train.unsupported(Method("thc:4", "thc", bits=4)) is None  # no mode named: no scales= passed
+    monkeypatch.setattr(hhook.state, "THCState", WithScales)
+    assert train.unsupported(thc) is None
+
+
+# -- verdicts and figures ---------------------------------------------------------------
+def test_verdict_is_hung_if_any_rank_hung_and_names_the_rank_that_failed_first():
+    ok = {"status": "ok"}
+    assert train._verdict([ok, ok]) == ("ok", "")
+    status, message = train._verdict([ok, {"status": "hung", "message": "no progress for 5 s after step 2"}])
+    assert status == "hung" and message.startswith("hung (timeout)") and "rank 1" in message
+    peer = {"status": "failed", "message": "RuntimeError: Connection closed by peer [127.0.0.1]:1234"}
+    own = {"status": "failed", "message": "ValueError: bad bucket"}
+    assert train._verdict([peer, own]) == ("failed", "failed on rank 1: ValueError: bad bucket")
+
+
+def _result(step_s, accs, times, step_bytes):
+    evals = [{"step": 10 * (i + 1), "time_s": t, "accuracy": a, "loss": 0.1} for i, (a, t) in enumerate(zip(accs, times))]
+    return {"status": "ok", "params": 100, "step_s": step_s, "step_bytes": step_bytes, "bytes_counted": True,
+            "evals": evals, "train_s": sum(step_s), "final_accuracy": accs[-1], "final_loss": 0.1}
+
+
+def test_figures_from_step_times_and_the_eval_curve():
+    warm = [1.0, 1.0]  # warm-up steps: slow, and excluded
+    fp32 = _result(warm + [0.010] * 9 + [0.020], [0.5, 0.96, 0.97], [1.0, 2.0, 3.0], [999] * 2 + [400] * 10)
+    fp16 = _result(warm + [0.005] * 10, [0.5, 0.8, 0.9], [0.5, 1.0, 1.5], [999] * 2 + [200] * 10)
+    thc = _result(warm + [0.004] * 10, [0.95, 0.96, 0.97], [0.4, 0.8, 1.2], [999] * 2 + [60] * 10)
+    rows = [summarize(Method(k, k), "ok", "", [r, r], warmup=2, target=0.95)
+            for k, r in (("fp32", fp32), ("fp16", fp16), ("thc", thc))]
+    rows.append(summarize(Method("powersgd:2", "powersgd", rank=2), "hung", "hung (timeout): x", [{}, {}], 2, 0.95))
+    add_speedups(rows)
+    f32, f16, t, p = rows
+    assert f32["median_ms"] == pytest.approx(10.0) and f32["p90_ms"] == pytest.approx(11.0)
+    assert f32["bytes_per_step"] == 400 and t["bytes_per_step"] == 60
+    assert f32["time_to_target_s"] == 2.0 and f16["time_to_target_s"] is None and t["time_to_target_s"] == 0.4
+    assert t["speedup_vs_fp32"] == pytest.approx(2.5) and t["speedup_vs_fp16"] == pytest.approx(1.25)
+    assert t["tta_speedup_vs_fp32"] == pytest.approx(5.0) and t["tta_speedup_vs_fp16"] is None
+    assert p["speedup_vs_fp32"] is None
+    text = train.table(rows, 0.95)
+    lines = text.splitlines()
+    assert len(lines) == 2 + 4 and max(map(len, lines)) <= 120
+    assert "not reached" in lines[3] and lines[5].startswith("powersgd:2") and "hung (timeout)" in lines[5]
+
+
+# -- end to end: 2 ranks on loopback ---------------------------------------------------------
+def _torchrun(*args, timeout=240, **env):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), "-m", "hhook.profile", "train", *args]
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"hhook-profile train hung (> {timeout}s): {' '.join(cmd)}\n{e.stdout}\n{e.stderr}")
+
+
+def test_two_ranks_time_every_method_and_survive_a_hang(tmp_path):
+    out, png = tmp_path / "train.json", tmp_path / "train.png"
+    args = ["--model", "mlp", "--methods", "fp32,fp16,_hang,thc:4", "--steps", "24", "--warmup", "4",
+            "--eval-every", "8", "--target-accuracy", "0.5", "--timeout", "6", "--json", str(out), "--strict"]
+    if importlib.util.find_spec("matplotlib"):
+        args += ["--plot", str(png)]
+    proc = _torchrun(*args, HHOOK_PROFILE_TESTING="1")
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # --strict: the hung method makes it fail
+    # (torchrun prints a traceback of its own for any rank's non-zero exit; ours would name the rank)
+    assert "hhook-profile: rank" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert [rows[m]["status"] for m in ("fp32", "fp16", "_hang", "thc:4")] == ["ok", "ok", "hung", "ok"]
+    table = [ln for ln in proc.stdout.splitlines() if ln.startswith("_hang")]
+    assert table and "hung (timeout)" in table[0]
+    params = rows["fp32"]["params"]
+    assert rows["fp32"]["bytes_per_step"] == 4 * params
+    assert rows["fp16"]["bytes_per_step"] == 2 * params  # every gradient, as float16, once per step
+    thc = rows["thc:4"]
+    assert thc["bytes_per_step"] < rows["fp16"]["bytes_per_step"] / 2
+    assert thc["bytes_mismatch"] is None and thc["thc_stats"][0]["wire_bytes"] > 0
+    for name in ("fp32", "fp16", "thc:4"):
+        r = rows[name]
+        assert r["steps"] == 24 and len(r["step_ms"]) == 24 and len(r["step_ms_per_rank"]) == 2
+        assert [e["step"] for e in r["evals"]] == [8, 16, 24]
+        assert r["final_accuracy"] > 0.5 and r["time_to_target_s"] is not None
+        assert 0 < r["median_ms"] <= r["p90_ms"]
+    assert rows["fp32"]["speedup_vs_fp32"] == pytest.approx(1.0)
+    if importlib.util.find_spec("matplotlib"):
+        assert png.stat().st_size > 10_000
+
+
+MPIRUN = shutil.which("mpirun")
+
+
+@pytest.mark.skipif(MPIRUN is None or importlib.util.find_spec("mpi4py") is None, reason="needs mpirun and mpi4py")
+def test_runs_under_mpirun(tmp_path):
+    out = tmp_path / "train.json"
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-m", "hhook.profile",
+           "train", "--model", "mlp", "--methods", "fp32,bf16", "--steps", "12", "--eval-every", "6",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["backend"] == "mpi" and doc["meta"]["world_size"] == 2
+    assert [r["status"] for r in doc["results"]] == ["ok", "ok"]
+    assert doc["results"][1]["bytes_per_step"] == 2 * doc["results"][1]["params"]  # bf16 on Gloo
