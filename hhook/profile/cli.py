@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         if comm:
             sp.add_argument("--backend", choices=("mpi", "gloo", "nccl"), default="mpi",
                             help="mpi: mpi4py directly (default); gloo/nccl: torch.distributed, "
-                            "initialised from the launcher's variables (MASTER_ADDR/PORT default "
-                            "127.0.0.1:29500); nccl runs on the local GPU")
+                            "initialised from the launcher's variables (MASTER_ADDR default 127.0.0.1, "
+                            "MASTER_PORT default derived from the job id); nccl runs on the local GPU")
             sp.add_argument("--threads", type=int, help="torch threads per rank (default: torch's own)")
             sp.add_argument("--timeout", type=float, default=300.0, metavar="S",
                             help="torch.distributed timeout in seconds (gloo/nccl; default 300)")
