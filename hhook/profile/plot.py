@@ -74,7 +74,9 @@ def breakdown_panel(ax, rows):
         for dx, us, style in parts:
             if us and us > 0:
                 ax.bar(i + dx, us / 1e3, width, **style)
-        ax.annotate(f"{r['time_us'] / 1e3:.4g} ms\nratio {r['ratio']:.2f}", (i, max(r["wire_us"], r["codec_us"]) / 1e3),
+        total_ms = r["time_us"] / 1e3
+        total = f"{total_ms:.0f}" if total_ms >= 100 else f"{total_ms:.3g}"
+        ax.annotate(f"{total} ms\nratio {r['ratio']:.2f}", (i, max(r["wire_us"], r["codec_us"]) / 1e3),
                     xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(top)))
     ax.set_xticklabels([r["method"] for r in top])

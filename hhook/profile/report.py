@@ -132,7 +132,7 @@ def table(columns: list[Column], rows: list[dict], head: bool = True) -> str:
         tops.append(columns[i].top.center(span) if j > i else columns[i].top.rjust(span))
         i = j + 1
     heads = [c.head.rjust(c.width) for c in columns]
-    return "\n".join(["#" + "  ".join(tops)[1:], "#" + "  ".join(heads)[1:]] + body)
+    return "\n".join(["#" + "  ".join(tops)[1:].rstrip(), "#" + "  ".join(heads)[1:].rstrip()] + body)
 
 
 TABLE_WIDTH = 120  # nccl-tests' width: the default tables fit a terminal of this many columns
