@@ -58,6 +58,19 @@ def register_hook(ddp: DDP, args):
     return None
 
 
+RESULT_HEADER = """\
+# One line per run, printed by rank 0:
+#   hook           gradient exchange: none (plain fp32 DDP), fp16, powersgd (rank 2), thc (bits)
+#   ranks          processes in the job; launcher: what started them (torchrun, openmpi, ...)
+#   steps          optimizer steps, one gradient exchange each
+#   test_accuracy  on the held-out 25% of the digits; final_loss: training loss of the last batch
+#   wire           MiB each rank handed to collectives over the whole run
+#   dense          MiB the same steps would send as fp32 (4 bytes x parameters x steps)
+#   ratio          dense / wire: how many times fewer bytes than fp32
+#   time           training wall time. On one machine the ranks talk over loopback (memory copies, no
+#                  network to save on), so compression only adds codec work there: see the README."""
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hook", choices=["none", "fp16", "powersgd", "thc"], default="thc")
@@ -69,7 +82,11 @@ def main():
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--json", help="rank 0 writes its results here")
+    p.add_argument("--result-header", action="store_true", help="print what each field of the result line means, and exit")
     args = p.parse_args()
+    if args.result_header:
+        print(RESULT_HEADER)
+        return
 
     env = hhook.init_distributed(backend="gloo")
     torch.set_num_threads(1)

@@ -42,9 +42,11 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised through a subprocess test
     raise ImportError(
         "hhook.horovod needs Horovod with its PyTorch frontend, which could not be imported "
-        f"({exc}). Install it with `bash ci/install_horovod.sh` (builds horovod==0.28.1 "
-        "with Gloo and MPI against the installed torch; see the README section "
-        "'Horovod: installing'). `import hhook` and the DDP hook work without Horovod."
+        f"({exc}). Build it against the installed torch: CXX=<g++ wrapper turning -std=c++14 "
+        "into -std=c++17> CMAKE_POLICY_VERSION_MINIMUM=3.5 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 "
+        "pip install --no-build-isolation horovod==0.28.1 (the full recipe, wrapper included, is "
+        "in hhook's README under 'Installing Horovod'; in a source checkout "
+        "`bash ci/install_horovod.sh` runs it). `import hhook` and the DDP hook work without Horovod."
     ) from exc
 
 from .codec import THCCodec

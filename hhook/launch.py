@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import os
 import re
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,42 @@ _LAUNCHERS = (
     ("pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
 )
+
+
+# Variables naming the job (the same on every rank of one job, different between jobs), most
+# specific first: Open MPI 4/5 (PMIx namespace, ess job id), Open MPI 3, SLURM, PBS, LSF.
+_JOB_ID_VARS = (
+    "OMPI_MCA_ess_base_jobid",
+    "PMIX_NAMESPACE",
+    "OMPI_MCA_orte_ess_jobid",
+    "SLURM_JOB_ID",
+    "PBS_JOBID",
+    "LSB_JOBID",
+)
+DEFAULT_PORT = 29500
+PORT_RANGE = 3000  # job ports: 29500..32499, below Linux's ephemeral range (32768+)
+
+
+def job_port(environ) -> int:
+    r"""Rendezvous port of this job when ``MASTER_PORT`` is not set.
+
+    Every job used to meet at port 29500, so a second ``mpirun`` on the same host failed
+    with EADDRINUSE. Instead the launcher's job id (the same on every rank of a job) is
+    hashed into ``29500 + crc32(id) % 3000``; two concurrent jobs still collide with
+    probability 1/3000, so set ``MASTER_PORT`` where that matters. SLURM steps of one job
+    get their own ports (the step id is part of the id). Without a job id: 29500.
+
+    Example::
+        >>> job_port({"OMPI_MCA_ess_base_jobid": "2037448705"})
+        29869
+    """
+    for var in _JOB_ID_VARS:
+        if environ.get(var):
+            job = f"{var}={environ[var]}"
+            if var == "SLURM_JOB_ID":
+                job += f".{environ.get('SLURM_STEP_ID', '')}"
+            return DEFAULT_PORT + zlib.crc32(job.encode()) % PORT_RANGE
+    return DEFAULT_PORT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +86,10 @@ def detect_env(environ=None) -> DistributedEnv:
     """Rank, world size, local rank and rendezvous address from the launcher's variables.
 
     Outside any launcher this is a world of one. ``MASTER_ADDR``/``MASTER_PORT`` win when
-    set; MPI jobs default to ``127.0.0.1:29500`` (a single host), SLURM jobs to the first
-    node of the allocation.
+    set (torchrun always sets them). Otherwise MPI jobs meet at ``127.0.0.1`` (a single
+    host; set ``MASTER_ADDR`` for several) and SLURM jobs at the first node of the
+    allocation, on a port derived from the job id (:func:`job_port`) so that concurrent
+    jobs on one host do not fight over one port.
     """
     env = os.environ if environ is None else environ
     for name, rank_var, size_var, local_var in _LAUNCHERS:
@@ -65,13 +104,20 @@ def detect_env(environ=None) -> DistributedEnv:
     default_addr = "127.0.0.1"
     if name == "slurm" and "SLURM_JOB_NODELIST" in env:
         default_addr = first_slurm_host(env["SLURM_JOB_NODELIST"])
+    port = env.get("MASTER_PORT")
+    try:
+        master_port = int(port) if port else job_port(env)
+    except ValueError:
+        raise ValueError(f"MASTER_PORT={port!r} is not a port number") from None
+    if not 0 < master_port < 65536:
+        raise ValueError(f"MASTER_PORT={master_port} is outside 1..65535")
     return DistributedEnv(
         launcher=name,
         rank=rank,
         world_size=world,
         local_rank=local,
         master_addr=env.get("MASTER_ADDR", default_addr),
-        master_port=int(env.get("MASTER_PORT", 29500)),
+        master_port=master_port,
     )
 
 

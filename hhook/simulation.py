@@ -37,7 +37,8 @@ def _t_sample(g: torch.Generator, numel: int, df: float = 3.0) -> torch.Tensor:
 
 
 def vnmse(estimate: torch.Tensor, inputs: torch.Tensor) -> float:
-    """``||estimate - mean||^2 / mean_i ||x_i||^2`` (the DESIGN.md definition)."""
+    """vNMSE: ``||estimate - mean||^2 / mean_i ||x_i||^2``, the error of the mean estimate
+    relative to the average squared norm of the ranks' inputs."""
     mean = inputs.mean(0)
     return float((estimate - mean).pow(2).sum() / inputs.pow(2).sum(1).mean())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -24,7 +25,10 @@ def _worker(rank, world_size, port, fn, args, results):
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # Plain pickle copies tensors by value. The queue's own pickler would send a tensor
+        # as a shared-memory handle, which dies with this process: under load the parent
+        # read it after the exit and failed at random (issue 11, item 6).
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -35,7 +39,9 @@ def _worker(rank, world_size, port, fn, args, results):
 def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process.
 
-    ``fn`` must be a module-level function. A rank's exception fails the call with
+    ``fn`` must be a module-level function; it should return plain Python data (results
+    are copied by value, so tensors work, but lists and numbers keep the test's intent
+    obvious). A rank's exception fails the call with
     every rank's traceback; a hang fails it after ``timeout`` seconds.
     """
     ctx = mp.get_context("spawn")
@@ -51,7 +57,10 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     try:
         for _ in range(world_size):
             rank, ok, value = results.get(timeout=timeout)
-            (out.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+            if ok:
+                out[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
     except queue.Empty:
         errors.append(f"timed out after {timeout}s; ranks that answered: {sorted(out)}")
     finally:

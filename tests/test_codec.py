@@ -83,7 +83,7 @@ def test_lanes_never_overflow_with_every_rank_sending_the_largest_code(bits):
 
 
 def test_layout_matches_design_table():
-    # DESIGN.md: n=4, L=16 -> 6-bit lanes, 5 per int32, 6.4 bits per coordinate
+    # n=4, L=16: lane sums reach 4*15 = 60 -> ceil(log2(61)) = 6 bits, 5 per int32, 6.4 bits/coordinate
     layout = lanes.choose_layout(4, 16)
     assert (layout.width, layout.lanes, layout.word_dtype) == (6, 5, torch.int32)
     assert lanes.choose_layout(8, 16).bits_per_code < 8  # int64 packs 9 lanes of 7 bits

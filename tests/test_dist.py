@@ -1,6 +1,7 @@
 """thc_allreduce across real processes joined by Gloo."""
 
 import io
+import math
 
 import pytest
 import torch
@@ -20,14 +21,14 @@ def _allreduce_worker(rank, world):
     y = inputs[rank].clone()
     hhook.thc_allreduce(y, state)
     out["vnmse"] = vnmse(y, inputs)
-    out["result"] = y
+    out["result"] = y.tolist()
     # fp16 and bf16 tensors come back averaged in their own dtype; 8 bits keep errors small
     fine = hhook.THCState(bits=8)
     gauss = torch.randn(world, 4000, generator=torch.Generator().manual_seed(4))
     for dtype in (torch.float16, torch.bfloat16):
         h = gauss[rank, :3001].to(dtype)
         hhook.thc_allreduce(h, fine)
-        out[dtype] = (h.dtype, (h.float() - gauss[:, :3001].mean(0)).abs().max().item())
+        out[str(dtype)] = (str(h.dtype), (h.float() - gauss[:, :3001].mean(0)).abs().max().item())
     # a non-contiguous tensor is averaged in place too
     m = gauss[rank].clone().view(40, 100).t()
     hhook.thc_allreduce(m, fine)
@@ -50,14 +51,14 @@ def _allreduce_worker(rank, world):
 def test_thc_allreduce_averages_across_ranks(world):
     results = run_world(_allreduce_worker, world)
     for r in results:
-        assert torch.equal(r["result"], results[0]["result"])  # every rank decodes the same sum
+        assert r["result"] == results[0]["result"]  # every rank decodes the same sum
         # the issue's bound is for n = 4; fewer ranks average away less rounding noise
         assert r["vnmse"] < (2e-2 if world >= 4 else 5e-2)
         assert all(r["lanes_exact"])
         assert r["strided"] < 0.05
         for dtype in (torch.float16, torch.bfloat16):
-            got_dtype, err = r[dtype]
-            assert got_dtype == dtype and err < 0.06
+            got_dtype, err = r[str(dtype)]
+            assert got_dtype == str(dtype) and err < 0.06
 
 
 def _stats_worker(rank, world):
@@ -82,14 +83,14 @@ def _nonfinite_worker(rank, world, bad_rank, bad):
     hhook.thc_allreduce(x, state)
     follow_up = torch.full((100,), float(rank))
     hhook.thc_allreduce(follow_up, state)  # the group is still usable afterwards
-    return x.isnan().all().item(), follow_up, state.stats()["nonfinite_calls"]
+    return x.isnan().all().item(), follow_up.tolist(), state.stats()["nonfinite_calls"]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_on_one_rank_reaches_every_rank(bad):
     for all_nan, follow_up, count in run_world(_nonfinite_worker, 3, 2, bad):
         assert all_nan and count == 1
-        assert follow_up.isfinite().all() and abs(follow_up.mean().item() - 1) < 0.1
+        assert all(math.isfinite(v) for v in follow_up) and abs(sum(follow_up) / len(follow_up) - 1) < 0.1
 
 
 def _mismatch_worker(rank, world, option, values):

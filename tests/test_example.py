@@ -37,3 +37,11 @@ def test_example_runs_under_mpirun(tmp_path):
     launcher = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_PORT=29532", sys.executable]
     result = _run(launcher, "thc", tmp_path)
     assert result["launcher"] == "openmpi" and result["world_size"] == 2 and result["test_accuracy"] > 0.9
+
+
+def test_result_header_names_every_field_of_the_result_line():
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--result-header"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    for field in ("hook", "ranks", "launcher", "steps", "test_accuracy", "final_loss", "wire", "dense", "ratio", "time"):
+        assert f"  {field} " in proc.stdout or f"; {field}:" in proc.stdout, field

@@ -274,6 +274,8 @@ def test_model_cli_json(tmp_path, capsys, monkeypatch):
     assert rc == 0, capsys.readouterr().err
     text = capsys.readouterr().out
     assert "Ring (alpha-beta)" in text and "Paper model" in text
+    assert "Which model to believe" in text and "read the ring table" in text
+    assert max(len(line) for line in text.splitlines()) <= 120
     doc = _load(out)
     by = {(r["model"], r["method"], r["workers"]): r for r in doc["results"]}
     assert by[("ring", "thc", 4)]["time_us"] == pytest.approx(325e3)
@@ -316,3 +318,111 @@ def test_units():
     assert iterations(64 << 20, 20, 5, True) == (20, 5)
     with pytest.raises(ValueError):
         parse_size("-3")
+
+
+# -- what rank 0 prints ------------------------------------------------------------
+def _allreduce_row(method, world=4, **extra):
+    row = {"op": "allreduce", "method": method, "kind": method.split(":")[0], "bytes": 25_000_000, "world_size": world,
+           "iters": 8, "time_us": 12345678.9, "time_us_min": 12000000.0, "time_us_max": 13000000.0,
+           "codec_us": 2345678.9, "wire_us": 10000000.0, "algbw_GBps": 0.0123, "busbw_GBps": 0.0185 if world > 1 else None,
+           "wire_bytes": 5024828, "ratio": 4.98, "speedup_wire": 5.72, "speedup_total": 2.0, "wrong": None,
+           "vnmse": 1.08e-2, "encode_us": 1e6, "decode_us": 1.3e6, "phases_us": {}}
+    row.update(extra)
+    return row
+
+
+def test_default_allreduce_table_fits_120_columns():
+    from hhook.profile import report
+
+    rows = [_allreduce_row(m) for m in ("fp32", "thc:8", "fp16", "zlib")]
+    narrow = report.allreduce_table(rows).splitlines()
+    assert len(narrow) == 2 + len(rows)
+    assert max(len(line) for line in narrow) <= report.TABLE_WIDTH
+    assert narrow[0].split()[1:4] == ["size", "method", "time"] and "(GB/s)" in narrow[1]
+    body = narrow[2].split()  # machine-parseable: one token per column, size first
+    assert body[0] == "25000000" and body[1] == "fp32" and len(body) == 11
+    wide = report.allreduce_table(rows, wide=True).splitlines()
+    assert max(len(line) for line in wide) > report.TABLE_WIDTH and "min" in wide[1] and "B/rank" in wide[1]
+    footer = report.allreduce_footer(rows).splitlines()
+    assert max(len(line) for line in footer) <= report.TABLE_WIDTH + 60  # per-method summaries may run long
+
+
+def test_one_rank_table_has_no_busbw():
+    from hhook.profile import report
+
+    rows = [_allreduce_row("fp32", world=1), _allreduce_row("thc", world=1)]
+    body = report.allreduce_table(rows, head=False).splitlines()
+    assert all(line.split()[6] == "-" for line in body)  # the busbw column
+    assert "not defined for 1 rank" in report.allreduce_footer(rows)
+
+
+def test_progress_bar_only_on_a_terminal():
+    import io
+
+    from hhook.profile.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    piped, tty = io.StringIO(), Terminal()
+    for stream in (piped, tty):
+        bar = Progress(100, stream=stream, delay=0)
+        bar.advance(40, "fp32 4096 B")
+        bar.tick()
+        bar.close()
+    assert piped.getvalue() == ""
+    assert "40%" in tty.getvalue() and "ETA" in tty.getvalue() and "fp32 4096 B" in tty.getvalue()
+
+
+def test_eta_keeps_moving_while_one_iteration_runs():
+    import io
+
+    from hhook.profile.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    bar = Progress(100, stream=stream, delay=0, refresh_s=3600)  # no background redraws: tick by hand
+    bar.advance(50)
+    bar._bar.start_t -= 10  # ten seconds pass inside one long iteration
+    bar.tick()
+    first = stream.getvalue().rsplit("\r", 1)[-1]
+    bar._bar.start_t -= 20
+    bar.tick()
+    second = stream.getvalue().rsplit("\r", 1)[-1]
+    bar.close()
+    assert "00:10 elapsed, ETA 00:10" in first and "00:30 elapsed, ETA 00:30" in second
+
+
+@needs_mpi
+def test_one_rank_says_no_network_and_draws_no_bar(tmp_path):
+    out = tmp_path / "one.json"
+    proc = mpirun(1, "allreduce", "--sizes", "16K", "-n", "2", "-w", "1", "--threads", "1", "--methods", "fp32,thc",
+                  "--json", str(out))
+    _ok(proc)
+    assert "1 rank: no network is measured" in proc.stdout and "not defined for 1 rank" in proc.stdout
+    assert "\r" not in proc.stderr and "ETA" not in proc.stderr  # stderr is a pipe here: no bar
+    assert all(r["busbw_GBps"] is None for r in _load(out)["results"])
+    table = [line for line in proc.stdout.splitlines() if line and not line.startswith("#")]
+    assert len(table) == 2 and all(len(line) <= 120 for line in table)
+
+
+def test_speedup_plot_draws_the_ring_model_by_default():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hhook.profile import plot
+
+    methods = [models.ModelMethod("fp32", 1.0), models.ModelMethod("thc", 5.0), models.ModelMethod("fp16", 2.0)]
+    rows = models.predict(methods, [1, 2, 4, 8], 0.25, 100e6, 50e-6, 125e6)
+    for drawn, curves in ((("ring",), 1 + 3), (("ring", "paper"), 1 + 6)):
+        fig, ax = plt.subplots()
+        plot.speedup_panel(ax, rows, drawn)
+        assert len(ax.get_lines()) == curves
+        colors = {line.get_label().split(",")[0]: line.get_color() for line in ax.get_lines()}
+        assert colors["thc"] == plot.method_color("thc") != plot.method_color("fp16")
+        plt.close(fig)

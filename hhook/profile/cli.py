@@ -118,12 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sp, comm=True):
         sp.add_argument("--json", metavar="PATH", help="write every figure as JSON ({meta, results})")
         sp.add_argument("--plot", metavar="PATH.png", help="draw the figure (matplotlib, Agg)")
-        sp.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+        sp.add_argument("--quiet", action="store_true",
+                        help="no progress bar (it is drawn on stderr only when that is a terminal)")
         if comm:
             sp.add_argument("--backend", choices=("mpi", "gloo", "nccl"), default="mpi",
                             help="mpi: mpi4py directly (default); gloo/nccl: torch.distributed, "
-                            "initialised from the launcher's variables (MASTER_ADDR/PORT default "
-                            "127.0.0.1:29500); nccl runs on the local GPU")
+                            "initialised from the launcher's variables (MASTER_ADDR default 127.0.0.1, "
+                            "MASTER_PORT default derived from the job id); nccl runs on the local GPU")
             sp.add_argument("--threads", type=int, help="torch threads per rank (default: torch's own)")
             sp.add_argument("--timeout", type=float, default=300.0, metavar="S",
                             help="torch.distributed timeout in seconds (gloo/nccl; default 300)")
@@ -164,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--no-check", action="store_true", help="skip #wrong and vNMSE (saves time and memory)")
     ar.add_argument("--no-barrier", action="store_true",
                     help="no barrier before each collective: wire time then includes waiting for slower ranks")
+    ar.add_argument("--wide", action="store_true",
+                    help="wide table (168 columns): min/max over ranks, wire bytes, wire-only speedup, iterations")
     common(ar)
 
     md = sub.add_parser("model", help="predicted speedup against the number of workers",
@@ -192,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     md.add_argument("--block-size", type=int, default=1024, help="THC block size for the layout (default 1024)")
     md.add_argument("--fixed-ratio", action="store_true",
                     help="use the measured THC ratio at every M instead of the lane layout at M")
+    md.add_argument("--plot-models", choices=("ring", "paper", "both"), default="ring",
+                    help="models drawn in the speedup panel (default ring: the one that applies to "
+                    "allreduce, hence to hhook; both tables are printed and in --json either way)")
     common(md, comm=False)
 
     cd = sub.add_parser("codec", help="THC encode/decode throughput, fused beside reference and copy",
@@ -479,12 +485,13 @@ def _run_allreduce(args, cfg, comm) -> tuple[dict, list[dict]]:
                 c = THCCodec(m.bits, args.block_size, args.seed, comm.size)
                 _say(f"# {m.name}: {c!r}, {c.layout.bits_per_code:.2f} bits/coordinate on the wire")
         _say(f"# inputs: fp32 multiples of 1/128 (exact sums); others 0.01*N(0,1)*exp(0.5*N(0,1)) per rank, seed {args.seed}")
-        _say(report.allreduce_table([]))
+        if comm.size == 1:
+            _say(report.ONE_RANK_NOTE)
+        _say(report.allreduce_table([], wide=args.wide))
 
     def show(size_rows):
         if rank0:
-            progress.close()
-            _say(report.allreduce_table(size_rows, head=False))
+            progress.write(report.allreduce_table(size_rows, head=False, wide=args.wide))
 
     rows = collectives.measure(
         comm, methods, sizes, iters=args.iters, warmup=args.warmup, fixed=args.fixed_iters, seed=args.seed,
@@ -512,12 +519,15 @@ def _run_model(args, cfg) -> tuple[dict, list[dict]]:
         _say(f"#   {m.name:<7s} ratio {ratio}, codec {m.encode_s * 1e3:.2f} ms encode + {m.decode_s * 1e3:.2f} ms decode"
              f"{f' (x M/{m.n_ref})' if m.collective == 'allgather' else ''}, {m.collective}, h = {m.h:g}")
     _say("#")
-    _say("# Ring (alpha-beta): T = C/M + 2(M-1) alpha + 2(M-1)/M (W/ratio)/beta + codec  "
-         "[allgather: (M-1)(alpha + (W/ratio)/beta)]; speedup = C/T")
+    _say(report.MODEL_GUIDE)
+    _say("#")
+    _say("# Ring (alpha-beta): T = C/M + 2(M-1) alpha + 2(M-1)/M (W/ratio)/beta + codec "
+         "[allgather: (M-1)(alpha + (W/ratio)/beta)]")
     _say(report.model_table(rows, "ring"))
     _say("#")
-    _say("# Paper model: T = h C/M + rho M W/chi, rho = 1/ratio, chi = beta; speedup = C/T")
+    _say("# Paper model: T = h C/M + rho M W/chi, rho = 1/ratio, chi = beta (no latency, no codec time)")
     _say(report.model_table(rows, "paper"))
+    _say(report.model_disagreement(rows))
     if args.plot:
         panels = []
         link_doc, ar_doc = cfg["link_doc"], cfg["ar_doc"]
@@ -532,7 +542,8 @@ def _run_model(args, cfg) -> tuple[dict, list[dict]]:
         if ar_doc:
             panels.append(lambda ax: plot.busbw_panel(ax, ar_doc["results"], fit))
             panels.append(lambda ax: plot.breakdown_panel(ax, ar_doc["results"]))
-        panels.append(lambda ax: plot.speedup_panel(ax, rows))
+        drawn = ("ring", "paper") if args.plot_models == "both" else (args.plot_models,)
+        panels.append(lambda ax: plot.speedup_panel(ax, rows, drawn))
         plot.save(args.plot, panels)
     extra = {"alpha_us": alpha * 1e6, "beta_GBps": beta / 1e9, "compute_ms": C * 1e3, "model_bytes": W,
              "link_json": args.link_json, "allreduce_json": args.allreduce_json}

@@ -25,7 +25,8 @@ encode + wire + decode, averaged over the timed iterations; avg/min/max are over
 
 ``algbw = S / time`` and ``busbw = algbw * 2 (n - 1) / n`` (nccl-tests' allreduce
 definitions) always use the float32 payload ``S``, so a compressed method's busbw is
-the float32 bus bandwidth it is *worth* and may exceed the link's. ``wire_bytes`` is
+the float32 bus bandwidth it is *worth* and may exceed the link's; with one rank nothing
+crosses a network and ``busbw`` is ``None``. ``wire_bytes`` is
 what one rank hands to the collectives (payload and scales); ``ratio = S / wire_bytes``.
 ``vnmse = ||mean_hat - mean||^2 / mean_i ||x_i||^2`` against the exact mean, computed in
 float64 on rank 0 from every rank's regenerated input.
@@ -320,7 +321,7 @@ def _row(method, size, n, n_iter, n_warm, ranks, vnmse, block_size, zlib_level) 
         "wire_best_us": min(r["wire_best_us"] for r in ranks),
         "wall_us": _avg([r["wall_us"] for r in ranks]),
         "algbw_GBps": algbw,
-        "busbw_GBps": algbw * 2 * (n - 1) / n,
+        "busbw_GBps": algbw * 2 * (n - 1) / n if n > 1 else None,  # one rank: no bus, no busbw
         "wire_bytes": wire_bytes,
         "ratio": size / wire_bytes if wire_bytes else None,
         "codec_us": encode + decode,

@@ -19,6 +19,11 @@ and ``beta`` come from ``link``'s fit (or are given).
 with ``rho = 1 / ratio`` the compressed fraction, ``chi`` the link rate (``beta``) and
 ``h`` the overhead factor of computing on compressed data (1 unless given).
 
+The two disagree widely (the paper's communication grows with ``M``, the ring's does
+not) because they describe different systems: the ring model an allreduce over one link
+per worker, which is how hhook runs (DDP, Horovod, MPI, NCCL); the paper model a parameter
+server whose one link carries every worker's gradients. Read the ring model for hhook.
+
 Speedup is ``C / T(M)``: against one worker that neither communicates nor compresses.
 For THC the ratio at ``M`` follows the lane width, which grows with ``M``
 (``ceil(log2(M (L - 1) + 1))`` bits per lane): it is recomputed from the codec's

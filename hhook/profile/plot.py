@@ -9,13 +9,21 @@ from __future__ import annotations
 
 from .units import format_size
 
-_STYLE = {"fp32": "k", "fp16": "tab:blue", "zlib": "tab:brown", "p2p": "k"}
+# One colour per method in every panel and figure: the kinds fixed, THC variants by bits.
+_METHOD_COLORS = {"fp32": "black", "thc": "tab:red", "fp16": "tab:blue", "zlib": "tab:brown", "p2p": "black"}
+_THC_BITS_COLORS = {1: "tab:pink", 2: "tab:purple", 3: "tab:olive", 4: "tab:red", 5: "tab:cyan", 6: "tab:orange",
+                    7: "tab:gray", 8: "tab:green"}
+_SERIES = ["tab:red", "tab:orange", "tab:purple", "tab:green", "tab:pink", "tab:olive"]
 
 
-def _color(method: str, i: int):
-    if method in _STYLE:
-        return _STYLE[method]
-    return ["tab:red", "tab:orange", "tab:purple", "tab:green", "tab:pink", "tab:olive"][i % 6]
+def method_color(method: str) -> str:
+    """``fp32`` black, ``thc`` red, ``fp16`` blue, ``zlib`` brown, ``thc:B`` a colour per B."""
+    if method in _METHOD_COLORS:
+        return _METHOD_COLORS[method]
+    kind, _, arg = method.partition(":")
+    if kind == "thc" and arg.isdigit():
+        return _THC_BITS_COLORS.get(int(arg), "tab:red")
+    return "tab:gray"
 
 
 def _size_axis(ax, sizes):
@@ -33,48 +41,67 @@ def _size_axis(ax, sizes):
 def busbw_panel(ax, rows, fit=None):
     rows = [r for r in rows if r["op"] == "allreduce"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    for i, m in enumerate(methods):
-        pts = sorted((r["bytes"], r["busbw_GBps"]) for r in rows if r["method"] == m)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=_color(m, i), label=m, ms=4)
-    if fit and fit.get("beta_GBps"):
+    n = rows[0].get("world_size", "?") if rows else "?"
+    key = "algbw_GBps" if n == 1 else "busbw_GBps"  # one rank has no bus
+    for m in methods:
+        pts = sorted((r["bytes"], r[key]) for r in rows if r["method"] == m and r[key] is not None)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=method_color(m), label=m, ms=4)
+    if fit and fit.get("beta_GBps") and n != 1:
         ax.axhline(fit["beta_GBps"], color="gray", ls=":", label=f"link (fit) {fit['beta_GBps']:.3g} GB/s")
     _size_axis(ax, [r["bytes"] for r in rows])
     ax.set_yscale("log")
-    ax.set_ylabel("busbw, fp32-equivalent (GB/s)")
-    n = rows[0].get("world_size", "?") if rows else "?"
-    ax.set_title(f"allreduce bus bandwidth, {n} ranks")
+    if n == 1:
+        ax.set_ylabel("algbw (GB/s)")
+        ax.set_title("allreduce, 1 rank: codec and local copies only, no network")
+    else:
+        ax.set_ylabel("busbw, fp32-equivalent (GB/s)")
+        ax.set_title(f"allreduce bus bandwidth, {n} ranks")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
 
 
 def breakdown_panel(ax, rows):
+    """Wire and codec time of each method at the largest size, side by side on a log
+    scale: zlib's seconds and fp16's milliseconds both stay readable."""
     rows = [r for r in rows if r["op"] == "allreduce"]
     size = max(r["bytes"] for r in rows)
     top = [r for r in rows if r["bytes"] == size]
-    names = [r["method"] for r in top]
-    codec = [r["codec_us"] / 1e3 for r in top]
-    wire = [r["wire_us"] / 1e3 for r in top]
-    ax.bar(names, wire, color="tab:gray", label="wire (collectives)")
-    ax.bar(names, codec, bottom=wire, color="tab:orange", label="codec (encode + decode)")
+    width = 0.38
     for i, r in enumerate(top):
-        ax.text(i, (codec[i] + wire[i]) * 1.01, f"ratio {r['ratio']:.1f}", ha="center", va="bottom", fontsize=7)
-    ax.set_ylabel("time per allreduce (ms)")
-    ax.set_title(f"where the time goes at {format_size(size)}")
-    ax.legend(fontsize=8)
-    ax.margins(y=0.15)
+        color = method_color(r["method"])
+        parts = ((-width / 2, r["wire_us"], dict(color=color)),
+                 (width / 2, r["codec_us"], dict(color=color, alpha=0.35, hatch="//", edgecolor=color)))
+        for dx, us, style in parts:
+            if us and us > 0:
+                ax.bar(i + dx, us / 1e3, width, **style)
+        total_ms = r["time_us"] / 1e3
+        total = f"{total_ms:.0f}" if total_ms >= 100 else f"{total_ms:.3g}"
+        ax.annotate(f"{total} ms\nratio {r['ratio']:.2f}", (i, max(r["wire_us"], r["codec_us"]) / 1e3),
+                    xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(top)))
+    ax.set_xticklabels([r["method"] for r in top])
+    ax.set_yscale("log")
+    ax.set_ylabel("time per allreduce (ms, log scale)")
+    ax.set_title(f"where the time goes at {format_size(size)}: wire (solid), codec (hatched)")
+    ax.margins(y=0.25)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
 
 
-def speedup_panel(ax, rows):
+def speedup_panel(ax, rows, models=("ring",)):
+    """Predicted speedup against ``M``: one colour per method; the ring model solid, the
+    paper's parameter-server model (when asked for) dashed."""
     rows = [r for r in rows if r["op"] == "model"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
     workers = sorted({r["workers"] for r in rows})
-    ax.plot(workers, workers, color="lightgray", ls="-", label="ideal")
-    for i, m in enumerate(methods):
-        for model, ls in (("ring", "o-"), ("paper", "x--")):
+    ax.plot(workers, workers, color="lightgray", ls="-", label="ideal (no communication)")
+    styles = {"ring": ("o-", "ring allreduce"), "paper": ("x--", "paper model (parameter server)")}
+    for m in methods:
+        for model in models:
             pts = sorted((r["workers"], r["speedup"]) for r in rows if r["method"] == m and r["model"] == model)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, color=_color(m, i), ms=4,
-                        label=f"{m} ({'alpha-beta ring' if model == 'ring' else 'paper model'})")
+                ls, name = styles[model]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, color=method_color(m), ms=4,
+                        label=m if len(models) == 1 else f"{m}, {name}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(workers)
     ax.set_xticklabels([str(w) for w in workers])
@@ -83,9 +110,10 @@ def speedup_panel(ax, rows):
     ax.set_ylabel("predicted speedup C / T(M)")
     if rows:
         r = rows[0]
-        ax.set_title(f"predicted speedup, C = {r['compute_us'] / 1e3:.0f} ms, W = {format_size(r['bytes'])}")
-    top = max((r["speedup"] for r in rows), default=1.0)
-    ax.set_ylim(0, max(1.5, top * 1.3))  # the ideal line is clipped, the predictions fill the panel
+        which = "ring allreduce model" if tuple(models) == ("ring",) else " and ".join(models) + " models"
+        ax.set_title(f"predicted speedup ({which}),\nC = {r['compute_us'] / 1e3:.0f} ms, W = {format_size(r['bytes'])}")
+    shown = [r["speedup"] for r in rows if r["model"] in models]
+    ax.set_ylim(0, max(1.5, max(shown, default=1.0) * 1.3))  # the ideal line is clipped, the predictions fill the panel
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
 
@@ -116,7 +144,7 @@ def codec_panel(ax, rows):
     for i, (bits, block, impl, threads) in enumerate(dict.fromkeys(map(key, rows))):
         pts = sorted((r["bytes"], r["algbw_GBps"]) for r in rows if key(r) == (bits, block, impl, threads))
         label = f"bits {bits}, block {block}" + (f", {impl}, {threads} thr" if impl else "")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=_color("", i), ms=4, label=label)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=_SERIES[i % len(_SERIES)], ms=4, label=label)
     copy = sorted({(r["bytes"], r.get("copy_GBps")) for r in rows if r.get("copy_GBps")})
     if copy:
         ax.plot([c[0] for c in copy], [c[1] for c in copy], ":", color="gray", label="memory copy")

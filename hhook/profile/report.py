@@ -132,10 +132,35 @@ def table(columns: list[Column], rows: list[dict], head: bool = True) -> str:
         tops.append(columns[i].top.center(span) if j > i else columns[i].top.rjust(span))
         i = j + 1
     heads = [c.head.rjust(c.width) for c in columns]
-    return "\n".join(["#" + "  ".join(tops)[1:], "#" + "  ".join(heads)[1:]] + body)
+    return "\n".join(["#" + "  ".join(tops)[1:].rstrip(), "#" + "  ".join(heads)[1:].rstrip()] + body)
 
 
-def allreduce_table(rows: list[dict], head: bool = True) -> str:
+TABLE_WIDTH = 120  # nccl-tests' width: the default tables fit a terminal of this many columns
+
+
+def _busbw(r) -> str:
+    return "-" if r.get("world_size") == 1 else gbps(r["busbw_GBps"])
+
+
+def allreduce_table(rows: list[dict], head: bool = True, wide: bool = False) -> str:
+    """One line per size and method: name and unit headers, at most :data:`TABLE_WIDTH`
+    columns. ``wide`` adds min/max over ranks, wire bytes, the wire-only speedup and
+    iterations (every figure is in ``--json`` either way)."""
+    if not wide:
+        cols = [
+            Column("size", "(B)", 11, lambda r: str(r["bytes"])),
+            Column("method", "", 7, lambda r: r["method"]),
+            Column("time", "(us)", 11, lambda r: fnum(r["time_us"], ".1f")),
+            Column("codec", "(us)", 10, lambda r: fnum(r["codec_us"], ".1f")),
+            Column("wire", "(us)", 11, lambda r: fnum(r["wire_us"], ".1f")),
+            Column("algbw", "(GB/s)", 8, lambda r: gbps(r["algbw_GBps"])),
+            Column("busbw", "(GB/s)", 8, _busbw),
+            Column("ratio", "", 6, lambda r: fnum(r["ratio"], ".2f")),
+            Column("speedup", "(x fp32)", 8, lambda r: fnum(r.get("speedup_total"), ".2f")),
+            Column("#wrong", "", 6, lambda r: "-" if r["wrong"] is None else str(r["wrong"])),
+            Column("vNMSE", "", 8, lambda r: fnum(r["vnmse"], ".2e")),
+        ]
+        return table(cols, rows, head)
     cols = [
         Column("", "size(B)", 11, lambda r: str(r["bytes"])),
         Column("", "method", 7, lambda r: r["method"]),
@@ -146,7 +171,7 @@ def allreduce_table(rows: list[dict], head: bool = True) -> str:
         Column("= codec + wire (us)", "codec", 10, lambda r: fnum(r["codec_us"], ".1f")),
         Column("= codec + wire (us)", "wire", 11, lambda r: fnum(r["wire_us"], ".1f")),
         Column("GB/s", "algbw", 8, lambda r: gbps(r["algbw_GBps"])),
-        Column("GB/s", "busbw", 8, lambda r: gbps(r["busbw_GBps"])),
+        Column("GB/s", "busbw", 8, _busbw),
         Column("wire", "B/rank", 10, lambda r: fnum(r["wire_bytes"], ".0f")),
         Column("wire", "ratio", 6, lambda r: fnum(r["ratio"], ".2f")),
         Column("faster than fp32", "wire", 6, lambda r: fnum(r.get("speedup_wire"), ".2f")),
@@ -157,15 +182,22 @@ def allreduce_table(rows: list[dict], head: bool = True) -> str:
     return table(cols, rows, head)
 
 
+ONE_RANK_NOTE = ("# 1 rank: no network is measured (each collective returns its own input), so busbw is not "
+                 "defined;\n# launch with mpirun -np N (N >= 2) to measure the wire. Codec times are still real.")
+
+
 def allreduce_footer(rows: list[dict]) -> str:
     methods = list(dict.fromkeys(r["method"] for r in rows))
     avg = ", ".join(
-        f"{m} {sum(r['busbw_GBps'] for r in rows if r['method'] == m) / sum(1 for r in rows if r['method'] == m):.4g}"
+        f"{m} {sum(r['busbw_GBps'] or 0 for r in rows if r['method'] == m) / sum(1 for r in rows if r['method'] == m):.4g}"
         for m in methods
     )
     wrong = sum(r["wrong"] or 0 for r in rows)
-    lines = [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'} (exact fp32 check)",
-             f"# Avg bus bandwidth (GB/s, fp32-equivalent): {avg}"]
+    lines = [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'} (exact fp32 check)"]
+    if any(r.get("world_size") == 1 for r in rows):
+        lines.append("# Avg bus bandwidth: not defined for 1 rank (no network)")
+    else:
+        lines.append(f"# Avg bus bandwidth (GB/s, fp32-equivalent): {avg}")
     largest = max(r["bytes"] for r in rows)
     top = [r for r in rows if r["bytes"] == largest and r["kind"] != "fp32" and r.get("speedup_wire")]
     if top:
@@ -182,8 +214,9 @@ def allreduce_footer(rows: list[dict]) -> str:
                 lines.append(f"#   {r['method']} wire = scales MAX-allreduce {p.get('scales', 0) / 1e3:.2f} ms + words "
                              f"SUM-allreduce {p['words'] / 1e3:.2f} ms; codec = encode {r['encode_us'] / 1e3:.2f} ms "
                              f"+ decode {r['decode_us'] / 1e3:.2f} ms")
-    lines.append("# time = codec (encode + decode) + wire (collectives, each after a barrier); "
-                 "algbw = S/time, busbw = algbw*2(n-1)/n with S the fp32 bytes")
+    lines.append("# time = codec (encode + decode) + wire (collectives, each after a barrier), averaged over ranks; "
+                 "algbw = S/time,\n# busbw = algbw*2(n-1)/n with S the fp32 bytes; speedup = fp32 time / time; "
+                 "min/max over ranks: --wide or --json")
     return "\n".join(lines)
 
 
@@ -217,12 +250,40 @@ def model_table(rows: list[dict], model: str) -> str:
     by = {(r["workers"], r["method"]): r for r in rows}
     cols = [Column("", "M", 5, lambda r: str(r["M"]))]
     for m in methods:
-        cols.append(Column(m, "T(ms)", 9, lambda r, m=m: fnum(by[(r["M"], m)]["time_us"] / 1e3, ".2f")))
+        cols.append(Column(m, "T(ms)", 9, lambda r, m=m: fnum(by[(r["M"], m)]["time_us"] / 1e3, ".1f")))
         cols.append(Column(m, "speedup", 7, lambda r, m=m: fnum(by[(r["M"], m)]["speedup"], ".2f")))
-        if m != "fp32":
+        if len({round(by[(M, m)]["ratio"], 6) for M in workers}) > 1:  # THC: the lane width grows with M
             cols.append(Column(m, "ratio", 5, lambda r, m=m: fnum(by[(r["M"], m)]["ratio"], ".2f")))
+        if m != "fp32":
             cols.append(Column(m, "x fp32", 6, lambda r, m=m: fnum(by[(r["M"], m)]["speedup_vs_fp32"], ".2f")))
     return table(cols, [{"M": M} for M in workers])
+
+
+MODEL_GUIDE = """\
+# Which model to believe (speedup = C / T(M), against one worker that neither communicates nor compresses):
+#   ring  applies when every worker has its own link and gradients are averaged by an allreduce (DDP, Horovod,
+#         MPI, NCCL: how hhook runs). Each worker sends 2(M-1)/M of the gradient whatever M is.
+#   paper is the THC paper's parameter-server form: one server link of rate chi carries all M workers'
+#         gradients, so communication grows with M. It applies to a parameter server or one shared link;
+#         for an allreduce cluster it is pessimistic at large M, and it ignores latency and codec time."""
+
+
+def model_disagreement(rows: list[dict]) -> str:
+    """One line naming where the two models part ways most for the compressed methods."""
+    by = {(r["model"], r["method"], r["workers"]): r for r in rows}
+    worst = None
+    for (model, method, M), r in by.items():
+        other = by.get(("paper", method, M)) if model == "ring" else None
+        if other is None or M == 1:
+            continue
+        gap = max(r["speedup"], other["speedup"]) / max(min(r["speedup"], other["speedup"]), 1e-12)
+        if worst is None or gap > worst[0]:
+            worst = (gap, method, M, r["speedup"], other["speedup"])
+    if worst is None:
+        return "#"
+    _, method, M, ring, paper = worst
+    return (f"# The models differ most for {method} at M = {M}: ring {ring:.2f}x, paper {paper:.2f}x.\n"
+            "# For hhook on an allreduce cluster, read the ring table.")
 
 
 # -- JSON ---------------------------------------------------------------------

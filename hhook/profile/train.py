@@ -7,7 +7,7 @@ test accuracy, final accuracy, bytes per rank and step, and speedups against fp3
 against the fp16 hook.
 
 A hung collective cannot be cancelled in-process (PyTorch's PowerSGD hook waits inside
-its callbacks and hangs under Gloo, DESIGN.md section 5), so every method runs in a
+its callbacks, which hangs or aborts Gloo with 4 ranks), so every method runs in a
 child process:
 
 1. The launched ranks form a small *control* channel of their own (mpi4py under an MPI
