@@ -16,14 +16,14 @@ from distributed import run_world
 
 def _allreduce_worker(rank, world):
     inputs = heavy_tailed(50_000, world, seed=3)
-    state = hhook.THCState(bits=4)
+    state = hhook.THCState(bits=4, scales="agreed")
     out = {}
     y = inputs[rank].clone()
     hhook.thc_allreduce(y, state)
     out["vnmse"] = vnmse(y, inputs)
     out["result"] = y.tolist()
     # fp16 and bf16 tensors come back averaged in their own dtype; 8 bits keep errors small
-    fine = hhook.THCState(bits=8)
+    fine = hhook.THCState(bits=8, scales="agreed")
     gauss = torch.randn(world, 4000, generator=torch.Generator().manual_seed(4))
     for dtype in (torch.float16, torch.bfloat16):
         h = gauss[rank, :3001].to(dtype)
@@ -62,7 +62,7 @@ def test_thc_allreduce_averages_across_ranks(world):
 
 
 def _stats_worker(rank, world):
-    state = hhook.THCState(bits=4)
+    state = hhook.THCState(bits=4, scales="agreed")
     x = torch.randn(4 << 20)
     hhook.thc_allreduce(x, state)
     return state.stats()
@@ -76,25 +76,25 @@ def test_wire_bytes_at_four_bits_four_ranks():
 
 
 def _nonfinite_worker(rank, world, bad_rank, bad):
-    state = hhook.THCState(bits=4)
+    state = hhook.THCState(bits=4, scales="agreed")
     x = torch.randn(10_000)
     if rank == bad_rank:
         x[1234] = bad
     hhook.thc_allreduce(x, state)
     follow_up = torch.full((100,), float(rank))
     hhook.thc_allreduce(follow_up, state)  # the group is still usable afterwards
-    return x.isnan().all().item(), follow_up.tolist(), state.stats()["nonfinite_calls"]
+    return x.isnan().all().item(), follow_up.tolist(), state.stats()["compressed_calls"]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_on_one_rank_reaches_every_rank(bad):
     for all_nan, follow_up, count in run_world(_nonfinite_worker, 3, 2, bad):
-        assert all_nan and count == 1
+        assert all_nan and count == 2
         assert all(math.isfinite(v) for v in follow_up) and abs(sum(follow_up) / len(follow_up) - 1) < 0.1
 
 
 def _mismatch_worker(rank, world, option, values):
-    state = hhook.THCState(**{option: values[rank]})
+    state = hhook.THCState(scales="agreed", **{option: values[rank]})
     try:
         hhook.thc_allreduce(torch.randn(5000), state)
     except hhook.ConfigMismatchError as e:
@@ -110,7 +110,7 @@ def test_mismatched_configuration_fails_on_every_rank(option, values):
 
 def _length_mismatch_worker(rank, world):
     try:
-        hhook.thc_allreduce(torch.randn(5000 + rank), hhook.THCState())
+        hhook.thc_allreduce(torch.randn(5000 + rank), hhook.THCState(scales="agreed"))
     except hhook.ConfigMismatchError as e:
         return str(e)
 
@@ -121,7 +121,7 @@ def test_tensors_of_different_lengths_fail_on_every_rank():
 
 
 def _checkpoint_worker(rank, world):
-    state = hhook.THCState(bits=3, error_feedback=True, seed=9)
+    state = hhook.THCState(bits=3, error_feedback=True, seed=9, scales="agreed")
     hhook.thc_allreduce(torch.randn(3000), state, key="w")
     buf = io.BytesIO()
     torch.save(state, buf)

@@ -10,19 +10,25 @@ from __future__ import annotations
 from .units import format_size
 
 # One colour per method in every panel and figure: the kinds fixed, THC variants by bits.
-_METHOD_COLORS = {"fp32": "black", "thc": "tab:red", "fp16": "tab:blue", "zlib": "tab:brown", "p2p": "black"}
+_METHOD_COLORS = {"fp32": "black", "thc": "tab:red", "fp16": "tab:blue", "bf16": "tab:cyan", "zlib": "tab:brown",
+                  "p2p": "black"}
+_AGREED_COLORS = {2: "indigo", 4: "maroon", 8: "darkgreen"}
 _THC_BITS_COLORS = {1: "tab:pink", 2: "tab:purple", 3: "tab:olive", 4: "tab:red", 5: "tab:cyan", 6: "tab:orange",
                     7: "tab:gray", 8: "tab:green"}
 _SERIES = ["tab:red", "tab:orange", "tab:purple", "tab:green", "tab:pink", "tab:olive"]
 
 
 def method_color(method: str) -> str:
-    """``fp32`` black, ``thc`` red, ``fp16`` blue, ``zlib`` brown, ``thc:B`` a colour per B."""
+    """One colour per method in every panel: ``fp32`` black, ``fp16`` blue, ``bf16`` cyan,
+    ``powersgd`` green, ``zlib`` brown, ``thc:B`` a colour per B (``thc:B:agreed`` a darker one)."""
     if method in _METHOD_COLORS:
         return _METHOD_COLORS[method]
     kind, _, arg = method.partition(":")
-    if kind == "thc" and arg.isdigit():
-        return _THC_BITS_COLORS.get(int(arg), "tab:red")
+    bits, _, mode = arg.partition(":")
+    if kind == "thc" and bits.isdigit():
+        return _AGREED_COLORS.get(int(bits), "maroon") if mode == "agreed" else _THC_BITS_COLORS.get(int(bits), "tab:red")
+    if kind == "powersgd":
+        return "tab:green"
     return "tab:gray"
 
 

@@ -646,11 +646,11 @@ def footer(rows: list[dict], args) -> list[str]:
 
 def accuracy_panel(ax, rows: list[dict], target: float) -> None:
     """Test accuracy against training wall-clock time, one line per method."""
-    from .plot import _color
+    from .plot import method_color
 
     for i, r in enumerate(r for r in rows if r["status"] == "ok"):
         ax.plot([0.0] + [e["time_s"] for e in r["evals"]], [None] + [e["accuracy"] for e in r["evals"]], "o-",
-                ms=3, color=_color(r["method"], i), label=r["method"])
+                ms=3, color=method_color(r["method"]), label=r["method"])
     ax.axhline(target, color="gray", ls=":", label=f"target {target:g}")
     ax.set_xlabel("training time, s (evaluation excluded)")
     ax.set_ylabel("test accuracy")
@@ -661,11 +661,11 @@ def accuracy_panel(ax, rows: list[dict], target: float) -> None:
 
 def step_panel(ax, rows: list[dict]) -> None:
     """Median step time per method, with the p90 as a whisker."""
-    from .plot import _color
+    from .plot import method_color
 
     ok = [r for r in rows if r["status"] == "ok"]
     xs = range(len(ok))
-    ax.bar(xs, [r["median_ms"] for r in ok], color=[_color(r["method"], i) for i, r in enumerate(ok)],
+    ax.bar(xs, [r["median_ms"] for r in ok], color=[method_color(r["method"]) for r in ok],
            yerr=[[0] * len(ok), [r["p90_ms"] - r["median_ms"] for r in ok]], capsize=3)
     ax.set_xticks(list(xs))
     ax.set_xticklabels([r["method"] for r in ok], rotation=30, ha="right", fontsize=8)
