@@ -5,9 +5,10 @@ returns a future at once; each later stage runs as the continuation of the previ
 collective and the last one completes the returned future. So in DDP the backward pass
 goes on computing (and launching) the next buckets while this one is on the wire.
 
-* ``scales="predicted"`` (:mod:`hhook.predicted`): encode with the scales predicted from
-  the previous step, one SUM allreduce, decode in its continuation.
-* ``scales="agreed"``: MAX-allreduce the scale vector; its continuation quantizes onto
+* predicted scales (:mod:`hhook.predicted`; ``THCState(scales="auto")`` on CPUs): encode
+  with the scales predicted from the previous step, one SUM allreduce, decode in its
+  continuation. The decode reads the summed header on the host.
+* agreed scales (``"auto"`` on GPUs): MAX-allreduce the scale vector; its continuation quantizes onto
   the agreed scales and launches the SUM of the words; that one's continuation decodes.
   Continuations run on the process group's threads in completion order, so the SUMs go
   on a second process group over the same ranks, launched in hook order by a
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import rng
-from .codec import SUPPORTED_DTYPES
+from .codec import SUPPORTED_DTYPES, warm_up
 from .state import THCState
 
 
@@ -71,15 +72,16 @@ def dense_allreduce(state: THCState, tensor: torch.Tensor) -> torch.futures.Futu
     return fut.then(lambda f: f.value()[0])
 
 
-def _handshake(state: THCState, device: torch.device) -> None:
+def _handshake(state: THCState, device: torch.device, mode: str) -> None:
     """Once per state, blocking: catch a differing configuration before the first message,
     and set up the second group that agreed scales need."""
     codec = state.codec()
+    warm_up(device)  # a first compile belongs here, once, not in a later stage
     vector = codec.handshake_vector(device)
     dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group)
     state.count(None, 0, vector.nbytes)
     codec.check_handshake(vector)
-    if state.scales == "agreed" and state._sum_group is None:
+    if mode == "agreed" and state._sum_group is None:
         ranks = dist.get_process_group_ranks(state.process_group or dist.group.WORLD)
         state._sum_group = dist.new_group(ranks, use_local_synchronization=True)
     state._verified = True
@@ -100,12 +102,13 @@ def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=0) -> torch.f
         return _completed(tensor)
     if state.world_size == 1 or tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES:
         return dense_allreduce(state, tensor)
-    if not state._verified:
-        _handshake(state, tensor.device)
+    mode = state.mode(tensor.device)
+    if not state._verified or mode == "agreed" and state._sum_group is None:
+        _handshake(state, tensor.device, mode)
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
     call = state.calls
     state.calls += 1
-    if state.scales == "predicted":
+    if mode == "predicted":
         fut = _predicted(state, target, key, call)
     else:
         fut = _agreed(state, target, key, call)

@@ -95,6 +95,17 @@ def fused_backend(x: torch.Tensor, block: int):
     return None
 
 
+def warm_up(device: torch.device) -> None:
+    """Build (or load) the fused backend for ``device`` now: its first compile takes
+    seconds, and a failure should fall back with its log line before training, not
+    inside the first backward pass."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        cuda_kernels.warm_up(device)
+    elif device.type == "cpu":
+        cpu_kernels.available()
+
+
 class THCCodec:
     """Rotation, common scales, stochastic rounding and lane packing for ``world_size`` ranks."""
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .allreduce import dense_allreduce, thc_allreduce_async
+from .codec import warm_up
 from .state import THCState
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     buffer = bucket.buffer()
     # With predicted scales the last plain iteration is the warm-up that measures the first
     # scales: the same number of exact iterations as with agreed scales.
-    dense_until = state.start_iter - (1 if state.scales == "predicted" and state.start_iter > 0 else 0)
+    predicted = state.mode(buffer.device) == "predicted"
+    dense_until = state.start_iter - (1 if predicted and state.start_iter > 0 else 0)
     if state.iter < dense_until or buffer.is_sparse:
         fut = dense_allreduce(state, buffer)
     else:
@@ -56,4 +58,7 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", **options) 
     options.setdefault("process_group", getattr(ddp_model, "process_group", None))
     state = THCState(**options)
     ddp_model.register_comm_hook(state, thc_hook)
+    for param in ddp_model.parameters():
+        warm_up(param.device)  # compile the fused codec now, not in the first backward pass
+        break
     return state

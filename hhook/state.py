@@ -12,8 +12,9 @@ from .codec import THCCodec
 from .predicted import PredictedScales
 
 #: The scale policies: agree on each step's maxima (two collectives), or predict them
-#: from the previous step (one collective; :mod:`hhook.predicted`).
-SCALE_MODES = ("agreed", "predicted")
+#: from the previous step (one collective; :mod:`hhook.predicted`); "auto" picks per
+#: device (see :meth:`THCState.mode`).
+SCALE_MODES = ("auto", "agreed", "predicted")
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +35,12 @@ class THCState:
             one. DDP rebuilds its buckets after the first iteration, so per-bucket
             residuals are stable only from iteration 2. With predicted scales the last
             of these iterations also measures the first scales (its maxima travel with it).
-        scales: ``"predicted"`` (default): one SUM allreduce per bucket, with scales
-            predicted from the previous step's block maxima, which travel in-band
+        scales: ``"predicted"``: one SUM allreduce per bucket, with scales predicted
+            from the previous step's block maxima, which travel in-band
             (:mod:`hhook.predicted`). ``"agreed"``: a MAX allreduce of this step's block
-            maxima first, then the SUM; two rounds, but scales that never clip. The
-            README's measurements say why predicted is the default.
+            maxima first, then the SUM; two rounds, but scales that never clip and no
+            host read anywhere. ``"auto"`` (default): predicted for CPU tensors, agreed
+            for CUDA tensors (the README's measurements say why).
 
     Example::
         >>> state = THCState(process_group=None, bits=4)
@@ -80,7 +82,7 @@ class THCState:
         seed: int = 0,
         error_feedback: bool = False,
         start_iter: int = 2,
-        scales: str = "predicted",
+        scales: str = "auto",
     ):
         THCCodec(bits, block_size, seed)  # validates the options before any training
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
@@ -104,7 +106,7 @@ class THCState:
         self.start_iter = start_iter
         self.scales = scales
         self.residuals: dict = {}
-        self.predicted = PredictedScales(bits, block_size, seed, self.error_feedback) if scales == "predicted" else None
+        self.predicted = PredictedScales(bits, block_size, seed, self.error_feedback) if scales != "agreed" else None
         self.iter = 0
         self.calls = 0
         self._stats = dict.fromkeys(("dense_bytes", "wire_bytes", "compressed_calls", "dense_calls", "local_calls"), 0)
@@ -127,6 +129,17 @@ class THCState:
         saved.setdefault("predicted", None)
         for name, value in saved.items():
             setattr(self, name, value)
+
+    def mode(self, device: torch.device) -> str:
+        """The scale policy for tensors on ``device``: ``scales``, with ``"auto"`` resolved.
+
+        Auto picks predicted scales on CPUs (one round per bucket; measured as fast or
+        faster) and agreed ones on GPUs, where the predicted path's decode would read
+        its summed header on the host once per bucket and stall the stream.
+        """
+        if self.scales != "auto":
+            return self.scales
+        return "agreed" if device.type == "cuda" else "predicted"
 
     @property
     def rank(self) -> int:

@@ -13,10 +13,24 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def subprocess_env(**extra) -> dict:
+    """The environment for a launched job that imports this checkout's hhook."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    # Ranks share two cores: yield instead of busy-polling while waiting.
+    env["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    env.update(extra)
+    return env
 
 
 def _worker(rank, world_size, port, fn, args, results):
@@ -46,7 +60,7 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
         for r in range(world_size)

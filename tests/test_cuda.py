@@ -711,11 +711,11 @@ def _spawn_cuda_world(fn, world_size: int, backend: str, *args, timeout: float =
 
     import torch.multiprocessing as mp
 
-    from distributed import _free_port
+    from distributed import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_cuda_worker, args=(r, world_size, port, backend, fn, args, results), daemon=True)
         for r in range(world_size)

@@ -138,6 +138,13 @@ def test_bad_options_fail_at_construction(option, value):
         hhook.THCState(**{option: value})
 
 
+def test_auto_scales_predict_on_cpus_and_agree_on_gpus():
+    state = hhook.THCState()
+    assert state.scales == "auto"
+    assert state.mode(torch.device("cpu")) == "predicted" and state.mode(torch.device("cuda", 0)) == "agreed"
+    assert hhook.THCState(scales="agreed").mode(torch.device("cpu")) == "agreed"
+
+
 def test_tensors_hhook_cannot_average_in_place_are_refused_plainly():
     with pytest.raises(ValueError, match="requires grad"):
         check_tensor(torch.zeros(3, requires_grad=True))

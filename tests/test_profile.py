@@ -8,11 +8,12 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from distributed import free_port, subprocess_env
 
 from hhook.codec import THCCodec
 from hhook.profile import cli, models
@@ -30,27 +31,13 @@ needs_mpi = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    # Ranks share two cores: yield instead of busy-polling while waiting.
-    env["OMPI_MCA_mpi_yield_when_idle"] = "1"
-    env.update(extra)
-    return env
 
 
 def mpirun(np_: int, *args: str, timeout: float = 90, **env) -> subprocess.CompletedProcess:
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(np_),
            sys.executable, "-m", "hhook.profile", *args]
     try:
-        return subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"hhook-profile hung (> {timeout}s): {' '.join(cmd)}\n{e.stdout}\n{e.stderr}")
 
@@ -132,7 +119,7 @@ def test_gloo_backend_through_torch_distributed(tmp_path):
     out = tmp_path / "gloo.json"
     proc = mpirun(2, "allreduce", "--backend", "gloo", "--sizes", "16K", "-n", "2", "-w", "1", "--threads", "1",
                   "--methods", "fp32,thc,fp16", "--json", str(out),
-                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), GLOO_SOCKET_IFNAME="lo")
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
     _ok(proc)
     doc = _load(out)
     assert doc["meta"]["backend"] == "gloo"

@@ -7,11 +7,12 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from distributed import free_port, subprocess_env
 
 from hhook.profile import cli, train
 from hhook.profile.train import Method, add_speedups, parse_methods, summarize
@@ -21,19 +22,6 @@ LAUNCHER_VARS = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "RANK", "WORLD_
                  "SLURM_PROCID", "SLURM_NTASKS")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    env["OMPI_MCA_mpi_yield_when_idle"] = "1"
-    env.update(extra)
-    return env
 
 
 def _world(monkeypatch, rank: int, size: int) -> None:
@@ -153,9 +141,9 @@ def test_figures_from_step_times_and_the_eval_curve():
 # -- end to end: 2 ranks on loopback ---------------------------------------------------------
 def _torchrun(*args, timeout=240, **env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), "-m", "hhook.profile", "train", *args]
+           str(free_port()), "-m", "hhook.profile", "train", *args]
     try:
-        return subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"hhook-profile train hung (> {timeout}s): {' '.join(cmd)}\n{e.stdout}\n{e.stderr}")
 
@@ -200,7 +188,7 @@ def test_runs_under_mpirun(tmp_path):
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-m", "hhook.profile",
            "train", "--model", "mlp", "--methods", "fp32,bf16", "--steps", "12", "--eval-every", "6",
            "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["meta"]["backend"] == "mpi" and doc["meta"]["world_size"] == 2
