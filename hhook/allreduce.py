@@ -31,10 +31,31 @@ from .codec import SUPPORTED_DTYPES, warm_up
 from .state import THCState
 
 
+def _future(like: torch.Tensor) -> torch.futures.Future:
+    """A future that may hold ``like``'s device (a CUDA result needs a CUDA-aware future)."""
+    return torch.futures.Future(devices=[like.device]) if like.is_cuda else torch.futures.Future()
+
+
 def _completed(value: torch.Tensor) -> torch.futures.Future:
-    fut = torch.futures.Future()
+    fut = _future(value)
     fut.set_result(value)
     return fut
+
+
+def _then(fut: torch.futures.Future, fn, like: torch.Tensor) -> torch.futures.Future:
+    """``fut.then(fn)``, except that an exception of ``fn`` (or of ``fut``) reaches the
+    waiter as it is: torch wraps a callback's exception in a RuntimeError, and a
+    :class:`~hhook.codec.ConfigMismatchError` should stay one."""
+    result = _future(like)
+
+    def run(f: torch.futures.Future) -> None:
+        try:
+            result.set_result(fn(f.value()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            result.set_exception(exc)
+
+    fut.then(run)
+    return result
 
 
 def _payload_bytes(tensor: torch.Tensor) -> int:
@@ -114,7 +135,7 @@ def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=0) -> torch.f
         fut = _agreed(state, target, key, call)
     if target is tensor:
         return fut
-    return fut.then(lambda f: tensor.copy_(f.value()))
+    return _then(fut, tensor.copy_, tensor)
 
 
 def _predicted(state: THCState, target: torch.Tensor, key, call: int) -> torch.futures.Future:
@@ -122,7 +143,7 @@ def _predicted(state: THCState, target: torch.Tensor, key, call: int) -> torch.f
     words, msg = state.predicted.encode(target, key, state.rank, state.world_size, call)
     state.count("dense_calls" if msg.dense else "compressed_calls", 4 * target.numel(), words.nbytes)
     fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=state.process_group, async_op=True).get_future()
-    return fut.then(lambda f: state.predicted.decode(f.value()[0], msg, out=target))
+    return _then(fut, lambda value: state.predicted.decode(value[0], msg, out=target), target)
 
 
 def _agreed(state: THCState, target: torch.Tensor, key, call: int) -> torch.futures.Future:
@@ -137,7 +158,7 @@ def _agreed(state: THCState, target: torch.Tensor, key, call: int) -> torch.futu
     ticket = state._sequencer.ticket()
     word_bytes = codec.words_numel(numel) * codec.layout.word_bits // 8
     state.count("compressed_calls", 4 * numel, prepared.scales.nbytes + word_bytes)
-    result = torch.futures.Future()
+    result = _future(target)
     sum_group = state._sum_group
 
     def quantize_and_sum(f: torch.futures.Future) -> None:

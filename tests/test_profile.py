@@ -15,7 +15,7 @@ import pytest
 
 from distributed import free_port, subprocess_env
 
-from hhook.codec import THCCodec
+from hhook.codec import HEADER, THCCodec
 from hhook.profile import cli, models
 from hhook.profile.link import fit_alpha_beta, ring_rounds
 from hhook.profile.units import iterations, parse_rate, parse_size, sweep
@@ -244,10 +244,11 @@ def test_paper_model_matches_hand_computation():
 
 
 def test_thc_ratio_follows_the_lane_layout():
-    # 4 ranks, 4 bits: 6-bit lanes, 5 per int32; 1000 blocks of 1024 -> 3 + 1000 float32 scales.
+    # 4 ranks, 4 bits: 6-bit lanes, 5 per int32; 1000 blocks of 1024 -> a header of HEADER
+    # floats + 1000 float32 scales.
     W = 4 * 1024 * 1000
     m = models.ModelMethod("thc", 1.0, bits=4, block_size=1024)
-    assert m.ratio_at(4, W) == pytest.approx(W / (4 * 1003 + 4 * math.ceil(1024000 / 5)))
+    assert m.ratio_at(4, W) == pytest.approx(W / (4 * (HEADER + 1000) + 4 * math.ceil(1024000 / 5)))
     assert m.ratio_at(16, W) < m.ratio_at(4, W)  # wider lanes with more workers
     assert m.ratio_at(16, W, fixed=True) == 1.0
 
