@@ -75,35 +75,10 @@ static void store_from_f32(void *dst, int dtype, int64_t first, int64_t count, c
 }
 
 /* -- Walsh-Hadamard transform, in place, unnormalised ---------------------------- */
-static void fwht_small(float *x, int64_t n) {
-    /* strides 1, 2 and 4: one 8-point transform per group of 8 (or less for n < 8) */
-#ifdef __AVX2__
-    if (n >= 8) {
-        const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
-        const __m256 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
-        const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
-        for (int64_t i = 0; i < n; i += 8) {
-            __m256 v = _mm256_loadu_ps(x + i);
-            v = _mm256_add_ps(_mm256_mul_ps(v, s1), _mm256_permute_ps(v, 0xB1));
-            v = _mm256_add_ps(_mm256_mul_ps(v, s2), _mm256_permute_ps(v, 0x4E));
-            v = _mm256_add_ps(_mm256_mul_ps(v, s4), _mm256_permute2f128_ps(v, v, 1));
-            _mm256_storeu_ps(x + i, v);
-        }
-        return;
-    }
-#endif
-    for (int64_t h = 1; h < n && h < 8; h <<= 1)
-        for (int64_t i = 0; i < n; i += 2 * h)
-            for (int64_t j = i; j < i + h; j++) {
-                float a = x[j], b = x[j + h];
-                x[j] = a + b;
-                x[j + h] = a - b;
-            }
-}
-
+/* Portable version: the reference for the vector one below, and the path for blocks too
+ * small for it. The stages commute, so any order gives the transform (rounding aside). */
 static void fwht(float *x, int64_t n) {
-    fwht_small(x, n);
-    int64_t h = 8;
+    int64_t h = 1;
     for (; 4 * h <= n; h <<= 2) /* two stages per pass: half the loads and stores */
         for (int64_t i = 0; i < n; i += 4 * h)
             for (int64_t j = i; j < i + h; j++) {
@@ -123,6 +98,123 @@ static void fwht(float *x, int64_t n) {
             }
 }
 
+#ifdef __AVX2__
+#define HH_INLINE static inline __attribute__((always_inline))
+#define HH_GROUP 32 /* coordinates of the first pass's register group */
+
+static inline __m128i mix32_x4(__m128i x) {
+    x = _mm_xor_si128(x, _mm_srli_epi32(x, 16));
+    x = _mm_mullo_epi32(x, _mm_set1_epi32((int)HH_MUL1));
+    x = _mm_xor_si128(x, _mm_srli_epi32(x, 15));
+    x = _mm_mullo_epi32(x, _mm_set1_epi32((int)HH_MUL2));
+    return _mm_xor_si128(x, _mm_srli_epi32(x, 15));
+}
+
+static inline __m256i mix32_x8(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)HH_MUL1));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)HH_MUL2));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+}
+
+/* First pass, strides 1..16, one group of 32 in eight 128-bit registers (strides 4..16
+ * are then register to register: no lane-crossing shuffle, slow on 2x128-bit cores).
+ * in -> (digest of in's bits when hash) -> * signs when signs -> out. hash holds the
+ * element hashes' index terms of the group's first four; lo/hi the digest halves. */
+HH_INLINE void wht_first_pass(const float *in, float *out, int64_t n, const float *signs, int hash,
+                              uint32_t index_hash, uint32_t *digest_lo, uint32_t *digest_hi) {
+    const __m128 s1 = _mm_setr_ps(1, -1, 1, -1), s2 = _mm_setr_ps(1, 1, -1, -1);
+    const __m128i index_step = _mm_set1_epi32((int)(4u * HH_DIGEST_MUL));
+    const __m128i low16 = _mm_set1_epi32(0xFFFF);
+    __m128i index = _mm_add_epi32(_mm_set1_epi32((int)index_hash),
+                                  _mm_mullo_epi32(_mm_setr_epi32(0, 1, 2, 3), _mm_set1_epi32((int)HH_DIGEST_MUL)));
+    __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
+    for (int64_t i = 0; i < n; i += HH_GROUP) {
+        __m128 v[8];
+        for (int k = 0; k < 8; k++) {
+            v[k] = _mm_loadu_ps(in + i + 4 * k);
+            if (hash) {
+                __m128i h = mix32_x4(_mm_add_epi32(_mm_castps_si128(v[k]), index));
+                index = _mm_add_epi32(index, index_step);
+                lo = _mm_add_epi32(lo, _mm_and_si128(h, low16));
+                hi = _mm_add_epi32(hi, _mm_srli_epi32(h, 16));
+            }
+            if (signs) v[k] = _mm_mul_ps(v[k], _mm_loadu_ps(signs + i + 4 * k));
+            v[k] = _mm_add_ps(_mm_mul_ps(v[k], s1), _mm_permute_ps(v[k], 0xB1));
+            v[k] = _mm_add_ps(_mm_mul_ps(v[k], s2), _mm_permute_ps(v[k], 0x4E));
+        }
+        for (int s = 1; s < 8; s <<= 1)
+            for (int k = 0; k < 8; k++)
+                if (!(k & s)) {
+                    __m128 a = v[k], b = v[k + s];
+                    v[k] = _mm_add_ps(a, b);
+                    v[k + s] = _mm_sub_ps(a, b);
+                }
+        for (int k = 0; k < 8; k++) _mm_storeu_ps(out + i + 4 * k, v[k]);
+    }
+    if (hash) {
+        uint32_t l[4], h[4];
+        _mm_storeu_si128((__m128i *)l, lo);
+        _mm_storeu_si128((__m128i *)h, hi);
+        *digest_lo = l[0] + l[1] + l[2] + l[3];
+        *digest_hi = h[0] + h[1] + h[2] + h[3];
+    }
+}
+
+/* 2^stages butterfly stages over strides h .. h 2^(stages-1), in registers; in -> out
+ * (in == out is fine), the outputs * mul when mul, their max |y| bits into top when top. */
+HH_INLINE void wht_radix_pass(const float *in, float *out, int64_t n, int64_t h, int stages, const float *mul,
+                              __m256i *top) {
+    const int r = 1 << stages;
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    for (int64_t i = 0; i < n; i += r * h)
+        for (int64_t j = i; j < i + h; j += 8) {
+            __m256 v[16];
+            for (int k = 0; k < r; k++) v[k] = _mm256_loadu_ps(in + j + k * h);
+            for (int s = 1; s < r; s <<= 1)
+                for (int k = 0; k < r; k++)
+                    if (!(k & s)) {
+                        __m256 a = v[k], b = v[k + s];
+                        v[k] = _mm256_add_ps(a, b);
+                        v[k + s] = _mm256_sub_ps(a, b);
+                    }
+            for (int k = 0; k < r; k++) {
+                if (mul) v[k] = _mm256_mul_ps(v[k], _mm256_loadu_ps(mul + j + k * h));
+                if (top) *top = _mm256_max_epu32(*top, _mm256_and_si256(_mm256_castps_si256(v[k]), abs_mask));
+                _mm256_storeu_ps(out + j + k * h, v[k]);
+            }
+        }
+}
+
+/* Strides HH_GROUP .. n/2 of x (the first pass done), the last pass writing to out with
+ * its epilogue (mul, top) as in wht_radix_pass. */
+HH_INLINE void wht_rest(float *x, float *out, int64_t n, const float *mul, __m256i *top) {
+    int64_t h = HH_GROUP;
+    int left = 0;
+    for (int64_t m = h; m < n; m <<= 1) left++;
+    if (left == 0) { /* n == HH_GROUP: the epilogue alone */
+        wht_radix_pass(x, out, n, 8, 0, mul, top);
+        return;
+    }
+    for (; left > 4; left -= 3, h <<= 3) /* radix 8 passes, then one of radix 2..16 */
+        wht_radix_pass(x, x, n, h, 3, 0, 0);
+    switch (left) {
+    case 1: wht_radix_pass(x, out, n, h, 1, mul, top); break;
+    case 2: wht_radix_pass(x, out, n, h, 2, mul, top); break;
+    case 3: wht_radix_pass(x, out, n, h, 3, mul, top); break;
+    default: wht_radix_pass(x, out, n, h, 4, mul, top); break;
+    }
+}
+
+static inline uint32_t max_u32_x8(__m256i v) {
+    uint32_t t[8], m = 0;
+    _mm256_storeu_si256((__m256i *)t, v);
+    for (int k = 0; k < 8; k++) m = t[k] > m ? t[k] : m;
+    return m;
+}
+#endif
+
 /* -- stage 1 ---------------------------------------------------------------------- */
 /* Rotated blocks [first_block, last_block) into blocks_out (float32, n_blocks x B), their
  * max |y| into maxima; returns through digest_out the sum of this range's element hashes
@@ -137,29 +229,62 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
         float *y = blocks_out + b * block;
         int64_t start = b * block;
         int64_t count = numel - start < block ? numel - start : block;
-        load_f32(src, dtype, start, count, y);
         uint32_t index_hash = (uint32_t)start * HH_DIGEST_MUL + HH_DIGEST_SALT;
         uint32_t lo = 0, hi = 0; /* count <= 65536: sums of 16-bit halves cannot overflow */
-        for (int64_t i = 0; i < count; i++) {
-            uint32_t u;
-            memcpy(&u, y + i, 4);
-            uint32_t h = mix32(u + index_hash + (uint32_t)i * HH_DIGEST_MUL);
-            lo += h & 0xFFFFu;
-            hi += h >> 16;
-            y[i] *= signs[i];
+        uint32_t top = 0;
+#ifdef __AVX2__
+        if (block >= HH_GROUP) {
+            /* one read of the source: digest, signs and strides 1..16 in registers; the
+             * max |y| rides on the last butterfly pass */
+            const float *in = y;
+            int hash = 1;
+            if (dtype == HH_F32 && count == block) {
+                in = (const float *)src + start;
+            } else {
+                load_f32(src, dtype, start, count, y);
+                for (int64_t i = count; i < block; i++) y[i] = 0.0f;
+                if (count < block) { /* the digest covers the tensor, not the padding */
+                    hash = 0;
+                    for (int64_t i = 0; i < count; i++) {
+                        uint32_t u;
+                        memcpy(&u, y + i, 4);
+                        uint32_t h = mix32(u + index_hash + (uint32_t)i * HH_DIGEST_MUL);
+                        lo += h & 0xFFFFu;
+                        hi += h >> 16;
+                    }
+                }
+            }
+            if (hash)
+                wht_first_pass(in, y, block, signs, 1, index_hash, &lo, &hi);
+            else
+                wht_first_pass(in, y, block, signs, 0, 0, 0, 0);
+            __m256i tops = _mm256_setzero_si256();
+            wht_rest(y, y, block, 0, &tops);
+            top = max_u32_x8(tops);
+        } else
+#endif
+        {
+            load_f32(src, dtype, start, count, y);
+            for (int64_t i = 0; i < count; i++) {
+                uint32_t u;
+                memcpy(&u, y + i, 4);
+                uint32_t h = mix32(u + index_hash + (uint32_t)i * HH_DIGEST_MUL);
+                lo += h & 0xFFFFu;
+                hi += h >> 16;
+                y[i] *= signs[i];
+            }
+            for (int64_t i = count; i < block; i++) y[i] = 0.0f;
+            fwht(y, block);
+            /* max |y| on the bit patterns: integer order is float order for |y|, and
+             * inf/NaN (exponent all ones) sort above every finite value */
+            for (int64_t i = 0; i < block; i++) {
+                uint32_t u;
+                memcpy(&u, y + i, 4);
+                u &= 0x7FFFFFFFu;
+                top = u > top ? u : top;
+            }
         }
         digest += (uint64_t)lo + ((uint64_t)hi << 16);
-        for (int64_t i = count; i < block; i++) y[i] = 0.0f;
-        fwht(y, block);
-        /* max |y| on the bit patterns: integer order is float order for |y|, and inf/NaN
-         * (exponent all ones) sort above every finite value */
-        uint32_t top = 0;
-        for (int64_t i = 0; i < block; i++) {
-            uint32_t u;
-            memcpy(&u, y + i, 4);
-            u &= 0x7FFFFFFFu;
-            top = u > top ? u : top;
-        }
         memcpy(maxima + b, &top, 4);
         bad |= top >= 0x7F800000u;
     }
@@ -259,20 +384,57 @@ void hh_decode(const void *words, int word_bits, int64_t n_words, int width,
             int64_t len = n_words - i0 < p_end - p ? n_words - i0 : p_end - p;
             int shift = (int)lane * width;
             float *dst = work + (p - b * block);
+            int64_t i = 0;
+#ifdef __AVX2__
+            const __m256 scale8 = _mm256_set1_ps(scale), m8 = _mm256_set1_ps(m);
+            const __m128i count = _mm_cvtsi32_si128(shift);
+            if (word_bits == 32) {
+                const __m256i mk = _mm256_set1_epi32((int)mask);
+                for (; i + 8 <= len; i += 8) {
+                    __m256i w = _mm256_loadu_si256((const __m256i *)((const uint32_t *)words + i0 + i));
+                    __m256i c = _mm256_and_si256(_mm256_srl_epi32(w, count), mk);
+                    _mm256_storeu_ps(dst + i, _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), scale8), m8));
+                }
+            } else {
+                const __m256i mk = _mm256_set1_epi64x((int64_t)mask);
+                const __m256i evens = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+                for (; i + 8 <= len; i += 8) {
+                    const uint64_t *w = (const uint64_t *)words + i0 + i;
+                    __m256i c0 = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256((const __m256i *)w), count), mk);
+                    __m256i c1 = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256((const __m256i *)(w + 4)), count), mk);
+                    /* codes < 2^31: their low halves, in order */
+                    __m128i l0 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(c0, evens));
+                    __m128i l1 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(c1, evens));
+                    __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(l0), l1, 1);
+                    _mm256_storeu_ps(dst + i, _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), scale8), m8));
+                }
+            }
+#endif
             if (word_bits == 32) {
                 const uint32_t *w = (const uint32_t *)words + i0;
                 uint32_t mk = (uint32_t)mask;
-                for (int64_t i = 0; i < len; i++) dst[i] = (float)(int32_t)((w[i] >> shift) & mk) * scale - m;
+                for (; i < len; i++) dst[i] = (float)(int32_t)((w[i] >> shift) & mk) * scale - m;
             } else {
                 const uint64_t *w = (const uint64_t *)words + i0;
-                for (int64_t i = 0; i < len; i++) dst[i] = (float)(int64_t)((w[i] >> shift) & mask) * scale - m;
+                for (; i < len; i++) dst[i] = (float)(int64_t)((w[i] >> shift) & mask) * scale - m;
             }
             p += len;
         }
-        fwht(work, block);
-        for (int64_t i = 0; i < block; i++) work[i] *= signs[i];
         int64_t start = b * block;
         int64_t count = numel - start < block ? numel - start : block;
+#ifdef __AVX2__
+        if (block >= HH_GROUP) {
+            /* the sign diagonal and, for whole fp32 blocks, the store ride on the last pass */
+            int direct = out_dtype == HH_F32 && count == block;
+            float *dst = direct ? (float *)out + start : work;
+            wht_first_pass(work, work, block, 0, 0, 0, 0, 0);
+            wht_rest(work, dst, block, signs, 0);
+            if (!direct) store_from_f32(out, out_dtype, start, count, work);
+            continue;
+        }
+#endif
+        fwht(work, block);
+        for (int64_t i = 0; i < block; i++) work[i] *= signs[i];
         store_from_f32(out, out_dtype, start, count, work);
     }
 }
