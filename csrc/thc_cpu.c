@@ -296,44 +296,79 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
 #define HH_TILE 1024
 
 /* Codes of coordinates [p, p + len) of one block: v = y (+ r); a = v + M; b = a * inv;
- * t = b + u; c = clamp(floor(t), 0, L - 1); residual_out = v - (c * step - M). */
+ * t = b + u; c = clamp(floor(t), 0, L - 1); residual_out = v - (c * step - M). The codes
+ * go to lane `shift` of words[0, len) (lane 0 stores, the others OR in). */
 static void round_segment(const float *y, const float *r, float *ro, float m, float top, uint32_t base,
-                          int64_t len, uint32_t *codes) {
+                          int64_t len, void *words, int word_bits, int shift) {
     float inv = top / (m * 2.0f);
     if (!isfinite(inv)) inv = 0.0f;
     float step = (m * 2.0f) / top;
-    if (r) {
-        for (int64_t i = 0; i < len; i++) {
-            float v = y[i] + r[i];
-            float u = (float)(int32_t)(mix32(base + (uint32_t)i) >> 8) * 0x1p-24f;
-            float c = floorf((v + m) * inv + u);
-            c = c < 0.0f ? 0.0f : c;
-            c = c > top ? top : c;
-            ro[i] = v - (c * step - m);
-            codes[i] = (uint32_t)(int32_t)c;
+    if (!r) ro = 0; /* no residual in, none out */
+    uint32_t *out32 = (uint32_t *)words;
+    uint64_t *out64 = (uint64_t *)words;
+    int64_t i = 0;
+#ifdef __AVX2__
+    {
+        /* the scalar loop's operations, 8 at a time: max(0, c) and min(top, c) are
+         * `c < 0 ? 0 : c` and `c > top ? top : c`, NaN included */
+        const __m256 m8 = _mm256_set1_ps(m), inv8 = _mm256_set1_ps(inv), step8 = _mm256_set1_ps(step);
+        const __m256 top8 = _mm256_set1_ps(top), zero = _mm256_setzero_ps(), unit = _mm256_set1_ps(0x1p-24f);
+        const __m128i count = _mm_cvtsi32_si128(shift);
+        __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256i eight = _mm256_set1_epi32(8);
+        for (; i + 8 <= len; i += 8) {
+            __m256 v = _mm256_loadu_ps(y + i);
+            if (r) v = _mm256_add_ps(v, _mm256_loadu_ps(r + i));
+            __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(mix32_x8(index), 8)), unit);
+            index = _mm256_add_epi32(index, eight);
+            __m256 c = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_add_ps(v, m8), inv8), u));
+            c = _mm256_min_ps(top8, _mm256_max_ps(zero, c));
+            if (ro) _mm256_storeu_ps(ro + i, _mm256_sub_ps(v, _mm256_sub_ps(_mm256_mul_ps(c, step8), m8)));
+            __m256i codes = _mm256_cvttps_epi32(c);
+            if (word_bits == 32) {
+                __m256i *w = (__m256i *)(out32 + i);
+                __m256i shifted = _mm256_sll_epi32(codes, count);
+                _mm256_storeu_si256(w, shift ? _mm256_or_si256(_mm256_loadu_si256(w), shifted) : shifted);
+            } else {
+                __m256i *w = (__m256i *)(out64 + i);
+                __m256i s0 = _mm256_sll_epi64(_mm256_cvtepu32_epi64(_mm256_castsi256_si128(codes)), count);
+                __m256i s1 = _mm256_sll_epi64(_mm256_cvtepu32_epi64(_mm256_extracti128_si256(codes, 1)), count);
+                if (shift) {
+                    s0 = _mm256_or_si256(_mm256_loadu_si256(w), s0);
+                    s1 = _mm256_or_si256(_mm256_loadu_si256(w + 1), s1);
+                }
+                _mm256_storeu_si256(w, s0);
+                _mm256_storeu_si256(w + 1, s1);
+            }
         }
-    } else {
-        for (int64_t i = 0; i < len; i++) {
-            float u = (float)(int32_t)(mix32(base + (uint32_t)i) >> 8) * 0x1p-24f;
-            float c = floorf((y[i] + m) * inv + u);
-            c = c < 0.0f ? 0.0f : c;
-            c = c > top ? top : c;
-            codes[i] = (uint32_t)(int32_t)c;
-        }
+    }
+#endif
+    for (; i < len; i++) {
+        float v = r ? y[i] + r[i] : y[i];
+        float u = (float)(int32_t)(mix32(base + (uint32_t)i) >> 8) * 0x1p-24f;
+        float c = floorf((v + m) * inv + u);
+        c = c < 0.0f ? 0.0f : c;
+        c = c > top ? top : c;
+        if (ro) ro[i] = v - (c * step - m);
+        uint32_t code = (uint32_t)(int32_t)c;
+        if (word_bits == 32)
+            out32[i] = shift ? out32[i] | code << shift : code;
+        else
+            out64[i] = shift ? out64[i] | (uint64_t)code << shift : code;
     }
 }
 
 /* Words [first_word, last_word) of the planar lane layout: lane j of word i holds the code
- * of coordinate j * n_words + i, rounded by round_segment. */
+ * of coordinate j * n_words + i, rounded by round_segment; a tile of words stays in L1
+ * while the lanes are ORed in. */
 void hh_quantize(const float *blocks, const float *residual, float *residual_out, const float *maxima,
                  int64_t count, int log2_block, int levels, uint32_t key, int64_t n_words, int lanes,
                  int width, int word_bits, int64_t first_word, int64_t last_word, void *words) {
     const float top = (float)(levels - 1);
-    uint32_t codes[HH_TILE];
+    const int word_bytes = word_bits / 8;
     for (int64_t w0 = first_word; w0 < last_word; w0 += HH_TILE) {
         int64_t tile = last_word - w0 < HH_TILE ? last_word - w0 : HH_TILE;
-        uint32_t *out32 = (uint32_t *)words + w0;
-        uint64_t *out64 = (uint64_t *)words + w0;
+        char *tile_words = (char *)words + w0 * word_bytes;
         for (int lane = 0; lane < lanes; lane++) {
             int shift = lane * width;
             int64_t p0 = lane * n_words + w0;
@@ -344,22 +379,13 @@ void hh_quantize(const float *blocks, const float *residual, float *residual_out
                 int64_t seg_end = (b + 1) << log2_block;
                 if (seg_end > p_end) seg_end = p_end;
                 round_segment(blocks + p, residual ? residual + p : 0, residual_out ? residual_out + p : 0,
-                              maxima[b], top, (uint32_t)p + key, seg_end - p, codes + (p - p0));
+                              maxima[b], top, (uint32_t)p + key, seg_end - p, tile_words + (p - p0) * word_bytes,
+                              word_bits, shift);
                 p = seg_end;
             }
             int64_t filled = p_end > p0 ? p_end - p0 : 0;
-            for (int64_t i = filled; i < tile; i++) codes[i] = 0; /* padding codes */
-            if (word_bits == 32) {
-                if (lane == 0)
-                    for (int64_t i = 0; i < tile; i++) out32[i] = codes[i];
-                else
-                    for (int64_t i = 0; i < tile; i++) out32[i] |= codes[i] << shift;
-            } else {
-                if (lane == 0)
-                    for (int64_t i = 0; i < tile; i++) out64[i] = codes[i];
-                else
-                    for (int64_t i = 0; i < tile; i++) out64[i] |= (uint64_t)codes[i] << shift;
-            }
+            if (lane == 0 && filled < tile) /* padding codes */
+                memset(tile_words + filled * word_bytes, 0, (size_t)(tile - filled) * word_bytes);
         }
     }
 }
