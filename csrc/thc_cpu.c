@@ -165,7 +165,7 @@ HH_INLINE void wht_first_pass(const float *in, float *out, int64_t n, const floa
 /* 2^stages butterfly stages over strides h .. h 2^(stages-1), in registers; in -> out
  * (in == out is fine), the outputs * mul when mul, their max |y| bits into top when top. */
 HH_INLINE void wht_radix_pass(const float *in, float *out, int64_t n, int64_t h, int stages, const float *mul,
-                              __m256i *top) {
+                              __m256i *top, int stream) {
     const int r = 1 << stages;
     const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
     for (int64_t i = 0; i < n; i += r * h)
@@ -182,30 +182,45 @@ HH_INLINE void wht_radix_pass(const float *in, float *out, int64_t n, int64_t h,
             for (int k = 0; k < r; k++) {
                 if (mul) v[k] = _mm256_mul_ps(v[k], _mm256_loadu_ps(mul + j + k * h));
                 if (top) *top = _mm256_max_epu32(*top, _mm256_and_si256(_mm256_castps_si256(v[k]), abs_mask));
-                _mm256_storeu_ps(out + j + k * h, v[k]);
+                if (stream)
+                    _mm256_stream_ps(out + j + k * h, v[k]);
+                else
+                    _mm256_storeu_ps(out + j + k * h, v[k]);
             }
         }
 }
 
 /* Strides HH_GROUP .. n/2 of x (the first pass done), the last pass writing to out with
- * its epilogue (mul, top) as in wht_radix_pass. */
-HH_INLINE void wht_rest(float *x, float *out, int64_t n, const float *mul, __m256i *top) {
+ * its epilogue (mul, top) as in wht_radix_pass; stream: out is 32-byte aligned and is
+ * written with non-temporal stores (no read for ownership, for outputs beyond the cache). */
+HH_INLINE void wht_rest_to(float *x, float *out, int64_t n, const float *mul, __m256i *top, int stream) {
     int64_t h = HH_GROUP;
     int left = 0;
     for (int64_t m = h; m < n; m <<= 1) left++;
-    if (left == 0) { /* n == HH_GROUP: the epilogue alone */
-        wht_radix_pass(x, out, n, 8, 0, mul, top);
-        return;
-    }
-    for (; left > 4; left -= 3, h <<= 3) /* radix 8 passes, then one of radix 2..16 */
-        wht_radix_pass(x, x, n, h, 3, 0, 0);
+    for (; left > 4; left -= 3, h <<= 3) /* radix 8 passes, then one of radix 1..16 */
+        wht_radix_pass(x, x, n, h, 3, 0, 0, 0);
     switch (left) {
-    case 1: wht_radix_pass(x, out, n, h, 1, mul, top); break;
-    case 2: wht_radix_pass(x, out, n, h, 2, mul, top); break;
-    case 3: wht_radix_pass(x, out, n, h, 3, mul, top); break;
-    default: wht_radix_pass(x, out, n, h, 4, mul, top); break;
+    case 0: wht_radix_pass(x, out, n, 8, 0, mul, top, stream); break; /* n == HH_GROUP: the epilogue */
+    case 1: wht_radix_pass(x, out, n, h, 1, mul, top, stream); break;
+    case 2: wht_radix_pass(x, out, n, h, 2, mul, top, stream); break;
+    case 3: wht_radix_pass(x, out, n, h, 3, mul, top, stream); break;
+    default: wht_radix_pass(x, out, n, h, 4, mul, top, stream); break;
     }
 }
+
+HH_INLINE void wht_rest(float *x, float *out, int64_t n, const float *mul, __m256i *top, int stream) {
+    if (stream)
+        wht_rest_to(x, out, n, mul, top, 1);
+    else
+        wht_rest_to(x, out, n, mul, top, 0);
+}
+
+/* Streaming pays once a stage's output exceeds the last-level cache; below, the next stage
+ * finds it in cache. */
+#define HH_STREAM_BYTES ((int64_t)4 << 20)
+#define HH_SCRATCH 4096 /* floats: blocks up to this size go through an L1 scratch */
+
+static inline int aligned32(const void *p) { return ((uintptr_t)p & 31) == 0; }
 
 static inline uint32_t max_u32_x8(__m256i v) {
     uint32_t t[8], m = 0;
@@ -225,6 +240,10 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
                 uint64_t *digest_out, int32_t *nonfinite_out) {
     uint64_t digest = 0;
     int32_t bad = 0;
+#ifdef __AVX2__
+    float scratch[HH_SCRATCH] __attribute__((aligned(32)));
+    const int big = (last_block - first_block) * block * 4 >= HH_STREAM_BYTES && block <= HH_SCRATCH;
+#endif
     for (int64_t b = first_block; b < last_block; b++) {
         float *y = blocks_out + b * block;
         int64_t start = b * block;
@@ -254,12 +273,15 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
                     }
                 }
             }
+            /* large outputs: butterflies in scratch, the last pass streams to y */
+            int stream = big && aligned32(y);
+            float *x = stream ? scratch : y;
             if (hash)
-                wht_first_pass(in, y, block, signs, 1, index_hash, &lo, &hi);
+                wht_first_pass(in, x, block, signs, 1, index_hash, &lo, &hi);
             else
-                wht_first_pass(in, y, block, signs, 0, 0, 0, 0);
+                wht_first_pass(in, x, block, signs, 0, 0, 0, 0);
             __m256i tops = _mm256_setzero_si256();
-            wht_rest(y, y, block, 0, &tops);
+            wht_rest(x, y, block, 0, &tops, stream);
             top = max_u32_x8(tops);
         } else
 #endif
@@ -288,6 +310,9 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
         memcpy(maxima + b, &top, 4);
         bad |= top >= 0x7F800000u;
     }
+#ifdef __AVX2__
+    _mm_sfence(); /* the streamed stores are visible before the caller reads */
+#endif
     *digest_out = digest;
     *nonfinite_out = bad;
 }
@@ -400,6 +425,9 @@ void hh_decode(const void *words, int word_bits, int64_t n_words, int width,
     const uint64_t mask = ((uint64_t)1 << width) - 1;
     const float top = (float)(levels - 1);
     const float n = (float)world_size;
+#ifdef __AVX2__
+    const int big = (last_block - first_block) * block * 4 >= HH_STREAM_BYTES;
+#endif
     for (int64_t b = first_block; b < last_block; b++) {
         float m = maxima[b];
         float scale = ((m * 2.0f) / top) / n;
@@ -454,7 +482,7 @@ void hh_decode(const void *words, int word_bits, int64_t n_words, int width,
             int direct = out_dtype == HH_F32 && count == block;
             float *dst = direct ? (float *)out + start : work;
             wht_first_pass(work, work, block, 0, 0, 0, 0, 0);
-            wht_rest(work, dst, block, signs, 0);
+            wht_rest(work, dst, block, signs, 0, direct && big && aligned32(dst));
             if (!direct) store_from_f32(out, out_dtype, start, count, work);
             continue;
         }
@@ -463,4 +491,7 @@ void hh_decode(const void *words, int word_bits, int64_t n_words, int width,
         for (int64_t i = 0; i < block; i++) work[i] *= signs[i];
         store_from_f32(out, out_dtype, start, count, work);
     }
+#ifdef __AVX2__
+    _mm_sfence(); /* the streamed stores are visible before the caller reads */
+#endif
 }
