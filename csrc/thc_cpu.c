@@ -75,35 +75,10 @@ static void store_from_f32(void *dst, int dtype, int64_t first, int64_t count, c
 }
 
 /* -- Walsh-Hadamard transform, in place, unnormalised ---------------------------- */
-static void fwht_small(float *x, int64_t n) {
-    /* strides 1, 2 and 4: one 8-point transform per group of 8 (or less for n < 8) */
-#ifdef __AVX2__
-    if (n >= 8) {
-        const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
-        const __m256 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
-        const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
-        for (int64_t i = 0; i < n; i += 8) {
-            __m256 v = _mm256_loadu_ps(x + i);
-            v = _mm256_add_ps(_mm256_mul_ps(v, s1), _mm256_permute_ps(v, 0xB1));
-            v = _mm256_add_ps(_mm256_mul_ps(v, s2), _mm256_permute_ps(v, 0x4E));
-            v = _mm256_add_ps(_mm256_mul_ps(v, s4), _mm256_permute2f128_ps(v, v, 1));
-            _mm256_storeu_ps(x + i, v);
-        }
-        return;
-    }
-#endif
-    for (int64_t h = 1; h < n && h < 8; h <<= 1)
-        for (int64_t i = 0; i < n; i += 2 * h)
-            for (int64_t j = i; j < i + h; j++) {
-                float a = x[j], b = x[j + h];
-                x[j] = a + b;
-                x[j + h] = a - b;
-            }
-}
-
+/* Portable version: the reference for the vector one below, and the path for blocks too
+ * small for it. The stages commute, so any order gives the transform (rounding aside). */
 static void fwht(float *x, int64_t n) {
-    fwht_small(x, n);
-    int64_t h = 8;
+    int64_t h = 1;
     for (; 4 * h <= n; h <<= 2) /* two stages per pass: half the loads and stores */
         for (int64_t i = 0; i < n; i += 4 * h)
             for (int64_t j = i; j < i + h; j++) {
@@ -123,6 +98,138 @@ static void fwht(float *x, int64_t n) {
             }
 }
 
+#ifdef __AVX2__
+#define HH_INLINE static inline __attribute__((always_inline))
+#define HH_GROUP 32 /* coordinates of the first pass's register group */
+
+static inline __m128i mix32_x4(__m128i x) {
+    x = _mm_xor_si128(x, _mm_srli_epi32(x, 16));
+    x = _mm_mullo_epi32(x, _mm_set1_epi32((int)HH_MUL1));
+    x = _mm_xor_si128(x, _mm_srli_epi32(x, 15));
+    x = _mm_mullo_epi32(x, _mm_set1_epi32((int)HH_MUL2));
+    return _mm_xor_si128(x, _mm_srli_epi32(x, 15));
+}
+
+static inline __m256i mix32_x8(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)HH_MUL1));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)HH_MUL2));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+}
+
+/* First pass, strides 1..16, one group of 32 in eight 128-bit registers (strides 4..16
+ * are then register to register: no lane-crossing shuffle, slow on 2x128-bit cores).
+ * in -> (digest of in's bits when hash) -> * signs when signs -> out. hash holds the
+ * element hashes' index terms of the group's first four; lo/hi the digest halves. */
+HH_INLINE void wht_first_pass(const float *in, float *out, int64_t n, const float *signs, int hash,
+                              uint32_t index_hash, uint32_t *digest_lo, uint32_t *digest_hi) {
+    const __m128 s1 = _mm_setr_ps(1, -1, 1, -1), s2 = _mm_setr_ps(1, 1, -1, -1);
+    const __m128i index_step = _mm_set1_epi32((int)(4u * HH_DIGEST_MUL));
+    const __m128i low16 = _mm_set1_epi32(0xFFFF);
+    __m128i index = _mm_add_epi32(_mm_set1_epi32((int)index_hash),
+                                  _mm_mullo_epi32(_mm_setr_epi32(0, 1, 2, 3), _mm_set1_epi32((int)HH_DIGEST_MUL)));
+    __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
+    for (int64_t i = 0; i < n; i += HH_GROUP) {
+        __m128 v[8];
+        for (int k = 0; k < 8; k++) {
+            v[k] = _mm_loadu_ps(in + i + 4 * k);
+            if (hash) {
+                __m128i h = mix32_x4(_mm_add_epi32(_mm_castps_si128(v[k]), index));
+                index = _mm_add_epi32(index, index_step);
+                lo = _mm_add_epi32(lo, _mm_and_si128(h, low16));
+                hi = _mm_add_epi32(hi, _mm_srli_epi32(h, 16));
+            }
+            if (signs) v[k] = _mm_mul_ps(v[k], _mm_loadu_ps(signs + i + 4 * k));
+            v[k] = _mm_add_ps(_mm_mul_ps(v[k], s1), _mm_permute_ps(v[k], 0xB1));
+            v[k] = _mm_add_ps(_mm_mul_ps(v[k], s2), _mm_permute_ps(v[k], 0x4E));
+        }
+        for (int s = 1; s < 8; s <<= 1)
+            for (int k = 0; k < 8; k++)
+                if (!(k & s)) {
+                    __m128 a = v[k], b = v[k + s];
+                    v[k] = _mm_add_ps(a, b);
+                    v[k + s] = _mm_sub_ps(a, b);
+                }
+        for (int k = 0; k < 8; k++) _mm_storeu_ps(out + i + 4 * k, v[k]);
+    }
+    if (hash) {
+        uint32_t l[4], h[4];
+        _mm_storeu_si128((__m128i *)l, lo);
+        _mm_storeu_si128((__m128i *)h, hi);
+        *digest_lo = l[0] + l[1] + l[2] + l[3];
+        *digest_hi = h[0] + h[1] + h[2] + h[3];
+    }
+}
+
+/* 2^stages butterfly stages over strides h .. h 2^(stages-1), in registers; in -> out
+ * (in == out is fine), the outputs * mul when mul, their max |y| bits into top when top. */
+HH_INLINE void wht_radix_pass(const float *in, float *out, int64_t n, int64_t h, int stages, const float *mul,
+                              __m256i *top, int stream) {
+    const int r = 1 << stages;
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    for (int64_t i = 0; i < n; i += r * h)
+        for (int64_t j = i; j < i + h; j += 8) {
+            __m256 v[16];
+            for (int k = 0; k < r; k++) v[k] = _mm256_loadu_ps(in + j + k * h);
+            for (int s = 1; s < r; s <<= 1)
+                for (int k = 0; k < r; k++)
+                    if (!(k & s)) {
+                        __m256 a = v[k], b = v[k + s];
+                        v[k] = _mm256_add_ps(a, b);
+                        v[k + s] = _mm256_sub_ps(a, b);
+                    }
+            for (int k = 0; k < r; k++) {
+                if (mul) v[k] = _mm256_mul_ps(v[k], _mm256_loadu_ps(mul + j + k * h));
+                if (top) *top = _mm256_max_epu32(*top, _mm256_and_si256(_mm256_castps_si256(v[k]), abs_mask));
+                if (stream)
+                    _mm256_stream_ps(out + j + k * h, v[k]);
+                else
+                    _mm256_storeu_ps(out + j + k * h, v[k]);
+            }
+        }
+}
+
+/* Strides HH_GROUP .. n/2 of x (the first pass done), the last pass writing to out with
+ * its epilogue (mul, top) as in wht_radix_pass; stream: out is 32-byte aligned and is
+ * written with non-temporal stores (no read for ownership, for outputs beyond the cache). */
+HH_INLINE void wht_rest_to(float *x, float *out, int64_t n, const float *mul, __m256i *top, int stream) {
+    int64_t h = HH_GROUP;
+    int left = 0;
+    for (int64_t m = h; m < n; m <<= 1) left++;
+    for (; left > 4; left -= 3, h <<= 3) /* radix 8 passes, then one of radix 1..16 */
+        wht_radix_pass(x, x, n, h, 3, 0, 0, 0);
+    switch (left) {
+    case 0: wht_radix_pass(x, out, n, 8, 0, mul, top, stream); break; /* n == HH_GROUP: the epilogue */
+    case 1: wht_radix_pass(x, out, n, h, 1, mul, top, stream); break;
+    case 2: wht_radix_pass(x, out, n, h, 2, mul, top, stream); break;
+    case 3: wht_radix_pass(x, out, n, h, 3, mul, top, stream); break;
+    default: wht_radix_pass(x, out, n, h, 4, mul, top, stream); break;
+    }
+}
+
+HH_INLINE void wht_rest(float *x, float *out, int64_t n, const float *mul, __m256i *top, int stream) {
+    if (stream)
+        wht_rest_to(x, out, n, mul, top, 1);
+    else
+        wht_rest_to(x, out, n, mul, top, 0);
+}
+
+/* Streaming pays once a stage's output exceeds the last-level cache; below, the next stage
+ * finds it in cache. */
+#define HH_STREAM_BYTES ((int64_t)4 << 20)
+#define HH_SCRATCH 4096 /* floats: blocks up to this size go through an L1 scratch */
+
+static inline int aligned32(const void *p) { return ((uintptr_t)p & 31) == 0; }
+
+static inline uint32_t max_u32_x8(__m256i v) {
+    uint32_t t[8], m = 0;
+    _mm256_storeu_si256((__m256i *)t, v);
+    for (int k = 0; k < 8; k++) m = t[k] > m ? t[k] : m;
+    return m;
+}
+#endif
+
 /* -- stage 1 ---------------------------------------------------------------------- */
 /* Rotated blocks [first_block, last_block) into blocks_out (float32, n_blocks x B), their
  * max |y| into maxima; returns through digest_out the sum of this range's element hashes
@@ -133,36 +240,79 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
                 uint64_t *digest_out, int32_t *nonfinite_out) {
     uint64_t digest = 0;
     int32_t bad = 0;
+#ifdef __AVX2__
+    float scratch[HH_SCRATCH] __attribute__((aligned(32)));
+    const int big = (last_block - first_block) * block * 4 >= HH_STREAM_BYTES && block <= HH_SCRATCH;
+#endif
     for (int64_t b = first_block; b < last_block; b++) {
         float *y = blocks_out + b * block;
         int64_t start = b * block;
         int64_t count = numel - start < block ? numel - start : block;
-        load_f32(src, dtype, start, count, y);
         uint32_t index_hash = (uint32_t)start * HH_DIGEST_MUL + HH_DIGEST_SALT;
         uint32_t lo = 0, hi = 0; /* count <= 65536: sums of 16-bit halves cannot overflow */
-        for (int64_t i = 0; i < count; i++) {
-            uint32_t u;
-            memcpy(&u, y + i, 4);
-            uint32_t h = mix32(u + index_hash + (uint32_t)i * HH_DIGEST_MUL);
-            lo += h & 0xFFFFu;
-            hi += h >> 16;
-            y[i] *= signs[i];
+        uint32_t top = 0;
+#ifdef __AVX2__
+        if (block >= HH_GROUP) {
+            /* one read of the source: digest, signs and strides 1..16 in registers; the
+             * max |y| rides on the last butterfly pass */
+            const float *in = y;
+            int hash = 1;
+            if (dtype == HH_F32 && count == block) {
+                in = (const float *)src + start;
+            } else {
+                load_f32(src, dtype, start, count, y);
+                for (int64_t i = count; i < block; i++) y[i] = 0.0f;
+                if (count < block) { /* the digest covers the tensor, not the padding */
+                    hash = 0;
+                    for (int64_t i = 0; i < count; i++) {
+                        uint32_t u;
+                        memcpy(&u, y + i, 4);
+                        uint32_t h = mix32(u + index_hash + (uint32_t)i * HH_DIGEST_MUL);
+                        lo += h & 0xFFFFu;
+                        hi += h >> 16;
+                    }
+                }
+            }
+            /* large outputs: butterflies in scratch, the last pass streams to y */
+            int stream = big && aligned32(y);
+            float *x = stream ? scratch : y;
+            if (hash)
+                wht_first_pass(in, x, block, signs, 1, index_hash, &lo, &hi);
+            else
+                wht_first_pass(in, x, block, signs, 0, 0, 0, 0);
+            __m256i tops = _mm256_setzero_si256();
+            wht_rest(x, y, block, 0, &tops, stream);
+            top = max_u32_x8(tops);
+        } else
+#endif
+        {
+            load_f32(src, dtype, start, count, y);
+            for (int64_t i = 0; i < count; i++) {
+                uint32_t u;
+                memcpy(&u, y + i, 4);
+                uint32_t h = mix32(u + index_hash + (uint32_t)i * HH_DIGEST_MUL);
+                lo += h & 0xFFFFu;
+                hi += h >> 16;
+                y[i] *= signs[i];
+            }
+            for (int64_t i = count; i < block; i++) y[i] = 0.0f;
+            fwht(y, block);
+            /* max |y| on the bit patterns: integer order is float order for |y|, and
+             * inf/NaN (exponent all ones) sort above every finite value */
+            for (int64_t i = 0; i < block; i++) {
+                uint32_t u;
+                memcpy(&u, y + i, 4);
+                u &= 0x7FFFFFFFu;
+                top = u > top ? u : top;
+            }
         }
         digest += (uint64_t)lo + ((uint64_t)hi << 16);
-        for (int64_t i = count; i < block; i++) y[i] = 0.0f;
-        fwht(y, block);
-        /* max |y| on the bit patterns: integer order is float order for |y|, and inf/NaN
-         * (exponent all ones) sort above every finite value */
-        uint32_t top = 0;
-        for (int64_t i = 0; i < block; i++) {
-            uint32_t u;
-            memcpy(&u, y + i, 4);
-            u &= 0x7FFFFFFFu;
-            top = u > top ? u : top;
-        }
         memcpy(maxima + b, &top, 4);
         bad |= top >= 0x7F800000u;
     }
+#ifdef __AVX2__
+    _mm_sfence(); /* the streamed stores are visible before the caller reads */
+#endif
     *digest_out = digest;
     *nonfinite_out = bad;
 }
@@ -171,44 +321,79 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
 #define HH_TILE 1024
 
 /* Codes of coordinates [p, p + len) of one block: v = y (+ r); a = v + M; b = a * inv;
- * t = b + u; c = clamp(floor(t), 0, L - 1); residual_out = v - (c * step - M). */
+ * t = b + u; c = clamp(floor(t), 0, L - 1); residual_out = v - (c * step - M). The codes
+ * go to lane `shift` of words[0, len) (lane 0 stores, the others OR in). */
 static void round_segment(const float *y, const float *r, float *ro, float m, float top, uint32_t base,
-                          int64_t len, uint32_t *codes) {
+                          int64_t len, void *words, int word_bits, int shift) {
     float inv = top / (m * 2.0f);
     if (!isfinite(inv)) inv = 0.0f;
     float step = (m * 2.0f) / top;
-    if (r) {
-        for (int64_t i = 0; i < len; i++) {
-            float v = y[i] + r[i];
-            float u = (float)(int32_t)(mix32(base + (uint32_t)i) >> 8) * 0x1p-24f;
-            float c = floorf((v + m) * inv + u);
-            c = c < 0.0f ? 0.0f : c;
-            c = c > top ? top : c;
-            ro[i] = v - (c * step - m);
-            codes[i] = (uint32_t)(int32_t)c;
+    if (!r) ro = 0; /* no residual in, none out */
+    uint32_t *out32 = (uint32_t *)words;
+    uint64_t *out64 = (uint64_t *)words;
+    int64_t i = 0;
+#ifdef __AVX2__
+    {
+        /* the scalar loop's operations, 8 at a time: max(0, c) and min(top, c) are
+         * `c < 0 ? 0 : c` and `c > top ? top : c`, NaN included */
+        const __m256 m8 = _mm256_set1_ps(m), inv8 = _mm256_set1_ps(inv), step8 = _mm256_set1_ps(step);
+        const __m256 top8 = _mm256_set1_ps(top), zero = _mm256_setzero_ps(), unit = _mm256_set1_ps(0x1p-24f);
+        const __m128i count = _mm_cvtsi32_si128(shift);
+        __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256i eight = _mm256_set1_epi32(8);
+        for (; i + 8 <= len; i += 8) {
+            __m256 v = _mm256_loadu_ps(y + i);
+            if (r) v = _mm256_add_ps(v, _mm256_loadu_ps(r + i));
+            __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(mix32_x8(index), 8)), unit);
+            index = _mm256_add_epi32(index, eight);
+            __m256 c = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_add_ps(v, m8), inv8), u));
+            c = _mm256_min_ps(top8, _mm256_max_ps(zero, c));
+            if (ro) _mm256_storeu_ps(ro + i, _mm256_sub_ps(v, _mm256_sub_ps(_mm256_mul_ps(c, step8), m8)));
+            __m256i codes = _mm256_cvttps_epi32(c);
+            if (word_bits == 32) {
+                __m256i *w = (__m256i *)(out32 + i);
+                __m256i shifted = _mm256_sll_epi32(codes, count);
+                _mm256_storeu_si256(w, shift ? _mm256_or_si256(_mm256_loadu_si256(w), shifted) : shifted);
+            } else {
+                __m256i *w = (__m256i *)(out64 + i);
+                __m256i s0 = _mm256_sll_epi64(_mm256_cvtepu32_epi64(_mm256_castsi256_si128(codes)), count);
+                __m256i s1 = _mm256_sll_epi64(_mm256_cvtepu32_epi64(_mm256_extracti128_si256(codes, 1)), count);
+                if (shift) {
+                    s0 = _mm256_or_si256(_mm256_loadu_si256(w), s0);
+                    s1 = _mm256_or_si256(_mm256_loadu_si256(w + 1), s1);
+                }
+                _mm256_storeu_si256(w, s0);
+                _mm256_storeu_si256(w + 1, s1);
+            }
         }
-    } else {
-        for (int64_t i = 0; i < len; i++) {
-            float u = (float)(int32_t)(mix32(base + (uint32_t)i) >> 8) * 0x1p-24f;
-            float c = floorf((y[i] + m) * inv + u);
-            c = c < 0.0f ? 0.0f : c;
-            c = c > top ? top : c;
-            codes[i] = (uint32_t)(int32_t)c;
-        }
+    }
+#endif
+    for (; i < len; i++) {
+        float v = r ? y[i] + r[i] : y[i];
+        float u = (float)(int32_t)(mix32(base + (uint32_t)i) >> 8) * 0x1p-24f;
+        float c = floorf((v + m) * inv + u);
+        c = c < 0.0f ? 0.0f : c;
+        c = c > top ? top : c;
+        if (ro) ro[i] = v - (c * step - m);
+        uint32_t code = (uint32_t)(int32_t)c;
+        if (word_bits == 32)
+            out32[i] = shift ? out32[i] | code << shift : code;
+        else
+            out64[i] = shift ? out64[i] | (uint64_t)code << shift : code;
     }
 }
 
 /* Words [first_word, last_word) of the planar lane layout: lane j of word i holds the code
- * of coordinate j * n_words + i, rounded by round_segment. */
+ * of coordinate j * n_words + i, rounded by round_segment; a tile of words stays in L1
+ * while the lanes are ORed in. */
 void hh_quantize(const float *blocks, const float *residual, float *residual_out, const float *maxima,
                  int64_t count, int log2_block, int levels, uint32_t key, int64_t n_words, int lanes,
                  int width, int word_bits, int64_t first_word, int64_t last_word, void *words) {
     const float top = (float)(levels - 1);
-    uint32_t codes[HH_TILE];
+    const int word_bytes = word_bits / 8;
     for (int64_t w0 = first_word; w0 < last_word; w0 += HH_TILE) {
         int64_t tile = last_word - w0 < HH_TILE ? last_word - w0 : HH_TILE;
-        uint32_t *out32 = (uint32_t *)words + w0;
-        uint64_t *out64 = (uint64_t *)words + w0;
+        char *tile_words = (char *)words + w0 * word_bytes;
         for (int lane = 0; lane < lanes; lane++) {
             int shift = lane * width;
             int64_t p0 = lane * n_words + w0;
@@ -219,22 +404,13 @@ void hh_quantize(const float *blocks, const float *residual, float *residual_out
                 int64_t seg_end = (b + 1) << log2_block;
                 if (seg_end > p_end) seg_end = p_end;
                 round_segment(blocks + p, residual ? residual + p : 0, residual_out ? residual_out + p : 0,
-                              maxima[b], top, (uint32_t)p + key, seg_end - p, codes + (p - p0));
+                              maxima[b], top, (uint32_t)p + key, seg_end - p, tile_words + (p - p0) * word_bytes,
+                              word_bits, shift);
                 p = seg_end;
             }
             int64_t filled = p_end > p0 ? p_end - p0 : 0;
-            for (int64_t i = filled; i < tile; i++) codes[i] = 0; /* padding codes */
-            if (word_bits == 32) {
-                if (lane == 0)
-                    for (int64_t i = 0; i < tile; i++) out32[i] = codes[i];
-                else
-                    for (int64_t i = 0; i < tile; i++) out32[i] |= codes[i] << shift;
-            } else {
-                if (lane == 0)
-                    for (int64_t i = 0; i < tile; i++) out64[i] = codes[i];
-                else
-                    for (int64_t i = 0; i < tile; i++) out64[i] |= (uint64_t)codes[i] << shift;
-            }
+            if (lane == 0 && filled < tile) /* padding codes */
+                memset(tile_words + filled * word_bytes, 0, (size_t)(tile - filled) * word_bytes);
         }
     }
 }
@@ -249,6 +425,9 @@ void hh_decode(const void *words, int word_bits, int64_t n_words, int width,
     const uint64_t mask = ((uint64_t)1 << width) - 1;
     const float top = (float)(levels - 1);
     const float n = (float)world_size;
+#ifdef __AVX2__
+    const int big = (last_block - first_block) * block * 4 >= HH_STREAM_BYTES;
+#endif
     for (int64_t b = first_block; b < last_block; b++) {
         float m = maxima[b];
         float scale = ((m * 2.0f) / top) / n;
@@ -259,20 +438,60 @@ void hh_decode(const void *words, int word_bits, int64_t n_words, int width,
             int64_t len = n_words - i0 < p_end - p ? n_words - i0 : p_end - p;
             int shift = (int)lane * width;
             float *dst = work + (p - b * block);
+            int64_t i = 0;
+#ifdef __AVX2__
+            const __m256 scale8 = _mm256_set1_ps(scale), m8 = _mm256_set1_ps(m);
+            const __m128i count = _mm_cvtsi32_si128(shift);
+            if (word_bits == 32) {
+                const __m256i mk = _mm256_set1_epi32((int)mask);
+                for (; i + 8 <= len; i += 8) {
+                    __m256i w = _mm256_loadu_si256((const __m256i *)((const uint32_t *)words + i0 + i));
+                    __m256i c = _mm256_and_si256(_mm256_srl_epi32(w, count), mk);
+                    _mm256_storeu_ps(dst + i, _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), scale8), m8));
+                }
+            } else {
+                const __m256i mk = _mm256_set1_epi64x((int64_t)mask);
+                const __m256i evens = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+                for (; i + 8 <= len; i += 8) {
+                    const uint64_t *w = (const uint64_t *)words + i0 + i;
+                    __m256i c0 = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256((const __m256i *)w), count), mk);
+                    __m256i c1 = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256((const __m256i *)(w + 4)), count), mk);
+                    /* codes < 2^31: their low halves, in order */
+                    __m128i l0 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(c0, evens));
+                    __m128i l1 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(c1, evens));
+                    __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(l0), l1, 1);
+                    _mm256_storeu_ps(dst + i, _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), scale8), m8));
+                }
+            }
+#endif
             if (word_bits == 32) {
                 const uint32_t *w = (const uint32_t *)words + i0;
                 uint32_t mk = (uint32_t)mask;
-                for (int64_t i = 0; i < len; i++) dst[i] = (float)(int32_t)((w[i] >> shift) & mk) * scale - m;
+                for (; i < len; i++) dst[i] = (float)(int32_t)((w[i] >> shift) & mk) * scale - m;
             } else {
                 const uint64_t *w = (const uint64_t *)words + i0;
-                for (int64_t i = 0; i < len; i++) dst[i] = (float)(int64_t)((w[i] >> shift) & mask) * scale - m;
+                for (; i < len; i++) dst[i] = (float)(int64_t)((w[i] >> shift) & mask) * scale - m;
             }
             p += len;
         }
-        fwht(work, block);
-        for (int64_t i = 0; i < block; i++) work[i] *= signs[i];
         int64_t start = b * block;
         int64_t count = numel - start < block ? numel - start : block;
+#ifdef __AVX2__
+        if (block >= HH_GROUP) {
+            /* the sign diagonal and, for whole fp32 blocks, the store ride on the last pass */
+            int direct = out_dtype == HH_F32 && count == block;
+            float *dst = direct ? (float *)out + start : work;
+            wht_first_pass(work, work, block, 0, 0, 0, 0, 0);
+            wht_rest(work, dst, block, signs, 0, direct && big && aligned32(dst));
+            if (!direct) store_from_f32(out, out_dtype, start, count, work);
+            continue;
+        }
+#endif
+        fwht(work, block);
+        for (int64_t i = 0; i < block; i++) work[i] *= signs[i];
         store_from_f32(out, out_dtype, start, count, work);
     }
+#ifdef __AVX2__
+    _mm_sfence(); /* the streamed stores are visible before the caller reads */
+#endif
 }

@@ -49,8 +49,25 @@ CASES = [(block, numel) for block in (1, 2, 16, 1024, 65536) for numel in (1, 5,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block,numel", CASES)
 def test_fused_stages_match_the_reference(block, numel, dtype, reference):
-    codec = THCCodec(4, block, 3, 4)
-    x = (torch.randn(numel) * 3).to(dtype)
+    _compare_stages(THCCodec(4, block, 3, 4), (torch.randn(numel) * 3).to(dtype), reference)
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_large_tensors_and_64_bit_words_match_the_reference(world_size, reference):
+    """Over 4 MiB the C stages stream their outputs past the cache; 8 ranks at 4 bits
+    pack 7-bit lanes into int64 words."""
+    codec = THCCodec(4, 1024, 5, world_size)
+    assert codec.layout.word_bits == (32 if world_size == 4 else 64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one range of over 4 MiB
+    try:
+        _compare_stages(codec, torch.randn((1 << 20) + 4099) * 3, reference)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_stages(codec, x, reference):
+    numel, dtype = x.numel(), x.dtype
     fused = codec.prepare(x)
     assert fused.backend is cpu_kernels
     with reference():
