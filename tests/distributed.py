@@ -33,11 +33,13 @@ def subprocess_env(**extra) -> dict:
     return env
 
 
-def _worker(rank, world_size, port, fn, args, results):
+def _worker(rank, world_size, port, backend, cuda, fn, args, results):
     torch.set_num_threads(1)  # N ranks share two cores
     try:
+        if cuda:
+            torch.cuda.set_device(0)  # every rank on the one GPU
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
         # Plain pickle copies tensors by value. The queue's own pickler would send a tensor
         # as a shared-memory handle, which dies with this process: under load the parent
@@ -50,8 +52,10 @@ def _worker(rank, world_size, port, fn, args, results):
             dist.destroy_process_group()
 
 
-def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
+def run_world(fn, world_size: int, *args, timeout: float = 180.0, backend: str = "gloo", cuda: bool = False) -> list:
     """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process.
+
+    ``backend`` is the process group's; ``cuda`` puts every rank on GPU 0.
 
     ``fn`` must be a module-level function; it should return plain Python data (results
     are copied by value, so tensors work, but lists and numbers keep the test's intent
@@ -62,7 +66,7 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, cuda, fn, args, results), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

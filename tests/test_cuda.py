@@ -35,6 +35,8 @@ import torch
 from hhook import cuda_kernels, rotation
 from hhook.codec import HEADER, THCCodec
 
+from distributed import run_world
+
 ROOT = Path(__file__).resolve().parents[1]
 CU_FILES = sorted((ROOT / "csrc").glob("*.cu"))
 NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
@@ -706,56 +708,6 @@ def test_codec_uses_the_kernels_on_cuda(monkeypatch):
         assert torch.equal(out, x.detach())  # one rank: identical, so exact
 
 
-def _spawn_cuda_world(fn, world_size: int, backend: str, *args, timeout: float = 300.0) -> list:
-    import queue
-
-    import torch.multiprocessing as mp
-
-    from distributed import free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_cuda_worker, args=(r, world_size, port, backend, fn, args, results), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    out, errors = {}, []
-    try:
-        for _ in range(world_size):
-            rank, ok, value = results.get(timeout=timeout)
-            (out.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
-    except queue.Empty:
-        errors.append(f"timed out after {timeout}s")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    assert not errors, "\n".join(errors)
-    return [out[r] for r in range(world_size)]
-
-
-def _cuda_worker(rank, world_size, port, backend, fn, args, results):
-    import traceback
-
-    import torch.distributed as dist
-
-    try:
-        torch.cuda.set_device(0)  # every rank on the one GPU
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-        results.put((rank, True, fn(rank, world_size, *args)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _ddp_world1(rank, world_size):
     """The hook through DDP on NCCL: the same gradients as plain DDP (one rank: the mean of
     one identical tensor is exact), and no host sync once warmed up."""
@@ -788,7 +740,7 @@ def _ddp_world1(rank, world_size):
 def test_ddp_hook_on_nccl_world_size_1_without_host_syncs():
     if not torch.distributed.is_nccl_available():
         pytest.skip("no NCCL")
-    (calls,) = _spawn_cuda_world(_ddp_world1, 1, "nccl")
+    (calls,) = run_world(_ddp_world1, 1, backend="nccl", cuda=True, timeout=300)
     assert calls > 0
 
 
@@ -819,7 +771,7 @@ def _shared_gpu_ranks(rank, world_size, stream_kind, pressure):
 @needs_gpu
 @pytest.mark.parametrize("stream_kind,pressure", [("default", False), ("side", False), ("default", True), ("side", True)])
 def test_thc_allreduce_gloo_ranks_sharing_one_gpu(stream_kind, pressure):
-    errors = _spawn_cuda_world(_shared_gpu_ranks, 2, "gloo", stream_kind, pressure)
+    errors = run_world(_shared_gpu_ranks, 2, stream_kind, pressure, backend="gloo", cuda=True, timeout=300)
     assert all(0 < e < 0.02 for rank in errors for e in rank), errors
 
 
@@ -847,5 +799,5 @@ def _nccl_pressure(rank, world_size):
 def test_thc_allreduce_nccl_under_allocator_pressure():
     if not torch.distributed.is_nccl_available():
         pytest.skip("no NCCL")
-    (errs,) = _spawn_cuda_world(_nccl_pressure, 1, "nccl")
+    (errs,) = run_world(_nccl_pressure, 1, backend="nccl", cuda=True, timeout=300)
     assert errs == [0.0, 0.0, 0.0]  # one rank: the mean is the tensor itself, exactly
