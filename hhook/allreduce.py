@@ -113,7 +113,8 @@ def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=0) -> torch.f
 
     Returns at once a future holding ``tensor`` once it holds the mean. ``key`` names the
     tensor for error feedback and predicted scales (a DDP bucket index, a parameter name);
-    it must be stable across steps. Call it in the same order on every rank. If any
+    it must be stable across steps. Call it in the same order on every rank, and wait for
+    a key's future before reducing that key again (its decode updates the key's state). If any
     rank's tensor holds inf or NaN, every rank's result is all NaN. In a world of one
     rank the tensor is returned as it is. float64 and sparse tensors take an exact
     plain allreduce.

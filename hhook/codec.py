@@ -56,8 +56,9 @@ class Prepared:
 
     ``source`` is the input flattened (a view when it was contiguous): quantize and
     decode read it again, so it must not change until :meth:`THCCodec.decode` returns.
-    ``blocks`` holds the rotated blocks where a backend keeps them (the reference does;
-    fused backends recompute the rotation in quantize instead of storing it).
+    ``blocks`` holds the rotated blocks where a backend keeps them (the reference and the
+    CPU kernels do; the CUDA kernels recompute the rotation in quantize instead, which
+    moves fewer bytes through GPU memory).
     """
 
     numel: int
