@@ -79,27 +79,6 @@ def test_method_names():
     assert (ms[6].bits, ms[6].scales) == (2, "agreed") and ms[5].scales is None
 
 
-def test_scale_modes_unknown_to_this_hhook_are_reported_not_raised(monkeypatch):
-    import hhook.state
-
-    class WithoutScales:
-        def __init__(self, bits=4):
-            pass
-
-    class WithScales:
-        def __init__(self, bits=4, scales="agreed"):
-            if scales not in ("agreed", "predicted"):
-                raise ValueError(scales)
-
-    thc = Method("thc:4:predicted", "thc", bits=4, scales="predicted")
-    monkeypatch.setattr(hhook.state, "THCState", WithoutScales)
-    assert "unsupported by this hhook" in train.unsupported(thc)
-    assert train.unsupported(Method("thc:4", "thc", bits=4)) is None  # no mode named: no scales= passed
-    monkeypatch.setattr(hhook.state, "THCState", WithScales)
-    assert train.unsupported(thc) is None
-
-
-# -- verdicts and figures ---------------------------------------------------------------
 def test_verdict_is_hung_if_any_rank_hung_and_names_the_rank_that_failed_first():
     ok = {"status": "ok"}
     assert train._verdict([ok, ok]) == ("ok", "")

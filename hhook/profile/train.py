@@ -128,21 +128,6 @@ def parse_methods(text: str, powersgd_rank: int = 2) -> list[Method]:
     return methods
 
 
-def unsupported(method: Method) -> str | None:
-    """Why this hhook cannot run ``method`` (an option its THCState lacks), or None."""
-    if method.kind != "thc" or method.scales is None:
-        return None
-    from ..state import THCState
-
-    try:
-        THCState(bits=method.bits, scales=method.scales)
-    except TypeError:
-        return "unsupported by this hhook (THCState has no scales= option)"
-    except ValueError as e:
-        return f"unsupported by this hhook ({e})"
-    return None
-
-
 # -- options (checked before any communication, identically on every rank) ------------
 def add_parser(sub, common) -> None:
     from .tasks import TASKS
@@ -177,7 +162,7 @@ def add_parser(sub, common) -> None:
                     help="a method whose ranks make no progress for S seconds once training started "
                     f"({STARTUP_S:g} s allowed before the first step) is killed and reported as hung (default 120)")
     tr.add_argument("--strict", action="store_true",
-                    help="exit 1 if a method hung, failed or is unsupported, or missed the target accuracy")
+                    help="exit 1 if a method hung or failed, or missed the target accuracy")
     common(tr, comm=False)
 
 
@@ -214,8 +199,7 @@ def check(args, env) -> dict:
     shard = len(digits[0]) // env.world_size
     if batch > shard:
         raise ValueError(f"--batch-size {batch} exceeds a rank's shard of the training set ({shard} samples)")
-    return {"task": task, "methods": methods, "batch_size": batch, "lr": lr, "digits": digits,
-            "unsupported": {m.name: unsupported(m) for m in methods}}
+    return {"task": task, "methods": methods, "batch_size": batch, "lr": lr, "digits": digits}
 
 
 # -- the control channel between the launched ranks ------------------------------------------
@@ -710,22 +694,17 @@ def run(args, cfg) -> int:
                  f"a method without progress for {args.timeout:g} s is killed")
         rows = []
         for method in methods:
-            why = cfg["unsupported"][method.name]
-            if why:
-                results = [{"status": "unsupported", "message": why}] * control.size
-                status, message = "unsupported", why
-            else:
-                port = control.bcast_object(_free_port() if rank0 else None)
-                spec = {"method": dataclasses.asdict(method), "rank": control.rank, "world_size": control.size,
-                        "local_rank": getattr(getattr(control, "env", None), "local_rank", 0),
-                        "master_addr": master_addr, "port": port, "backend": args.backend,
-                        "threads": args.threads, "seed": args.seed, "task": task.name, "lr": cfg["lr"],
-                        "batch_size": cfg["batch_size"], "steps": args.steps, "eval_every": args.eval_every,
-                        "pg_timeout_s": args.timeout, "data_path": data_path}
-                mine = _run_child(spec, workdir, args.timeout)
-                _quiet_barrier(control)
-                results = control.allgather_object(mine)
-                status, message = _verdict(results)
+            port = control.bcast_object(_free_port() if rank0 else None)
+            spec = {"method": dataclasses.asdict(method), "rank": control.rank, "world_size": control.size,
+                    "local_rank": getattr(getattr(control, "env", None), "local_rank", 0),
+                    "master_addr": master_addr, "port": port, "backend": args.backend,
+                    "threads": args.threads, "seed": args.seed, "task": task.name, "lr": cfg["lr"],
+                    "batch_size": cfg["batch_size"], "steps": args.steps, "eval_every": args.eval_every,
+                    "pg_timeout_s": args.timeout, "data_path": data_path}
+            mine = _run_child(spec, workdir, args.timeout)
+            _quiet_barrier(control)
+            results = control.allgather_object(mine)
+            status, message = _verdict(results)
             row = summarize(method, status, message, results, args.warmup, args.target_accuracy)
             rows.append(row)
             if rank0 and not args.quiet:
