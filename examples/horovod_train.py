@@ -57,8 +57,7 @@ def agreed_max_mean(grad: torch.Tensor, codec: THCCodec, name: str, call: int) -
     prepared = codec.prepare(grad)
     agreed = hvd.allreduce(prepared.scales, op=hvd.Max, name=f"vnmse.max.{name}")
     words = codec.quantize(prepared, agreed, rng.stream_key(codec.seed, hvd.rank(), call))
-    if words is not None:
-        words = hvd.allreduce(words, op=hvd.Sum, name=f"vnmse.sum.{name}")
+    words = hvd.allreduce(words, op=hvd.Sum, name=f"vnmse.sum.{name}")
     return codec.decode(prepared, agreed, words, torch.empty_like(grad))
 
 

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from . import codec as spec  # hhook.codec imports this module: use spec inside functions only
 from . import rotation
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,6 @@ FORCE_REFERENCE_ENV = "HHOOK_FORCE_REFERENCE"
 CACHE_ENV = "HHOOK_CACHE_DIR"
 SOURCE_NAME = "thc_cpu.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-std=c11", "-fPIC", "-shared")
-_HEADER = 7  # codec.HEADER, repeated to keep this module free of a circular import
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MIN_PER_THREAD = 1 << 16  # coordinates: below this a second thread costs more than it saves
 _POOL_SIZE = 8  # rotated-block workspaces kept for reuse
@@ -285,20 +285,17 @@ def rotate(codec, source: torch.Tensor):
 
 
 def prepare(codec, source: torch.Tensor):
-    from .codec import Prepared
-
     numel = source.numel()
     blocks, maxima, digest, nonfinite = rotate(codec, source)
     if nonfinite:
         maxima.zero_()
-    f = float(codec.fingerprint(numel))
-    lo, hi = float(digest & 0xFFFFFF), float(digest >> 24)
-    head = torch.tensor([float(nonfinite), f, -f, lo, -lo, hi, -hi], dtype=torch.float32)
-    return Prepared(numel, source, torch.cat((head, maxima)), blocks, backend=_module())
+    head = codec.header(numel, float(nonfinite), digest)
+    return spec.Prepared(numel, source, torch.cat((head, maxima)), blocks, backend=_module())
 
 
-def _header(agreed: torch.Tensor) -> list[float]:
-    return agreed[:_HEADER].tolist()  # free on CPU: no device to wait for
+def _verdicts(agreed: torch.Tensor) -> tuple[bool, bool, bool]:
+    """``codec.agreed_status`` read on the host: free on CPU, no device to wait for."""
+    return tuple(bool(v) for v in spec.agreed_status(agreed))
 
 
 def quantize(codec, prepared, agreed, key: int, residual=None, residual_out=None) -> torch.Tensor:
@@ -310,18 +307,18 @@ def quantize(codec, prepared, agreed, key: int, residual=None, residual_out=None
     layout = codec.layout
     count = blocks.numel()
     n_words = layout.n_words(count)
-    _check(agreed, _HEADER + n_blocks, "agreed scales", torch.float32)
-    h = _header(agreed)
+    _check(agreed, codec.scales_numel(prepared.numel), "agreed scales", torch.float32)
+    nonfinite, _, identical = _verdicts(agreed)
     words = torch.empty(n_words, dtype=layout.word_dtype)
     if residual is not None:
         _check(residual, count, "residual", torch.float32)
         _check(residual_out, count, "residual_out", torch.float32)
-    if h[0] > 0 or (h[3] == -h[4] and h[5] == -h[6]):  # non-finite or identical: words carry nothing
+    if nonfinite or identical:  # the words carry nothing
         words.zero_()
         if residual is not None and residual_out is not residual:
             residual_out.copy_(residual)
         return words
-    maxima = agreed[_HEADER:].contiguous()
+    maxima = agreed[spec.HEADER :].contiguous()
     r_in = residual.contiguous() if residual is not None else None
     direct = residual_out is not None and residual_out.is_contiguous()
     r_out = residual_out if direct or residual_out is None else torch.empty(count, dtype=torch.float32)
@@ -345,22 +342,22 @@ def decode(codec, prepared, agreed, words: torch.Tensor, out: torch.Tensor) -> t
     n_blocks = codec.n_blocks(numel)
     layout = codec.layout
     n_words = layout.n_words(n_blocks * block)
-    _check(agreed, _HEADER + n_blocks, "agreed scales", torch.float32)
+    _check(agreed, codec.scales_numel(numel), "agreed scales", torch.float32)
     _check(words, n_words, "words", layout.word_dtype)
     _check(out, numel, "out")
-    h = _header(agreed)
+    nonfinite, mismatch, identical = _verdicts(agreed)
     if prepared.blocks is not None:
         _give_workspace(prepared.blocks)
         prepared.blocks = None
-    if h[0] > 0 or h[1] != -h[2]:
+    if nonfinite or mismatch:
         return out.fill_(float("nan"))
-    if h[3] == -h[4] and h[5] == -h[6]:
+    if identical:
         out.copy_(prepared.source.view(out.shape))
         return out
     direct = out.is_contiguous() and out.dtype in _DTYPE_CODE
     target = out if direct else torch.empty(numel, dtype=torch.float32)
     words = words.contiguous()
-    maxima = agreed[_HEADER:].contiguous()
+    maxima = agreed[spec.HEADER :].contiguous()
     signs = scaled_signs(codec.seed, block)
     dtype = _DTYPE_CODE[target.dtype]
 

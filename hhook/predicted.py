@@ -91,13 +91,6 @@ def _wrap(value: int, word_bits: int) -> int:
     return value - (1 << word_bits) if value >> (word_bits - 1) else value
 
 
-def _digest(values: torch.Tensor) -> int:
-    """32-bit hash of the exact bits of a float32 vector."""
-    bits = values.contiguous().view(torch.int32).clone()  # uint32 bit patterns, as rng uses
-    bits.add_(rng.hash_range(_SALT, 0, bits.numel(), bits.device))
-    return int(rng.mix32_(bits).to(torch.int64).sum().item()) & rng.MASK32
-
-
 def _digest_chunks(scales: torch.Tensor) -> torch.Tensor:
     """The four 12-bit chunks of the 48-bit digest in a prepared header, and their squares."""
     halves = scales[[3, 5]].to(torch.int64)
@@ -113,7 +106,7 @@ class KeyState:
     numel: int
     world_size: int
     scales: torch.Tensor | None = None  # predicted block scales for the next step
-    digest: int = 0  # of ``scales``, folded into the fingerprint
+    digest: int = 0  # of ``scales`` (:func:`hhook.rng.digest`), folded into the fingerprint
     steps: int = 0
     residual: torch.Tensor | None = None  # this rank's error feedback, rotated domain
 
@@ -284,7 +277,8 @@ class PredictedScales:
         meta = lanes.pack(meta_codes, meta_layout)
 
         word_bits = codec.layout.word_bits
-        combined = rng.mix32(codec.fingerprint(numel) ^ rng.mix32(_PREDICTED ^ state.digest))
+        digest = rng.mix32(rng.mix32(_PREDICTED ^ state.digest) ^ (state.digest >> 32))  # all 48 bits
+        combined = rng.mix32(codec.fingerprint(numel) ^ digest)
         fp_a = combined & 0x7FFFFFFF
         fp_b = rng.mix32(combined ^ _SALT) & 0x7FFFFFFF
         header = torch.empty(WORD_HEADER, dtype=codec.layout.word_dtype, device=tensor.device)
@@ -361,5 +355,5 @@ class PredictedScales:
     def _advance(state: KeyState, scales: torch.Tensor) -> None:
         # All zero (the tensor was zero on every rank): warm up again rather than predict 0.
         state.scales = scales if bool(scales.max() > 0) else None
-        state.digest = _digest(scales) if state.scales is not None else 0
+        state.digest = int(rng.digest(scales.contiguous().view(torch.int32))) if state.scales is not None else 0
         state.steps += 1
