@@ -77,11 +77,18 @@ _RENDEZVOUS = (
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun")
-def test_two_mpirun_jobs_on_one_host_at_once():
+def test_two_mpirun_jobs_on_one_host_at_once(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
     env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c", _RENDEZVOUS]
-    jobs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    # Two mpiruns starting in the same instant race to mkdir Open MPI's shared session
+    # directory (/tmp/ompi.HOST.UID: "File exists"): give each its own. The jobs still
+    # share the host and its ports, which is what this test is about.
+    jobs = [
+        subprocess.Popen(cmd, env={**env, "OMPI_MCA_orte_tmpdir_base": str(tmp_path / f"job{i}")},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]
     outs = [job.communicate(timeout=120)[0] for job in jobs]
     for job, out in zip(jobs, outs):
         assert job.returncode == 0, out
