@@ -261,8 +261,10 @@ class THCCodec:
         key: int,
         residual: torch.Tensor | None = None,
         residual_out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Stage 3: the packed words for the SUM allreduce.
+        """Stage 3: the packed words for the SUM allreduce (written into ``out`` if given:
+        a contiguous tensor of :meth:`words_numel` words, e.g. the tail of a message).
 
         ``agreed`` is the MAX-reduced scale vector (or, with predicted scales, a header
         and the predicted scales); ``key`` selects this rank's rounding stream
@@ -275,8 +277,17 @@ class THCCodec:
         """
         if residual_out is None:
             residual_out = residual
+        if out is not None and (
+            out.dtype != self.layout.word_dtype or out.numel() != self.words_numel(prepared.numel)
+            or not out.is_contiguous() or out.device != prepared.source.device
+        ):
+            raise ValueError(
+                f"hhook: quantize's out must be a contiguous {self.layout.word_dtype} tensor of "
+                f"{self.words_numel(prepared.numel)} words on {prepared.source.device}, got "
+                f"{tuple(out.shape)} {out.dtype} on {out.device}"
+            )
         if prepared.backend is not None:
-            return prepared.backend.quantize(self, prepared, agreed, key, residual, residual_out)
+            return prepared.backend.quantize(self, prepared, agreed, key, residual, residual_out, out)
         nonfinite, _, identical = agreed_status(agreed)
         blocks = prepared.blocks
         codes = lanes.code_buffer(blocks.numel(), self.layout, blocks.device)
@@ -286,7 +297,8 @@ class THCCodec:
             fresh = torch.empty_like(blocks)
             quantization.quantize_into(codes, blocks + residual, agreed[HEADER:], self.levels, key, fresh)
             residual_out.copy_(torch.where(nonfinite | identical, residual, fresh))
-        return lanes.pack(codes, self.layout)
+        words = lanes.pack(codes, self.layout)
+        return words if out is None else out.copy_(words)
 
     # -- stage 5 ------------------------------------------------------------
     def decode(self, prepared: Prepared, agreed: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

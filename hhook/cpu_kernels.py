@@ -298,7 +298,7 @@ def _verdicts(agreed: torch.Tensor) -> tuple[bool, bool, bool]:
     return tuple(bool(v) for v in spec.agreed_status(agreed))
 
 
-def quantize(codec, prepared, agreed, key: int, residual=None, residual_out=None) -> torch.Tensor:
+def quantize(codec, prepared, agreed, key: int, residual=None, residual_out=None, out=None) -> torch.Tensor:
     lib = _library()
     blocks = prepared.blocks
     if blocks is None:
@@ -309,7 +309,7 @@ def quantize(codec, prepared, agreed, key: int, residual=None, residual_out=None
     n_words = layout.n_words(count)
     _check(agreed, codec.scales_numel(prepared.numel), "agreed scales", torch.float32)
     nonfinite, _, identical = _verdicts(agreed)
-    words = torch.empty(n_words, dtype=layout.word_dtype)
+    words = torch.empty(n_words, dtype=layout.word_dtype) if out is None else out
     if residual is not None:
         _check(residual, count, "residual", torch.float32)
         _check(residual_out, count, "residual_out", torch.float32)

@@ -415,13 +415,13 @@ def prepare(codec, source: torch.Tensor):
     return Prepared(numel, source, scales, None, sys.modules[__name__])
 
 
-def quantize(codec, prepared, agreed: torch.Tensor, key: int, residual=None, residual_out=None) -> torch.Tensor:
+def quantize(codec, prepared, agreed: torch.Tensor, key: int, residual=None, residual_out=None, out=None) -> torch.Tensor:
     """:meth:`THCCodec.quantize`: the lane words; the residual as described there."""
     source = prepared.source
     block = _block_of(codec, prepared.numel)
     n_blocks = codec.n_blocks(prepared.numel)
     layout = codec.layout
-    words = torch.empty(codec.words_numel(prepared.numel), dtype=layout.word_dtype, device=source.device)
+    words = torch.empty(codec.words_numel(prepared.numel), dtype=layout.word_dtype, device=source.device) if out is None else out
     if words.numel() == 0:
         return words
     _check(agreed, _HEADER + n_blocks, torch.float32, "agreed scales")

@@ -265,29 +265,32 @@ class PredictedScales:
         scales = state.scales
         # The local header: this rank's flag, digest unknown (never "identical" here).
         agreed = torch.cat([codec.header(numel, prepared.scales[0], device=scales.device), scales])
-        codes = codec.quantize(prepared, agreed, rng.stream_key(self.seed, rank, call), residual, new_residual)
+        meta_layout = self._meta_layout(codec)
+        n_meta = meta_layout.n_words(n_blocks)
+        words = torch.empty(WORD_HEADER + n_meta + codec.words_numel(numel), dtype=codec.layout.word_dtype,
+                            device=tensor.device)
+        codec.quantize(prepared, agreed, rng.stream_key(self.seed, rank, call), residual, new_residual,
+                       out=words[WORD_HEADER + n_meta :])
 
         # This rank's block maxima in fixed point, relative to the scale in use.
         ref = torch.maximum(scales, scales.max() * _FLOOR)
         q = prepared.scales[HEADER:] / ref
         q = q.mul_(float(1 << FRAC_BITS)).round_().nan_to_num_(nan=0.0, posinf=_QMAX).clamp_(0, _QMAX)
-        meta_layout = self._meta_layout(codec)
         meta_codes = lanes.code_buffer(n_blocks, meta_layout, tensor.device)
         meta_codes[:n_blocks] = q.to(meta_layout.word_dtype)
-        meta = lanes.pack(meta_codes, meta_layout)
+        words[WORD_HEADER : WORD_HEADER + n_meta] = lanes.pack(meta_codes, meta_layout)
 
         word_bits = codec.layout.word_bits
         digest = rng.mix32(rng.mix32(_PREDICTED ^ state.digest) ^ (state.digest >> 32))  # all 48 bits
         combined = rng.mix32(codec.fingerprint(numel) ^ digest)
         fp_a = combined & 0x7FFFFFFF
         fp_b = rng.mix32(combined ^ _SALT) & 0x7FFFFFFF
-        header = torch.empty(WORD_HEADER, dtype=codec.layout.word_dtype, device=tensor.device)
+        header = words[:WORD_HEADER]
         header[:4] = torch.tensor([1, 0, fp_a, fp_b], dtype=header.dtype)
         header[1] = prepared.scales[0]
         header[4:] = _digest_chunks(prepared.scales)
-        words = torch.cat([header, meta, codes])
         fingerprints = (_wrap(world_size * fp_a, word_bits), _wrap(world_size * fp_b, word_bits))
-        msg = Message(tensor, world_size, fingerprints, codec, state, False, meta.numel())
+        msg = Message(tensor, world_size, fingerprints, codec, state, False, n_meta)
         msg.prepared, msg.agreed, msg.ref, msg.meta_layout, msg.new_residual = prepared, agreed, ref, meta_layout, new_residual
         return words, msg
 

@@ -112,6 +112,29 @@ def test_residual_in_place_and_without_residual(reference):
     assert torch.equal(residual, expected)
 
 
+def test_quantize_writes_into_the_tail_of_a_message(reference):
+    codec = THCCodec(4, 256, 0, 2)
+    x = torch.randn(5000)
+    agreed = _not_identical(codec.prepare(x).scales)
+    n = codec.words_numel(x.numel())
+    for forced in (False, True):
+        message = torch.full((3 + n,), -1, dtype=codec.layout.word_dtype)
+        if forced:
+            with reference():
+                p = codec.prepare(x)
+                expected = codec.quantize(Prepared(p.numel, p.source, p.scales, p.blocks.clone()), agreed, 9)
+                codec.quantize(p, agreed, 9, out=message[3:])
+        else:
+            p = codec.prepare(x)
+            expected = codec.quantize(Prepared(p.numel, p.source, p.scales, p.blocks.clone(), p.backend), agreed, 9)
+            codec.quantize(p, agreed, 9, out=message[3:])
+        assert torch.equal(message[3:], expected) and message[:3].eq(-1).all()
+        strided = torch.empty(2 * n, dtype=codec.layout.word_dtype)[::2]
+        for bad in (message[2:], message[3:].to(torch.int64), strided):
+            with pytest.raises(ValueError, match="out must be"):
+                codec.quantize(p, agreed, 9, out=bad)
+
+
 def test_whole_pipeline_quality_and_words_match_the_reference(reference):
     codec = THCCodec(4, 1024, 0, 4)
     inputs = heavy_tailed(1 << 18, 4)
