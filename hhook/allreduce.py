@@ -3,7 +3,9 @@ r"""THC allreduce over torch.distributed: the transport of :mod:`hhook.codec`.
 Nothing here waits. :func:`thc_allreduce_async` launches the first collective and
 returns a future at once; each later stage runs as the continuation of the previous
 collective and the last one completes the returned future. So in DDP the backward pass
-goes on computing (and launching) the next buckets while this one is on the wire.
+goes on computing (and launching) the next buckets while this one is on the wire. A
+large tensor travels in pieces (``THCState(chunk_mb=)``): while one piece is on the wire
+the next is encoded and the previous decoded, so the codec's time hides behind the wire's.
 
 * predicted scales (:mod:`hhook.predicted`; ``THCState(scales="auto")`` on CPUs): encode
   with the scales predicted from the previous step, one SUM allreduce, decode in its
@@ -56,6 +58,26 @@ def _then(fut: torch.futures.Future, fn, like: torch.Tensor) -> torch.futures.Fu
 
     fut.then(run)
     return result
+
+
+def _all(futures: list, value: torch.Tensor, starts: list[int]) -> torch.futures.Future:
+    """A future holding ``value`` once the futures of all its pieces (starting at
+    ``starts`` of the flat tensor) have completed: with the first exception among them, as
+    it is, if one failed; all NaN if one piece is (a rank's non-finite piece makes that
+    piece NaN on every rank; the whole tensor must be, as without pieces)."""
+
+    def check(done: list) -> torch.Tensor:
+        for f in done:
+            f.value()  # raises a piece's exception
+        flat = value.view(-1)
+        nan_piece = flat[starts].isnan().any()  # decode writes NaN over whole pieces only
+        if flat.is_cuda:
+            flat.masked_fill_(nan_piece, float("nan"))
+        elif nan_piece:
+            flat.fill_(float("nan"))
+        return value
+
+    return _then(torch.futures.collect_all(futures), check, value)
 
 
 def _payload_bytes(tensor: torch.Tensor) -> int:
@@ -113,7 +135,9 @@ def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=0) -> torch.f
 
     Returns at once a future holding ``tensor`` once it holds the mean. ``key`` names the
     tensor for error feedback and predicted scales (a DDP bucket index, a parameter name);
-    it must be stable across steps. Call it in the same order on every rank, and wait for
+    it must be stable across steps. A tensor above ``state.chunk_mb`` travels in pieces
+    (keys ``(key, 0)``, ``(key, 1)``, ...), each encoded while the previous one is on
+    the wire. Call it in the same order on every rank, and wait for
     a key's future before reducing that key again (its decode updates the key's state). If any
     rank's tensor holds inf or NaN, every rank's result is all NaN. In a world of one
     rank the tensor is returned as it is. float64 and sparse tensors take an exact
@@ -128,12 +152,14 @@ def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=0) -> torch.f
     if not state._verified or mode == "agreed" and state._sum_group is None:
         _handshake(state, tensor.device, mode)
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
-    call = state.calls
-    state.calls += 1
-    if mode == "predicted":
-        fut = _predicted(state, target, key, call)
+    stage = _predicted if mode == "predicted" else _agreed
+    pieces = state.chunks(target.numel(), target.device)
+    if len(pieces) == 1:
+        fut = stage(state, target, key, state.next_call())
     else:
-        fut = _agreed(state, target, key, call)
+        flat = target.view(-1)
+        futures = [stage(state, flat[start:stop], (key, i), state.next_call()) for i, (start, stop) in enumerate(pieces)]
+        fut = _all(futures, target, [start for start, _ in pieces])
     if target is tensor:
         return fut
     return _then(fut, tensor.copy_, tensor)

@@ -3,6 +3,7 @@ r"""Per-process-group state shared by the DDP hook and :func:`hhook.thc_allreduc
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import torch
@@ -15,6 +16,9 @@ from .predicted import PredictedScales
 #: from the previous step (one collective; :mod:`hhook.predicted`); "auto" picks per
 #: device (see :meth:`THCState.mode`).
 SCALE_MODES = ("auto", "agreed", "predicted")
+#: Piece size of ``chunk_mb="auto"`` on CPUs: a 21 MB bucket goes in 2 pieces, DDP's
+#: default 25 MB bucket in 3 (docs/train.md: 4 MB pieces cost more than they hide).
+DEFAULT_CHUNK_MB = 12
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,13 @@ class THCState:
             maxima first, then the SUM; two rounds, but scales that never clip and no
             host read anywhere. ``"auto"`` (default): predicted for CPU tensors, agreed
             for CUDA tensors (the README's measurements say why).
+        chunk_mb: split a tensor larger than this many MB of float32 into pieces of at
+            most this size, each compressed and reduced on its own, so one piece is on
+            the wire while the next is encoded and the previous decoded: part of the
+            codec's time hides behind the wire's.
+            Each piece costs a collective and the codec's fixed overhead, so pieces
+            are large. ``"auto"`` (default): 12 MB for CPU tensors, whole tensors on
+            GPUs (whose codec takes about a millisecond per bucket); ``0``: never split.
 
     Example::
         >>> state = THCState(process_group=None, bits=4)
@@ -55,6 +66,7 @@ class THCState:
         "error_feedback",
         "start_iter",
         "scales",
+        "chunk_mb",
         # per-tensor state: error-feedback residuals keyed by bucket index or name
         "residuals",
         "predicted",
@@ -70,7 +82,7 @@ class THCState:
     ]
 
     _PICKLED = (
-        "bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "residuals", "predicted",
+        "bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "residuals", "predicted",
         "iter", "calls", "_stats",
     )
 
@@ -83,6 +95,7 @@ class THCState:
         error_feedback: bool = False,
         start_iter: int = 2,
         scales: str = "auto",
+        chunk_mb: float | str = "auto",
     ):
         THCCodec(bits, block_size, seed)  # validates the options before any training
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
@@ -91,6 +104,10 @@ class THCState:
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         if scales not in SCALE_MODES:
             raise ValueError(f"scales must be one of {SCALE_MODES}, got {scales!r}")
+        if chunk_mb != "auto" and (
+            isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float)) or not 0 <= chunk_mb < math.inf
+        ):
+            raise ValueError(f"chunk_mb must be 'auto' or a non-negative number of megabytes, got {chunk_mb!r}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {process_group!r}")
         if error_feedback and start_iter < 2:
@@ -105,6 +122,7 @@ class THCState:
         self.error_feedback = bool(error_feedback)
         self.start_iter = start_iter
         self.scales = scales
+        self.chunk_mb = chunk_mb
         self.residuals: dict = {}
         self.predicted = PredictedScales(bits, block_size, seed, self.error_feedback) if scales != "agreed" else None
         self.iter = 0
@@ -127,6 +145,7 @@ class THCState:
         self._sequencer = Sequencer()
         saved.setdefault("scales", "agreed")  # saved before there was a choice
         saved.setdefault("predicted", None)
+        saved.setdefault("chunk_mb", 0)  # saved before tensors were split
         for name, value in saved.items():
             setattr(self, name, value)
 
@@ -140,6 +159,29 @@ class THCState:
         if self.scales != "auto":
             return self.scales
         return "agreed" if device.type == "cuda" else "predicted"
+
+    def next_call(self) -> int:
+        """A number no earlier call of this rank had (it selects the rounding stream)."""
+        self.calls += 1
+        return self.calls - 1
+
+    def chunks(self, numel: int, device: torch.device) -> list[tuple[int, int]]:
+        """``[(start, stop), ...]``: the pieces of a flat tensor that travel separately.
+
+        Equal pieces of whole codec blocks (the last one takes the remainder), at most
+        ``chunk_mb`` each (but at least a block); one piece when the tensor is smaller or
+        splitting is off.
+        """
+        chunk_mb = self.chunk_mb
+        if chunk_mb == "auto":
+            chunk_mb = DEFAULT_CHUNK_MB if device.type == "cpu" else 0
+        limit = int(chunk_mb * 2**20) // 4
+        if limit <= 0 or numel <= limit:
+            return [(0, numel)]
+        blocks = -(-numel // self.block_size)
+        pieces = -(-blocks // max(1, limit // self.block_size))
+        step = -(-blocks // pieces) * self.block_size
+        return [(start, min(start + step, numel)) for start in range(0, numel, step)]
 
     @property
     def rank(self) -> int:

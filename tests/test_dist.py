@@ -62,17 +62,21 @@ def test_thc_allreduce_averages_across_ranks(world):
 
 
 def _stats_worker(rank, world):
-    state = hhook.THCState(bits=4, scales="agreed")
-    x = torch.randn(4 << 20)
-    hhook.thc_allreduce(x, state)
-    return state.stats()
+    out = []
+    for chunk_mb in (0, "auto"):
+        state = hhook.THCState(bits=4, scales="agreed", chunk_mb=chunk_mb)
+        x = torch.randn(4 << 20)
+        hhook.thc_allreduce(x, state)
+        out.append(state.stats())
+    return out
 
 
 def test_wire_bytes_at_four_bits_four_ranks():
-    for s in run_world(_stats_worker, 4):
-        assert s["dense_bytes"] == 16 << 20
-        assert s["dense_bytes"] / s["wire_bytes"] >= 4.9
-        assert s["compressed_calls"] == 1
+    for whole, pieces in run_world(_stats_worker, 4):
+        for s in (whole, pieces):
+            assert s["dense_bytes"] == 16 << 20
+            assert s["dense_bytes"] / s["wire_bytes"] >= 4.9
+        assert whole["compressed_calls"] == 1 and pieces["compressed_calls"] == 2  # 16 MB: two pieces of 8 MB
 
 
 def _nonfinite_worker(rank, world, bad_rank, bad):

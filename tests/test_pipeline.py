@@ -17,10 +17,10 @@ from distributed import run_world
 MODES = ["agreed", "predicted"]
 
 
-def _many_tensors_worker(rank, world, scales):
+def _many_tensors_worker(rank, world, scales, chunk_mb=0):
     """Launch many tensors of different lengths before waiting for any: a reordered
     collective would pair tensors of different lengths and fail or decode garbage."""
-    state = hhook.THCState(bits=4, scales=scales)
+    state = hhook.THCState(bits=4, scales=scales, chunk_mb=chunk_mb)
     errors, sums = [], []
     for step in range(3):
         sizes = [17 + 997 * ((i * 7 + step) % 11) for i in range(24)]
@@ -46,6 +46,58 @@ def test_many_tensors_in_flight_neither_deadlock_nor_reorder(world, scales):
         assert sums == results[0][1]  # every rank decodes the same sums
         assert errors[0] < 1e-6 or scales == "agreed"  # predicted: the first step is exact
         assert max(errors) < 0.35  # 4 bits on Gaussian data; a mix-up gives errors near 1
+
+
+@pytest.mark.parametrize("scales", MODES)
+def test_tensors_in_pieces_neither_deadlock_nor_reorder(scales):
+    # 0.01 MB pieces: up to 5 pieces of each of the 24 tensors in flight at once
+    results = run_world(_many_tensors_worker, 3, scales, 0.01, timeout=300)
+    for errors, sums in results:
+        assert sums == results[0][1]
+        assert errors[0] < 1e-6 or scales == "agreed"
+        assert max(errors) < 0.35
+
+
+def test_pieces_are_whole_blocks_and_cover_the_tensor():
+    state = hhook.THCState(block_size=1024, chunk_mb=0.02)  # at most 5242 floats a piece
+    cpu = torch.device("cpu")
+    for numel in (1, 1024, 5242, 5243, 30000, 1 << 20):
+        pieces = state.chunks(numel, cpu)
+        assert pieces[0][0] == 0 and pieces[-1][1] == numel
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+        assert all(stop - start <= 5242 and start % 1024 == 0 for start, stop in pieces)
+        assert len(pieces) == (1 if numel <= 5242 else -(-numel // 5120))  # as few as whole blocks allow
+    assert hhook.THCState(chunk_mb=0).chunks(1 << 30, cpu) == [(0, 1 << 30)]
+    auto = hhook.THCState()
+    assert len(auto.chunks(25 * 2**20 // 4, cpu)) == 3 and len(auto.chunks(5_000_000, cpu)) == 2
+    assert auto.chunks(25 * 2**20 // 4, torch.device("cuda", 0)) == [(0, 25 * 2**20 // 4)]
+
+
+def _pieces_worker(rank, world, scales):
+    """A tensor in 6 pieces: identical inputs stay exact, one rank's inf in one piece
+    makes the whole tensor NaN on every rank, and the next step is normal again."""
+    state = hhook.THCState(bits=4, scales=scales, chunk_mb=0.02)
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for step in range(4):
+        shared = torch.randn(30000, generator=gen)
+        x = shared + (0 if step == 1 else rank)  # step 1: every rank holds the same tensor
+        if step == 2 and rank == 1:
+            x[29000] = float("inf")  # in the last piece only
+        expected = shared + (0 if step == 1 else (world - 1) / 2)
+        hhook.thc_allreduce(x, state)
+        out.append((torch.equal(x, expected), bool(x.isnan().all()), ((x - expected).norm() / expected.norm()).item()))
+    return out, state.stats()["compressed_calls"] + state.stats()["dense_calls"]
+
+
+@pytest.mark.parametrize("scales", MODES)
+def test_pieces_keep_every_guarantee(scales):
+    for steps, calls in run_world(_pieces_worker, 3, scales):
+        exact, nan, error = zip(*steps)
+        assert exact[1] and not any(nan[:2]) and not nan[3]  # identical step: exact
+        assert nan[2]  # one piece's inf: all of it NaN, not only that piece
+        assert error[3] < 0.35
+        assert calls == 4 * 6
 
 
 class Mixed(torch.nn.Module):
@@ -131,7 +183,8 @@ def test_world_of_one_is_exact_and_saves_nothing():
 @pytest.mark.parametrize(
     "option, value",
     [("bits", True), ("bits", 4.0), ("block_size", True), ("seed", False), ("start_iter", True),
-     ("error_feedback", 1), ("scales", "max"), ("process_group", "world")],
+     ("error_feedback", 1), ("scales", "max"), ("process_group", "world"), ("chunk_mb", "big"),
+     ("chunk_mb", -1), ("chunk_mb", True), ("chunk_mb", float("inf")), ("chunk_mb", float("nan"))],
 )
 def test_bad_options_fail_at_construction(option, value):
     with pytest.raises((ValueError, TypeError), match=option):

@@ -77,6 +77,12 @@ def test_method_names():
     assert [m.name for m in ms] == ["fp32", "fp16", "bf16", "powersgd:3", "powersgd:4", "thc:4", "thc:2:agreed"]
     assert ms[3].rank == 3 and ms[4].rank == 4
     assert (ms[6].bits, ms[6].scales) == (2, "agreed") and ms[5].scales is None
+    chunked = parse_methods("thc:4:predicted:chunk=8,thc:chunk=0")
+    assert [m.name for m in chunked] == ["thc:4:predicted:chunk=8", "thc:4:chunk=0"]
+    assert (chunked[0].chunk_mb, chunked[1].chunk_mb, ms[5].chunk_mb) == (8.0, 0.0, None)
+    for bad in ("thc:4:chunk=x", "thc:4:chunk=-1", "thc:4:predicted:3", "thc:chunk=1:4"):
+        with pytest.raises(ValueError, match="method"):
+            parse_methods(bad)
 
 
 def test_verdict_is_hung_if_any_rank_hung_and_names_the_rank_that_failed_first():

@@ -78,10 +78,11 @@ class Method:
     bits: int | None = None
     scales: str | None = None
     rank: int | None = None  # PowerSGD's matrix approximation rank
+    chunk_mb: float | None = None  # THC's piece size (None: hhook's default)
 
 
 def parse_methods(text: str, powersgd_rank: int = 2) -> list[Method]:
-    r"""``fp32,fp16,bf16,powersgd[:R],thc[:BITS[:agreed|predicted]]`` -> methods.
+    r"""``fp32,fp16,bf16,powersgd[:R],thc[:BITS[:agreed|predicted]][:chunk=MB]`` -> methods.
 
     Raises ValueError naming the bad entry.
     """
@@ -95,7 +96,7 @@ def parse_methods(text: str, powersgd_rank: int = 2) -> list[Method]:
             m = Method(name, "_hang")
         elif kind not in KINDS:
             raise ValueError(f"unknown method {raw.strip()!r} (known: fp32, fp16, bf16, powersgd[:RANK], "
-                             f"thc[:BITS[:{'|'.join(SCALE_MODES)}]])")
+                             f"thc[:BITS[:{'|'.join(SCALE_MODES)}]][:chunk=MB])")
         elif kind in ("fp32", "fp16", "bf16"):
             if opts:
                 raise ValueError(f"method {raw.strip()!r}: {kind} takes no options")
@@ -105,27 +106,40 @@ def parse_methods(text: str, powersgd_rank: int = 2) -> list[Method]:
                 raise ValueError(f"method {raw.strip()!r}: expected powersgd or powersgd:RANK with RANK >= 1")
             m = Method(name if opts else f"powersgd:{powersgd_rank}", kind, rank=int(opts[0]) if opts else powersgd_rank)
         else:
-            if len(opts) > 2 or (opts and not opts[0].isdigit()):
-                raise ValueError(f"method {raw.strip()!r}: expected thc, thc:BITS or thc:BITS:MODE "
-                                 f"(MODE: {', '.join(SCALE_MODES)})")
-            bits = int(opts[0]) if opts else 4
-            scales = opts[1] if len(opts) == 2 else None
-            if scales is not None and scales not in SCALE_MODES:
-                raise ValueError(f"method {raw.strip()!r}: unknown scale mode {scales!r} "
-                                 f"(known: {', '.join(SCALE_MODES)})")
-            from ..codec import THCCodec
-
-            try:
-                THCCodec(bits, 1024)
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"method {raw.strip()!r}: {e}") from None
-            m = Method(f"thc:{bits}" + (f":{scales}" if scales else ""), kind, bits=bits, scales=scales)
+            m = _parse_thc(raw.strip(), opts)
         if any(old.name == m.name for old in methods):
             raise ValueError(f"method {m.name!r} is listed twice")
         methods.append(m)
     if not methods:
         raise ValueError("--methods is empty")
     return methods
+
+
+def _parse_thc(raw: str, opts: list[str]) -> Method:
+    """``thc[:BITS[:MODE]][:chunk=MB]`` (MODE and chunk= are passed to hhook as scales= and chunk_mb=)."""
+    usage = f"expected thc[:BITS[:MODE]][:chunk=MB] (MODE: {', '.join(SCALE_MODES)})"
+    chunk = None
+    if opts and opts[-1].startswith("chunk="):
+        try:
+            chunk = float(opts.pop()[len("chunk="):])
+        except ValueError:
+            raise ValueError(f"method {raw!r}: chunk= takes a number of megabytes; {usage}") from None
+        if not 0 <= chunk < float("inf"):
+            raise ValueError(f"method {raw!r}: chunk= must be a non-negative number of megabytes")
+    if len(opts) > 2 or (opts and not opts[0].isdigit()):
+        raise ValueError(f"method {raw!r}: {usage}")
+    bits = int(opts[0]) if opts else 4
+    scales = opts[1] if len(opts) == 2 else None
+    if scales is not None and scales not in SCALE_MODES:
+        raise ValueError(f"method {raw!r}: unknown scale mode {scales!r} (known: {', '.join(SCALE_MODES)})")
+    from ..codec import THCCodec
+
+    try:
+        THCCodec(bits, 1024)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"method {raw!r}: {e}") from None
+    name = f"thc:{bits}" + (f":{scales}" if scales else "") + (f":chunk={chunk:g}" if chunk is not None else "")
+    return Method(name, "thc", bits=bits, scales=scales, chunk_mb=chunk)
 
 
 # -- options (checked before any communication, identically on every rank) ------------
@@ -143,7 +157,7 @@ def add_parser(sub, common) -> None:
                     help="; ".join(f"{t.name}: {t.summary}" for t in TASKS.values()) + " (default wide-cnn)")
     tr.add_argument("--methods", default=DEFAULT_METHODS,
                     help="comma-separated: fp32 (DDP without a hook), fp16, bf16 (compression hooks), "
-                    "powersgd[:RANK], thc[:BITS[:agreed|predicted]] (scale mode, passed to hhook as scales=) "
+                    "powersgd[:RANK], thc[:BITS[:agreed|predicted]][:chunk=MB] (passed to hhook as scales= and chunk_mb=) "
                     f"(default {DEFAULT_METHODS})")
     tr.add_argument("--steps", type=int, default=200, help="training steps per method (default 200)")
     tr.add_argument("--warmup", type=int, default=5, help="first steps left out of the step-time figures (default 5)")
@@ -399,6 +413,8 @@ def _attach(method: dict, ddp, seed: int):
         options = {"bits": method["bits"], "seed": seed}
         if method["scales"] is not None:
             options["scales"] = method["scales"]
+        if method.get("chunk_mb") is not None:
+            options["chunk_mb"] = method["chunk_mb"]
         return hhook.register(ddp, **options)
     elif kind == "_hang":
         ddp.register_comm_hook({"iter": 0}, _hang_hook)
