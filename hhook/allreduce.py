@@ -5,7 +5,8 @@ returns a future at once; each later stage runs as the continuation of the previ
 collective and the last one completes the returned future. So in DDP the backward pass
 goes on computing (and launching) the next buckets while this one is on the wire. A
 large tensor travels in pieces (``THCState(chunk_mb=)``): while one piece is on the wire
-the next is encoded and the previous decoded, so the codec's time hides behind the wire's.
+the next is encoded and the previous decoded, so part of the codec's time hides behind
+the wire's.
 
 * predicted scales (:mod:`hhook.predicted`; ``THCState(scales="auto")`` on CPUs): encode
   with the scales predicted from the previous step, one SUM allreduce, decode in its

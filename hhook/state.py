@@ -48,10 +48,10 @@ class THCState:
         chunk_mb: split a tensor larger than this many MB of float32 into pieces of at
             most this size, each compressed and reduced on its own, so one piece is on
             the wire while the next is encoded and the previous decoded: part of the
-            codec's time hides behind the wire's.
-            Each piece costs a collective and the codec's fixed overhead, so pieces
-            are large. ``"auto"`` (default): 12 MB for CPU tensors, whole tensors on
-            GPUs (whose codec takes about a millisecond per bucket); ``0``: never split.
+            codec's time hides behind the wire's. Each piece costs a collective and the
+            codec's fixed overhead, so pieces are large. ``"auto"`` (default): 12 MB for
+            CPU tensors, whole tensors on GPUs (whose codec takes about a millisecond
+            per bucket); ``0``: never split.
 
     Example::
         >>> state = THCState(process_group=None, bits=4)

@@ -124,18 +124,16 @@ def _parse_thc(raw: str, opts: list[str]) -> Method:
             chunk = float(opts.pop()[len("chunk="):])
         except ValueError:
             raise ValueError(f"method {raw!r}: chunk= takes a number of megabytes; {usage}") from None
-        if not 0 <= chunk < float("inf"):
-            raise ValueError(f"method {raw!r}: chunk= must be a non-negative number of megabytes")
     if len(opts) > 2 or (opts and not opts[0].isdigit()):
         raise ValueError(f"method {raw!r}: {usage}")
     bits = int(opts[0]) if opts else 4
     scales = opts[1] if len(opts) == 2 else None
     if scales is not None and scales not in SCALE_MODES:
         raise ValueError(f"method {raw!r}: unknown scale mode {scales!r} (known: {', '.join(SCALE_MODES)})")
-    from ..codec import THCCodec
+    from ..state import THCState
 
-    try:
-        THCCodec(bits, 1024)
+    try:  # hhook's own checks of bits= and chunk_mb=, before any communication
+        THCState(bits=bits, chunk_mb="auto" if chunk is None else chunk)
     except (ValueError, TypeError) as e:
         raise ValueError(f"method {raw!r}: {e}") from None
     name = f"thc:{bits}" + (f":{scales}" if scales else "") + (f":chunk={chunk:g}" if chunk is not None else "")
