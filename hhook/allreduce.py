@@ -15,7 +15,7 @@ the wire's.
   the agreed scales and launches the SUM of the words; that one's continuation decodes.
   Continuations run on the process group's threads in completion order, so the SUMs go
   on a second process group over the same ranks, launched in hook order by a
-  :class:`~hhook.state.Sequencer`: every rank pairs the same collectives. Continuations
+  :class:`~hhook.sequencer.Sequencer`: every rank pairs the same collectives. Continuations
   never wait (a wait there can deadlock Gloo's few worker threads).
 
 Errors surface through the returned future (in DDP: from ``loss.backward()``) on every
