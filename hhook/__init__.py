@@ -8,9 +8,10 @@ directly. One line turns it on::
 """
 
 from .allreduce import thc_allreduce, thc_allreduce_async
-from .codec import CODEC_VERSION, ConfigMismatchError, THCCodec
+from .codec import CODEC_VERSION, THCCodec
 from .ddp_hook import register, thc_hook
 from .launch import detect_env, init_distributed
+from .message import ConfigMismatchError, OpMismatchError, RankFailedError
 from .state import THCState
 
 __version__ = "0.1.0"
@@ -18,6 +19,8 @@ __version__ = "0.1.0"
 __all__ = [
     "CODEC_VERSION",
     "ConfigMismatchError",
+    "OpMismatchError",
+    "RankFailedError",
     "THCCodec",
     "THCState",
     "detect_env",

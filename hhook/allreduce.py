@@ -8,19 +8,24 @@ large tensor travels in pieces (``THCState(chunk_mb=)``): while one piece is on 
 the next is encoded and the previous decoded, so part of the codec's time hides behind
 the wire's.
 
-* predicted scales (:mod:`hhook.predicted`; ``THCState(scales="auto")`` on CPUs): encode
-  with the scales predicted from the previous step, one SUM allreduce, decode in its
-  continuation. The decode reads the summed header on the host.
-* agreed scales (``"auto"`` on GPUs): MAX-allreduce the scale vector; its continuation quantizes onto
-  the agreed scales and launches the SUM of the words; that one's continuation decodes.
-  Continuations run on the process group's threads in completion order, so the SUMs go
-  on a second process group over the same ranks, launched in hook order by a
-  :class:`~hhook.sequencer.Sequencer`: every rank pairs the same collectives. Continuations
-  never wait (a wait there can deadlock Gloo's few worker threads).
+The scale policy (:mod:`hhook.scales`) decides the rounds of each tensor:
+
+* predicted scales (a key with history): encode, one SUM allreduce, decode in its
+  continuation. The decode reads the summed prefix on the host.
+* agreed scales (``scales="agreed"``, and a predicted key's first call): MAX-allreduce the
+  scale vector; its continuation quantizes onto the agreed scales and launches the SUM of
+  the words; that one's continuation decodes. Continuations run on the process group's
+  threads in completion order, so the SUMs go on a second communicator over the same
+  ranks (:mod:`hhook.groups`), launched in hook order by a
+  :class:`~hhook.sequencer.Sequencer`: every rank pairs the same collectives.
+  Continuations never wait (a wait there can deadlock Gloo's few worker threads).
 
 Errors surface through the returned future (in DDP: from ``loss.backward()``) on every
-rank alike: a configuration mismatch raises :class:`~hhook.codec.ConfigMismatchError`
-when the mismatched tensor's future completes. Non-finite inputs on any rank make every
+rank alike: a configuration mismatch raises :class:`~hhook.message.ConfigMismatchError`
+when the mismatched tensor's future completes (on GPUs with agreed scales, which read
+nothing on the host, at the next call, ``stats()`` or ``thc_allreduce``'s return); a rank
+that fails while encoding sends filler and every other rank raises
+:class:`~hhook.message.RankFailedError`. Non-finite inputs on any rank make every
 rank's result NaN (no exception), so ``GradScaler`` skips the step everywhere.
 """
 
@@ -29,8 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import rng
-from .codec import SUPPORTED_DTYPES, warm_up
+from .codec import SUPPORTED_DTYPES
 from .state import THCState
 
 
@@ -116,113 +120,103 @@ def dense_allreduce(state: THCState, tensor: torch.Tensor) -> torch.futures.Futu
     return fut.then(lambda f: f.value()[0])
 
 
-def _handshake(state: THCState, device: torch.device, mode: str) -> None:
-    """Once per state, blocking: catch a differing configuration before the first message,
-    and set up the second group that agreed scales need."""
-    codec = state.codec()
-    warm_up(device)  # a first compile belongs here, once, not in a later stage
-    vector = codec.handshake_vector(device)
-    dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group)
-    state.count(None, 0, vector.nbytes)
-    codec.check_handshake(vector)
-    if mode == "agreed" and state._sum_group is None:
-        ranks = dist.get_process_group_ranks(state.process_group or dist.group.WORLD)
-        state._sum_group = dist.new_group(ranks, use_local_synchronization=True)
-    state._verified = True
-
-
-def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=0) -> torch.futures.Future:
+def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=None) -> torch.futures.Future:
     r"""Start averaging ``tensor`` in place over ``state.process_group`` through the codec.
 
     Returns at once a future holding ``tensor`` once it holds the mean. ``key`` names the
-    tensor for error feedback and predicted scales (a DDP bucket index, a parameter name);
-    it must be stable across steps. A tensor above ``state.chunk_mb`` travels in pieces
-    (keys ``(key, 0)``, ``(key, 1)``, ...), each encoded while the previous one is on
-    the wire. Call it in the same order on every rank, and wait for
-    a key's future before reducing that key again (its decode updates the key's state). If any
-    rank's tensor holds inf or NaN, every rank's result is all NaN. In a world of one
-    rank the tensor is returned as it is. float64 and sparse tensors take an exact
-    plain allreduce.
+    tensor for error feedback and predicted scales (a DDP bucket index, a parameter name)
+    and must be stable across steps; ``None`` (the default) carries nothing from one call
+    to the next, so every call takes an agreed round. ``layout`` says what the key holds
+    (default: the tensor's shape and dtype); when it changes the key's state starts afresh.
+    A tensor above ``state.chunk_mb`` travels in pieces (keys ``(key, 0)``, ``(key, 1)``,
+    ...), each encoded while the previous one is on the wire. Call it in the same order on
+    every rank, and wait for a key's future before reducing that key again (its decode
+    updates the key's state). If any rank's tensor holds inf or NaN, every rank's result is
+    all NaN. In a world of one rank the tensor is returned as it is. float64 and sparse
+    tensors take an exact plain allreduce.
     """
     check_tensor(tensor)
+    state.check_deferred()
     if tensor.numel() == 0:
         return _completed(tensor)
     if state.world_size == 1 or tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES:
         return dense_allreduce(state, tensor)
-    mode = state.mode(tensor.device)
-    if not state._verified or mode == "agreed" and state._sum_group is None:
-        _handshake(state, tensor.device, mode)
+    if tensor.device.type not in state._verified:
+        state.handshake(tensor.device)
+    if layout is None:
+        layout = (tuple(tensor.shape), str(tensor.dtype))
+    policy = state.policy(state.mode(tensor.device))
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
-    stage = _predicted if mode == "predicted" else _agreed
     pieces = state.chunks(target.numel(), target.device)
     if len(pieces) == 1:
-        fut = stage(state, target, key, state.next_call())
+        fut = _reduce(state, policy, target, key, layout)
     else:
         flat = target.view(-1)
-        futures = [stage(state, flat[start:stop], (key, i), state.next_call()) for i, (start, stop) in enumerate(pieces)]
+        futures = [
+            _reduce(state, policy, flat[start:stop], None if key is None else (key, i), layout)
+            for i, (start, stop) in enumerate(pieces)
+        ]
         fut = _all(futures, target, [start for start, _ in pieces])
     if target is tensor:
         return fut
     return _then(fut, tensor.copy_, tensor)
 
 
-def _predicted(state: THCState, target: torch.Tensor, key, call: int) -> torch.futures.Future:
-    """One round: encode with predicted scales, SUM, decode in the continuation."""
-    words, msg = state.predicted.encode(target, key, state.rank, state.world_size, call)
-    state.count("dense_calls" if msg.dense else "compressed_calls", 4 * target.numel(), words.nbytes)
-    fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=state.process_group, async_op=True).get_future()
-    return _then(fut, lambda value: state.predicted.decode(value[0], msg, out=target), target)
+def _reduce(state: THCState, policy, target: torch.Tensor, key, layout) -> torch.futures.Future:
+    """One tensor (or piece) through the policy: one SUM round when its scales are
+    predicted, else a MAX round whose continuation launches the SUM on the second
+    communicator, in hook order. Nothing waits; the returned future completes in the
+    SUM's continuation."""
+    plan = policy.begin(target, key, state.rank, state.world_size, state.next_call(), state.config_id(), layout)
+    defer = state.defer if target.is_cuda or state._defer_on_cpu else None
 
+    def decode(sums: torch.Tensor) -> torch.Tensor:
+        _, nonfinite = policy.decode(sums, plan, target, defer)
+        if nonfinite is True:
+            state.count("nonfinite_calls", 0, 0)
+        return target
 
-def _agreed(state: THCState, target: torch.Tensor, key, call: int) -> torch.futures.Future:
-    """Two rounds: MAX of the scales, then (in its continuation) quantize and SUM."""
-    codec = state.codec()
-    numel = target.numel()
-    residual = None
-    if state.error_feedback:
-        residual = state.residual(key, (codec.n_blocks(numel), codec.block_for(numel)), target.device)
-    prepared = codec.prepare(target)
-    stream = rng.stream_key(state.seed, state.rank, call)
+    if plan.max_vector is None:  # predicted scales: one round
+        words = policy.finish(plan)
+        state.count("compressed_calls", 4 * target.numel(), words.nbytes)
+        fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=state.process_group, async_op=True).get_future()
+        return _then(fut, lambda value: decode(value[0]), target)
+
     ticket = state._sequencer.ticket()
-    word_bytes = codec.words_numel(numel) * codec.layout.word_bits // 8
-    state.count("compressed_calls", 4 * numel, prepared.scales.nbytes + word_bytes)
+    second = state.second_group(target.device)
+    length = policy.message_numel(plan.codec, target.numel(), predicted=False)
+    state.count("compressed_calls", 4 * target.numel(), plan.max_vector.nbytes + length * plan.codec.layout.word_bits // 8)
     result = _future(target)
-    sum_group = state._sum_group
 
-    def quantize_and_sum(f: torch.futures.Future) -> None:
+    def finish_and_sum(f: torch.futures.Future) -> None:
         try:
             agreed = f.value()[0]
-            if not agreed.is_cuda:  # a host read is free here; on a GPU decode writes NaN instead
-                codec.verify(agreed, numel)
-            words = codec.quantize(prepared, agreed, stream, residual)
-        except BaseException as exc:  # every rank reaches the same verdict and skips the SUM
+        except BaseException as exc:  # the MAX itself failed: no rank can go on with this ticket
             state._sequencer.launch(ticket, None)
             result.set_exception(exc)
             return
+        words = policy.finish(plan, agreed)  # never raises: a local failure sends filler
 
-        def decode(g: torch.futures.Future) -> None:
+        def settle(g: torch.futures.Future) -> None:
             try:
-                result.set_result(codec.decode(prepared, agreed, g.value()[0], target))
-            except BaseException as exc:
+                result.set_result(decode(g.value()[0]))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 result.set_exception(exc)
 
         def launch() -> None:
             try:
-                sent = dist.all_reduce(words, dist.ReduceOp.SUM, group=sum_group, async_op=True)
+                second.all_reduce(words).get_future().then(settle)
             except BaseException as exc:
                 result.set_exception(exc)
-                return
-            sent.get_future().then(decode)
 
         state._sequencer.launch(ticket, launch)
 
-    dist.all_reduce(prepared.scales, dist.ReduceOp.MAX, group=state.process_group, async_op=True).get_future().then(
-        quantize_and_sum
-    )
+    fut = dist.all_reduce(plan.max_vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)
+    fut.get_future().then(finish_and_sum)
     return result
 
 
-def thc_allreduce(tensor: torch.Tensor, state: THCState, key=0) -> torch.Tensor:
+def thc_allreduce(tensor: torch.Tensor, state: THCState, key=None) -> torch.Tensor:
     r"""Average ``tensor`` in place across ``state.process_group`` (None = WORLD).
 
     The blocking form of :func:`thc_allreduce_async`.
@@ -231,4 +225,6 @@ def thc_allreduce(tensor: torch.Tensor, state: THCState, key=0) -> torch.Tensor:
         >>> state = hhook.THCState(bits=4)
         >>> hhook.thc_allreduce(grad, state, key="layer1.weight")
     """
-    return thc_allreduce_async(tensor, state, key).wait()
+    out = thc_allreduce_async(tensor, state, key).wait()
+    state.check_deferred(wait=True)
+    return out

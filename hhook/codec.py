@@ -34,6 +34,7 @@ import dataclasses
 import torch
 
 from . import cpu_kernels, cuda_kernels, lanes, quantization, rng, rotation
+from .message import ConfigMismatchError
 
 #: Bumped whenever the bits on the wire change meaning; part of the fingerprint.
 CODEC_VERSION = 2
@@ -44,10 +45,6 @@ CODEC_VERSION = 2
 HEADER = 7
 _FINGERPRINT_BITS = 24  # integers below 2**24 are exact in float32
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-class ConfigMismatchError(RuntimeError):
-    """Ranks disagree on the codec configuration or on the tensor they reduce."""
 
 
 @dataclasses.dataclass

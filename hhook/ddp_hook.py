@@ -7,7 +7,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .allreduce import dense_allreduce, thc_allreduce_async
+from .allreduce import _completed, dense_allreduce, thc_allreduce_async
 from .codec import warm_up
 from .state import THCState
 
@@ -20,31 +20,65 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     1. Before ``state.start_iter``, run DDP's plain allreduce (buckets are rebuilt after
        the first iteration). So do float64 and sparse buckets, always.
     2. Otherwise rotate the bucket (randomized Hadamard, shared seed) and take its block
-       maxima. With ``scales="agreed"`` MAX-allreduce them (and a header with the
-       non-finite flag, the configuration fingerprint and a digest); with
-       ``scales="predicted"`` use the scales predicted from the previous step instead.
+       maxima. With agreed scales (and a predicted bucket's first compressed call)
+       MAX-allreduce them with a header (non-finite flag, fingerprint, digest); with
+       predicted scales use the bound on last step's maxima that every rank holds.
     3. Quantize with unbiased stochastic rounding, pack the codes into lanes with
-       headroom, and SUM-allreduce the integer words (with predicted scales, this step's
-       block maxima ride along for the next step's prediction).
+       headroom, and SUM-allreduce the integer words behind the common prefix (with
+       predicted scales, this step's thermometer of block maxima rides along).
     4. Decode the sum once, into ``bucket.buffer()``, already averaged.
 
     The hook returns at once; every later stage is a continuation of a collective.
+    Under compiled DDP with ``torch._dynamo.config.optimize_ddp = "python_reducer"`` DDP
+    calls it once per parameter with ``(grad, param)`` and ignores the future: the
+    gradient is then reduced before the hook returns (THC when run eagerly; an exact
+    functional allreduce, with one log line, while compiled autograd traces it).
 
     Example::
         >>> state = THCState(process_group=None, bits=4)
         >>> ddp_model.register_comm_hook(state, thc_hook)
     """
+    if isinstance(bucket, tuple):
+        return _per_parameter(state, *bucket)
     buffer = bucket.buffer()
-    # With predicted scales the last plain iteration is the warm-up that measures the first
-    # scales: the same number of exact iterations as with agreed scales.
-    predicted = state.mode(buffer.device) == "predicted"
-    dense_until = state.start_iter - (1 if predicted and state.start_iter > 0 else 0)
-    if state.iter < dense_until or buffer.is_sparse:
+    if state.iter < state.start_iter or buffer.is_sparse:
         fut = dense_allreduce(state, buffer)
     else:
-        fut = thc_allreduce_async(buffer, state, key=bucket.index())
+        # The key's state is checked against the bucket's parameter layout: when DDP
+        # rebuilds its buckets an index may name other parameters, whose residual and
+        # scales must start afresh.
+        layout = tuple((tuple(p.shape), str(p.dtype)) for p in bucket.parameters())
+        fut = thc_allreduce_async(buffer, state, key=bucket.index(), layout=layout)
     state.maybe_increase_iter(bucket)
     return fut
+
+
+_warned_traced = False
+
+
+def _per_parameter(state: THCState, grad: torch.Tensor, param: torch.Tensor) -> torch.futures.Future:
+    """The python-reducer form: reduce ``grad`` in place before returning."""
+    global _warned_traced
+    if torch.compiler.is_compiling():
+        # Compiled autograd traces this call: THC's kernels and futures cannot be traced.
+        if not _warned_traced:
+            _warned_traced = True
+            logger.warning(
+                "hhook: compiled autograd (optimize_ddp='python_reducer') traces the comm hook; "
+                "gradients are reduced exactly (uncompressed) there. Use dynamo's default DDPOptimizer "
+                "to compress under torch.compile."
+            )
+        import torch.distributed._functional_collectives as fcol
+
+        group = state.process_group if state.process_group is not None else dist.group.WORLD
+        grad.copy_(fcol.all_reduce(grad / dist.get_world_size(group), "sum", group))
+        return _completed(grad)
+    # Keyed per parameter (no buckets to rebuild, so no plain iterations are needed).
+    with torch.no_grad():
+        layout = (tuple(param.shape), str(grad.dtype))
+        thc_allreduce_async(grad, state, key=("param", id(param)), layout=layout).wait()
+    state.check_deferred(wait=True)
+    return _completed(grad)
 
 
 def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", **options) -> THCState:

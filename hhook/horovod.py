@@ -14,7 +14,7 @@ default agrees on the scales with a MAX allreduce first; inside ``compress`` tha
 block the backward pass once per tensor, and it could deadlock, since Horovod's
 ``synchronize()`` compresses the gradients a backward pass left out in set order, which
 differs between ranks. So ``compress`` never communicates: it uses one-round THC with
-**predicted** scales (:mod:`hhook.predicted`, the same implementation as
+**predicted** scales (:mod:`hhook.scales`, the same implementation as
 ``THCState(scales="predicted")``), where everything the next step needs travels inside
 the one SUM allreduce. ``op=hvd.Average`` would divide the packed lanes: the first word
 of every message counts the ranks, so ``decompress`` catches it
@@ -50,11 +50,12 @@ except ImportError as exc:  # pragma: no cover - exercised through a subprocess 
     ) from exc
 
 from .codec import THCCodec
-from .predicted import OpMismatchError, PredictedScales, default_headroom
+from .message import OpMismatchError
+from .scales import PredictedScales
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Compression", "DistributedOptimizer", "OpMismatchError", "THCCompressor", "default_headroom"]
+__all__ = ["Compression", "DistributedOptimizer", "OpMismatchError", "THCCompressor"]
 
 _OP_HELP = (
     "hhook THC compression sends packed integer lanes that only a plain sum keeps intact: "
@@ -81,9 +82,10 @@ class THCCompressor:
         warmup_steps: steps of each tensor sent dense (float32, exact) before compressed
             steps with predicted scales take over; at least 1, since the first step has
             nothing to predict from.
-        headroom: the next scale is ``headroom`` times the mean over ranks of this
-            step's block maxima; above 1 clips less and quantizes more coarsely.
-            Default: :func:`default_headroom` of ``bits``.
+        headroom: the next scale is ``headroom`` times the bound on the maximum over
+            ranks of this step's block maxima (:mod:`hhook.scales`); above 1 leaves room
+            for growth and quantizes more coarsely. Default 1: a block that does not grow
+            between steps never clips.
         process_set: the Horovod process set, when not used through an optimizer that
             names one.
 
@@ -100,7 +102,7 @@ class THCCompressor:
         seed: int = 0,
         error_feedback: bool = False,
         warmup_steps: int = 1,
-        headroom: float | None = None,
+        headroom: float = 1.0,
         process_set=None,
     ):
         self._predicted = PredictedScales(bits, block_size, seed, error_feedback, warmup_steps, headroom)
@@ -289,7 +291,7 @@ def DistributedOptimizer(
     seed: int = 0,
     error_feedback: bool = False,
     warmup_steps: int = 1,
-    headroom: float | None = None,
+    headroom: float = 1.0,
     compression=None,
     backward_passes_per_step: int = 1,
     op=None,

@@ -1,23 +1,30 @@
-r"""Per-process-group state shared by the DDP hook and :func:`hhook.thc_allreduce`."""
+r"""Per-process-group state shared by the DDP hook and :func:`hhook.thc_allreduce`:
+options, per-key state (through the scale policies), counters, and the transport pieces
+built on first use (the second communicator, the sequencer, deferred device checks)."""
 
 from __future__ import annotations
 
 import logging
 import math
+
 import torch
 import torch.distributed as dist
 
+from . import rng
 from .codec import THCCodec
-from .predicted import PredictedScales
+from .groups import SecondGroup
+from .message import ConfigMismatchError
+from .scales import ScalePolicy
 from .sequencer import Sequencer
 
-#: The scale policies: agree on each step's maxima (two collectives), or predict them
-#: from the previous step (one collective; :mod:`hhook.predicted`); "auto" picks per
-#: device (see :meth:`THCState.mode`).
+#: The scale policies (:mod:`hhook.scales`): agree on each step's maxima (two
+#: collectives; never clips), or predict them from the previous step (one collective once
+#: a key has history); "auto" picks per device (see :meth:`THCState.mode`).
 SCALE_MODES = ("auto", "agreed", "predicted")
 #: Piece size of ``chunk_mb="auto"`` on CPUs: a 21 MB bucket goes in 2 pieces, DDP's
 #: default 25 MB bucket in 3 (docs/train.md: 4 MB pieces cost more than they hide).
 DEFAULT_CHUNK_MB = 12
+_STATS = ("dense_bytes", "wire_bytes", "compressed_calls", "dense_calls", "local_calls", "nonfinite_calls")
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +40,17 @@ class THCState:
         seed: shared seed of the rotation's random signs; must match on every rank.
         error_feedback: carry each rank's rounding error into its next call (costs one
             float32 copy of every compressed tensor). The rounding is unbiased, so this
-            is optional.
+            is optional. Needs ``start_iter >= 2`` (refused otherwise, as PowerSGD does).
         start_iter: the DDP hook runs a plain allreduce for the iterations before this
             one. DDP rebuilds its buckets after the first iteration, so per-bucket
-            residuals are stable only from iteration 2. With predicted scales the last
-            of these iterations also measures the first scales (its maxima travel with it).
-        scales: ``"predicted"``: one SUM allreduce per bucket, with scales predicted
-            from the previous step's block maxima, which travel in-band
-            (:mod:`hhook.predicted`). ``"agreed"``: a MAX allreduce of this step's block
-            maxima first, then the SUM; two rounds, but scales that never clip and no
-            host read anywhere. ``"auto"`` (default): predicted for CPU tensors, agreed
+            residuals are stable only from iteration 2.
+        scales: ``"predicted"``: one SUM allreduce per bucket once the bucket has
+            history, with scales bounding the previous step's maximum over ranks of
+            the block maxima, which travel in-band as thermometer counts
+            (:mod:`hhook.scales`); a bucket's first compressed call takes one agreed
+            round. Clips only blocks that grew since the previous step.
+            ``"agreed"``: a MAX allreduce of this step's block maxima first, then the
+            SUM; two rounds, but scales that never clip and no host read anywhere. ``"auto"`` (default): predicted for CPU tensors, agreed
             for CUDA tensors (the README's measurements say why).
         chunk_mb: split a tensor larger than this many MB of float32 into pieces of at
             most this size, each compressed and reduced on its own, so one piece is on
@@ -66,9 +74,8 @@ class THCState:
         "start_iter",
         "scales",
         "chunk_mb",
-        # per-tensor state: error-feedback residuals keyed by bucket index or name
-        "residuals",
-        "predicted",
+        # per-key state (residuals, predicted scales), one store per scale policy in use
+        "policies",
         # counters
         "iter",
         "calls",
@@ -76,12 +83,14 @@ class THCState:
         # derived, rebuilt on demand and never pickled
         "_codec",
         "_verified",
-        "_sum_group",
+        "_second",
         "_sequencer",
+        "_pending",
+        "_defer_on_cpu",
     ]
 
     _PICKLED = (
-        "bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "residuals", "predicted",
+        "bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "policies",
         "iter", "calls", "_stats",
     )
 
@@ -110,9 +119,11 @@ class THCState:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {process_group!r}")
         if error_feedback and start_iter < 2:
-            logger.warning(
-                "hhook: error_feedback with start_iter=%d: DDP rebuilds buckets after the first "
-                "iteration, so residuals of iteration 0 may be dropped", start_iter
+            # As PowerSGD: DDP rebuilds its buckets after the first iteration, and a
+            # residual kept for a bucket index would be added to another bucket's gradients.
+            raise ValueError(
+                f"error_feedback needs start_iter >= 2 (got {start_iter}): DDP rebuilds its buckets "
+                "after the first iteration, so per-bucket residuals are stable only from iteration 2"
             )
         self.process_group = process_group
         self.bits = bits
@@ -122,15 +133,19 @@ class THCState:
         self.start_iter = start_iter
         self.scales = scales
         self.chunk_mb = chunk_mb
-        self.residuals: dict = {}
-        self.predicted = PredictedScales(bits, block_size, seed, self.error_feedback) if scales != "agreed" else None
+        self.policies: dict = {}
         self.iter = 0
         self.calls = 0
-        self._stats = dict.fromkeys(("dense_bytes", "wire_bytes", "compressed_calls", "dense_calls", "local_calls"), 0)
+        self._stats = dict.fromkeys(_STATS, 0)
+        self._reset_derived()
+
+    def _reset_derived(self) -> None:
         self._codec = None
-        self._verified = False
-        self._sum_group = None
+        self._verified = set()
+        self._second = {}
         self._sequencer = Sequencer()
+        self._pending = []
+        self._defer_on_cpu = False  # tests: run the GPU's deferred checks on CPU tensors
 
     def __getstate__(self):
         # Like PowerSGDState: a process group cannot be pickled; the default one is used after loading.
@@ -138,15 +153,41 @@ class THCState:
 
     def __setstate__(self, saved):
         self.process_group = None
-        self._codec = None
-        self._verified = False
-        self._sum_group = None
-        self._sequencer = Sequencer()
+        self._reset_derived()
         saved.setdefault("scales", "agreed")  # saved before there was a choice
-        saved.setdefault("predicted", None)
         saved.setdefault("chunk_mb", 0)  # saved before tensors were split
+        if "residuals" in saved or "predicted" in saved:
+            saved.pop("residuals", None)
+            saved.pop("predicted", None)
+            logger.warning("hhook: a THCState saved by an older hhook: its residuals and predicted scales start afresh")
+        saved.setdefault("policies", {})
+        stats = dict.fromkeys(_STATS, 0)
+        stats.update(saved.pop("_stats", {}))
+        self._stats = stats
         for name, value in saved.items():
             setattr(self, name, value)
+
+    def policy(self, mode: str) -> ScalePolicy:
+        """The scale policy of ``mode`` ("agreed" or "predicted"), with its per-key state."""
+        policy = self.policies.get(mode)
+        if policy is None:
+            policy = self.policies[mode] = ScalePolicy(
+                self.bits, self.block_size, self.seed, self.error_feedback, predict=mode == "predicted"
+            )
+        return policy
+
+    def config_id(self) -> int:
+        """A hash of every option that changes which collectives run, in what order or
+        with what lengths: part of the handshake and of every message's fingerprint."""
+        h = rng.mix32(0x53434844)
+        chunk = -1 if self.chunk_mb == "auto" else int(round(self.chunk_mb * 1024))
+        for value in (SCALE_MODES.index(self.scales), chunk & rng.MASK32, self.start_iter, int(self.error_feedback)):
+            h = rng.mix32(h ^ value)
+        return h
+
+    def describe(self) -> str:
+        return (f"bits={self.bits} block_size={self.block_size} seed={self.seed} scales={self.scales} "
+                f"chunk_mb={self.chunk_mb} start_iter={self.start_iter} error_feedback={self.error_feedback}")
 
     def mode(self, device: torch.device) -> str:
         """The scale policy for tensors on ``device``: ``scales``, with ``"auto"`` resolved.
@@ -198,12 +239,70 @@ class THCState:
             self._codec = THCCodec(self.bits, self.block_size, self.seed, self.world_size)
         return self._codec
 
-    def residual(self, key, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        """The error-feedback residual of ``key``, zeroed when the tensor's shape changed."""
-        r = self.residuals.get(key)
-        if r is None or r.shape != shape or r.device != device:
-            r = self.residuals[key] = torch.zeros(shape, dtype=torch.float32, device=device)
-        return r
+    # -- transport pieces built on first use ---------------------------------------
+    def handshake(self, device: torch.device) -> None:
+        """Once per state and device type, blocking, in the same place on every rank:
+        catch differing options before the first message (every rank raises
+        :class:`ConfigMismatchError`), and build the second communicator that agreed
+        rounds use (predicted keys take one at their first call, too)."""
+        from .codec import warm_up
+
+        codec = self.codec()
+        warm_up(device)  # a first compile belongs here, once, not in a later stage
+        f = float(rng.mix32(codec.fingerprint() ^ self.config_id()) >> 8)  # 24 bits: exact in float32
+        vector = torch.tensor([f, -f], dtype=torch.float32, device=device)
+        dist.all_reduce(vector, dist.ReduceOp.MAX, group=self.process_group)
+        self.count(None, 0, vector.nbytes)
+        if vector[0].item() != -vector[1].item():
+            raise ConfigMismatchError(
+                "hhook: ranks use different THC options (configuration); this rank has "
+                f"{self.describe()} (codec {codec.describe()}). Every rank must build THCState "
+                "with the same options."
+            )
+        if device.type not in self._second:
+            self._second[device.type] = SecondGroup(self.process_group, device.type)
+        self._verified.add(device.type)
+
+    def second_group(self, device: torch.device) -> SecondGroup:
+        return self._second[device.type]
+
+    def defer(self, bad: torch.Tensor, nonfinite: torch.Tensor, what: str) -> None:
+        """Keep device flags of a decode to read later without a synchronisation: a
+        non-blocking copy to pinned host memory and an event; :meth:`check_deferred`
+        reads the copies whose event has completed."""
+        flags = torch.stack((bad, nonfinite)).to(torch.int32)
+        if flags.is_cuda:
+            host = torch.empty(2, dtype=torch.int32, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = flags, None
+        self._pending.append((event, host, what))
+
+    def check_deferred(self, wait: bool = False) -> None:
+        """Count and raise what earlier decodes flagged on the device, for every copy that
+        has arrived (all of them with ``wait``): a bad prefix (different options, a wrong
+        reduction, a failed rank) raises :class:`ConfigMismatchError` here, on every rank,
+        at the next hook call, ``stats()`` or ``thc_allreduce``'s return."""
+        still, first = [], None
+        for event, host, what in self._pending:
+            if event is not None and not wait and not event.query():
+                still.append((event, host, what))
+                continue
+            if event is not None:
+                event.synchronize()
+            bad, nonfinite = host.tolist()
+            if nonfinite:
+                self._stats["nonfinite_calls"] += 1
+            if bad and first is None:
+                first = what
+        self._pending = still
+        if first is not None:
+            raise ConfigMismatchError(
+                "hhook: an earlier tensor came back NaN because the ranks disagreed on the THC options, "
+                f"the tensor length or the reduction, or a rank failed while encoding (this rank: {first})"
+            )
 
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
         """Count DDP iterations: one per backward pass, on its last bucket."""
@@ -224,7 +323,10 @@ class THCState:
         ``wire_bytes``: what was handed to collectives: codes, scales and the one-time
         configuration handshake, or the dense tensors of plain-allreduce iterations.
         ``local_calls``: calls in a world of one rank, which send and count nothing.
+        ``nonfinite_calls``: tensors that came back NaN because some rank's held inf/NaN
+        (GradScaler skips those steps); on GPUs counted once the flag's copy has arrived.
         """
+        self.check_deferred()
         s = dict(self._stats)
         s["ratio"] = s["dense_bytes"] / s["wire_bytes"] if s["wire_bytes"] else float("nan")
         s["iter"] = self.iter

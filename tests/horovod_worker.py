@@ -487,11 +487,11 @@ def heavy_tailed():
     """vNMSE of predicted scales vs the DDP hook's agreed maxima on the same heavy-tailed
     gradients (a slowly drifting Student-t signal with rare spikes, plus per-rank noise),
     no error feedback: at 4 bits the prediction must not be much worse (2 and 8 bits
-    are reported, and only checked loosely)."""
+    are reported, and checked as loosely)."""
     from hhook.simulation import heavy_tailed as sample
 
     numel, n, steps = 1 << 16, hvd.size(), 12
-    limits = {2: 1.5, 4: 1.5, 8: 10.0}
+    limits = {2: 2.0, 4: 2.0, 8: 2.5}  # predicted bounds the previous step's maximum: unbiased, coarser (hhook.scales)
     out = []
     for bits, limit in limits.items():
         comp = hh.THCCompressor(bits=bits, error_feedback=False)

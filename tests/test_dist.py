@@ -134,7 +134,7 @@ def _checkpoint_worker(rank, world):
     same = (
         loaded.process_group is None
         and (loaded.bits, loaded.seed, loaded.error_feedback, loaded.calls) == (3, 9, True, 1)
-        and torch.equal(loaded.residuals["w"], state.residuals["w"])
+        and torch.equal(loaded.policy("agreed").keys["w"].residual, state.policy("agreed").keys["w"].residual)
         and loaded.stats() == state.stats()
     )
     x = torch.full((3000,), float(rank))

@@ -217,4 +217,6 @@ def test_example_runs_under_mpirun_with_vnmse_report(tmp_path):
     result = _run_example("mpirun", tmp_path, "thc", "--report-vnmse")
     assert result["world_size"] == RANKS and result["test_accuracy"] > 0.9
     v = result["vnmse"]
-    assert v["this_run"] < 2 * v["agreed_max"], v
+    # Predicted scales bound the previous step's maximum: never biased by clipping, but
+    # coarser than this step's exact maximum (2.3x the vNMSE on this MLP when measured).
+    assert v["this_run"] < 3 * v["agreed_max"], v

@@ -44,7 +44,6 @@ def test_many_tensors_in_flight_neither_deadlock_nor_reorder(world, scales):
     results = run_world(_many_tensors_worker, world, scales, timeout=300)
     for errors, sums in results:
         assert sums == results[0][1]  # every rank decodes the same sums
-        assert errors[0] < 1e-6 or scales == "agreed"  # predicted: the first step is exact
         assert max(errors) < 0.35  # 4 bits on Gaussian data; a mix-up gives errors near 1
 
 
@@ -54,7 +53,6 @@ def test_tensors_in_pieces_neither_deadlock_nor_reorder(scales):
     results = run_world(_many_tensors_worker, 3, scales, 0.01, timeout=300)
     for errors, sums in results:
         assert sums == results[0][1]
-        assert errors[0] < 1e-6 or scales == "agreed"
         assert max(errors) < 0.35
 
 

@@ -1,0 +1,61 @@
+r"""A second communicator over a process group's ranks, made by its members alone.
+
+Agreed scales need two collectives per tensor: the MAX is launched from the hook, in hook
+order, and the SUM from the MAX's continuation, in completion order, which differs
+between ranks. Launched on one group they would pair unrelated collectives, so the SUMs
+go on a second communicator over the same ranks (in hook order, through a
+:class:`~hhook.sequencer.Sequencer`).
+
+``torch.distributed.new_group`` cannot make it safely from inside a library: without
+``use_local_synchronization`` every rank of WORLD must call it, in the same order as
+every other ``new_group`` of the program (a DDP model on a subgroup is hooked only on its
+members); with it, torch 2.13 hangs in the Gloo constructor once the program has created
+any other subgroup (``dist.new_group([1, 2])`` on 3 ranks, then a local-synchronization
+group over all three: every rank waits forever). So the backend is built directly, by the
+members only, on the default store under a prefix that names the parent group and how
+many second communicators this process already made for it: members create them in the
+same order (at each state's blocking handshake), so the prefixes match.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import torch.distributed as dist
+
+_lock = threading.Lock()
+_made: dict = {}  # parent group name -> second communicators made for it in this process
+# Every backend made, kept for the life of the process: a backend whose last reference
+# went away inside one of its own worker threads (a continuation holds it) would join
+# that thread from itself and abort the process ("Resource deadlock avoided").
+_alive: list = []
+
+
+class SecondGroup:
+    """``all_reduce(tensor, op, async_op=True)`` on a private backend over ``parent``'s ranks."""
+
+    def __init__(self, parent: dist.ProcessGroup | None, device_type: str):
+        parent = parent if parent is not None else dist.group.WORLD
+        rank, size = dist.get_rank(parent), dist.get_world_size(parent)
+        with _lock:
+            index = _made.get(parent.group_name, 0)
+            _made[parent.group_name] = index + 1
+        store = dist.PrefixStore(f"hhook/second/{parent.group_name}/{index}/", dist.distributed_c10d._get_default_store())
+        timeout = datetime.timedelta(minutes=30)
+        if device_type == "cuda":
+            if not dist.is_nccl_available():
+                raise RuntimeError("hhook: CUDA tensors need NCCL for the agreed-scale SUMs")
+            self.backend = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+        else:
+            self.backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.parent_name = parent.group_name
+        self.index = index
+        with _lock:
+            _alive.append(self.backend)
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM):
+        """Launch a SUM (or ``op``) allreduce; returns its Work."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        return self.backend.allreduce([tensor], opts)
