@@ -72,7 +72,7 @@ def _per_parameter(state: THCState, grad: torch.Tensor, param: torch.Tensor) -> 
 
         group = state.process_group if state.process_group is not None else dist.group.WORLD
         grad.copy_(fcol.all_reduce(grad / dist.get_world_size(group), "sum", group))
-        return _completed(grad)
+        return None  # DDP drops it; a Future would not trace
     # Keyed per parameter (no buckets to rebuild, so no plain iterations are needed).
     with torch.no_grad():
         layout = (tuple(param.shape), str(grad.dtype))

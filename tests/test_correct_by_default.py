@@ -127,6 +127,38 @@ def test_per_parameter_hook_form_reduces_in_place(scales):
         assert calls == 3 and 0 < max(errors) < 0.03, errors  # 8 bits; the constant dominates the block maxima
 
 
+def _python_reducer_worker(rank, world):
+    """Compiled autograd with optimize_ddp="python_reducer": DDP calls the hook per parameter
+    inside the traced graph and drops its return value; hhook reduces exactly there."""
+    import torch._dynamo
+
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    torch.manual_seed(0)
+    model, reference = MLP(), MLP()
+    reference.load_state_dict(model.state_dict())
+    ddp = DDP(model)
+    hhook.register(ddp, bits=8)
+    plain = DDP(reference)
+    compiled = torch.compile(ddp)
+    errors = []
+    for _ in range(3):
+        x = torch.randn(8, 10) * (rank + 1)
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            compiled(x).sum().backward()
+        plain(x).sum().backward()
+        got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        want = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+        errors.append(float((got - want).norm() / want.norm()))
+        ddp.zero_grad()
+        plain.zero_grad()
+    return errors
+
+
+def test_python_reducer_under_compiled_autograd_is_synchronised():
+    for errors in run_world(_python_reducer_worker, 2, timeout=300):
+        assert max(errors) < 1e-6  # never left unsynchronised
+
+
 def _subgroup_worker(rank, world, scales):
     sub = dist.new_group([1, 2])  # every rank, as PyTorch requires
     torch.manual_seed(0)
