@@ -340,26 +340,31 @@ def _peer_error(message: str) -> bool:
 # -- the child: one rank of one method ----------------------------------------------------
 @contextlib.contextmanager
 def _counting_collective_bytes(counter: dict):
-    """Count the bytes of every tensor passed to dist.all_reduce / all_gather."""
+    """Count the bytes of every tensor passed to dist.all_reduce / all_gather, and to
+    hhook's second communicator (agreed-scale SUMs)."""
     import torch.distributed as dist
 
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+    from hhook.groups import SecondGroup
 
-    def wrap(fn):
-        def counted(tensor, *args, **kwargs):
+    originals = {(dist, name): getattr(dist, name) for name in ("all_reduce", "all_gather")}
+    originals[(SecondGroup, "all_reduce")] = SecondGroup.all_reduce
+
+    def wrap(fn, method):
+        def counted(*args, **kwargs):
+            tensor = args[1] if method else args[0]
             t = tensor[0] if isinstance(tensor, list) else tensor
             counter["bytes"] += t.nbytes
-            return fn(tensor, *args, **kwargs)
+            return fn(*args, **kwargs)
 
         return counted
 
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(fn))
+    for (owner, name), fn in originals.items():
+        setattr(owner, name, wrap(fn, owner is SecondGroup))
     try:
         yield counter
     finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        for (owner, name), fn in originals.items():
+            setattr(owner, name, fn)
 
 
 def _hang_hook(state, bucket):
