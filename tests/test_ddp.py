@@ -22,9 +22,9 @@ CASES = {
     "no_sync": ({}, {}, torch.float32, 2),
     "find_unused_parameters": ({"find_unused_parameters": True}, {}, torch.float32, 1),
     "many_buckets": ({"bucket_cap_mb": 0.01}, {}, torch.float32, 1),
-    "agreed": ({}, {"scales": "agreed"}, torch.float32, 1),
-    "agreed_many_buckets": ({"bucket_cap_mb": 0.01}, {"scales": "agreed"}, torch.float32, 1),
-    "agreed_error_feedback": ({}, {"scales": "agreed", "error_feedback": True, "bits": 2}, torch.float32, 1),
+    "predicted": ({}, {"scales": "predicted"}, torch.float32, 1),
+    "predicted_many_buckets": ({"bucket_cap_mb": 0.01}, {"scales": "predicted"}, torch.float32, 1),
+    "predicted_error_feedback": ({}, {"scales": "predicted", "error_feedback": True, "bits": 2}, torch.float32, 1),
     "error_feedback": ({}, {"error_feedback": True, "bits": 2}, torch.float32, 1),
     "fp16": ({}, {}, torch.float16, 1),
     "bf16": ({}, {}, torch.bfloat16, 1),
@@ -135,7 +135,7 @@ def test_plain_allreduce_before_start_iter(world2):
 def test_ddp_other_world_sizes(world):
     # Many tiny buckets in flight in both scale modes: the chain neither deadlocks nor
     # pairs the wrong collectives at more than two ranks.
-    cases = ["default", "many_buckets", "agreed_many_buckets"]
+    cases = ["default", "many_buckets", "predicted_many_buckets"]
     for r in run_world(_case_worker, world, cases, timeout=600):
         for case in cases:
             assert abs(r[case]["thc"] - r[case]["fp32"]) < 0.1 and r[case]["in_sync"], (case, r[case])

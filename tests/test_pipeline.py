@@ -189,11 +189,12 @@ def test_bad_options_fail_at_construction(option, value):
         hhook.THCState(**{option: value})
 
 
-def test_auto_scales_predict_on_cpus_and_agree_on_gpus():
+def test_agreed_scales_are_the_default_everywhere():
     state = hhook.THCState()
-    assert state.scales == "auto"
-    assert state.mode(torch.device("cpu")) == "predicted" and state.mode(torch.device("cuda", 0)) == "agreed"
-    assert hhook.THCState(scales="agreed").mode(torch.device("cpu")) == "agreed"
+    assert state.scales == "agreed"
+    assert state.mode(torch.device("cpu")) == "agreed" and state.mode(torch.device("cuda", 0)) == "agreed"
+    assert hhook.THCState(scales="auto").scales == "agreed"  # the former default's name
+    assert hhook.THCState(scales="predicted").mode(torch.device("cpu")) == "predicted"
 
 
 def test_tensors_hhook_cannot_average_in_place_are_refused_plainly():
