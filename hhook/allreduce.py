@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .codec import SUPPORTED_DTYPES
+from .layout import SUPPORTED_DTYPES
 from .state import THCState
 
 

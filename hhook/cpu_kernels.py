@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from . import codec as spec  # hhook.codec imports this module: use spec inside functions only
+from . import layout as spec
 from . import rotation
 
 logger = logging.getLogger(__name__)

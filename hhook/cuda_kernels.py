@@ -66,6 +66,8 @@ import numpy as np
 import torch
 
 from . import rng
+from .layout import HEADER as _HEADER
+from .layout import Prepared
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +97,6 @@ _MIN_TILE = 2048  # coordinates per CUDA block in prepare/decode at least
 _MAX_THREADS = 512  # HH_THREADS in the .cu (launch bounds)
 _QUANTIZE_THREADS = 256  # at least; more when one span must cover a 4096-block
 _WORDS_PER_THREAD = 8  # HH_MAX_WORDS_PER_THREAD in the .cu
-_HEADER = 7  # codec.HEADER, repeated to keep this module free of a circular import
 _SHARED_LIMIT = 48 * 1024  # bytes of dynamic shared memory without an opt-in
 
 
@@ -402,7 +403,6 @@ def _block_of(codec, numel: int) -> int:
 
 def prepare(codec, source: torch.Tensor):
     """:meth:`THCCodec.prepare` in one kernel. ``source`` is the flattened input."""
-    from .codec import Prepared
 
     if not source.is_contiguous() or source.dtype not in _DTYPE_SUFFIX:
         raise ValueError("hhook: prepare needs a contiguous float32/float16/bfloat16 source")

@@ -41,7 +41,8 @@ import math
 import torch
 
 from . import lanes, message, rng, rotation
-from .codec import HEADER, SUPPORTED_DTYPES, THCCodec, agreed_status
+from .codec import THCCodec
+from .layout import HEADER, SUPPORTED_DTYPES, agreed_status
 from .message import PREFIX, ConfigMismatchError, OpMismatchError
 
 logger = logging.getLogger(__name__)
