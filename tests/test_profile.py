@@ -414,3 +414,23 @@ def test_speedup_plot_draws_the_ring_model_by_default():
         colors = {line.get_label().split(",")[0]: line.get_color() for line in ax.get_lines()}
         assert colors["thc"] == plot.method_color("thc") != plot.method_color("fp16")
         plt.close(fig)
+
+
+def test_a_missing_profiler_dependency_says_which_extra_installs_it(monkeypatch):
+    from hhook.profile.deps import require
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # what an uninstalled package looks like to import
+    with pytest.raises(ImportError, match=r'pip install "hhook\[profile\]"'):
+        require("tqdm", "its progress bar")
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(ImportError, match=r'pip install "hhook\[mpi\]"'):
+        require("mpi4py.MPI", "MPI runs")
+
+
+def test_the_core_imports_no_profiler_dependency():
+    # Whatever torch itself pulls in does not count; hhook's core must add none of them.
+    code = ("import sys, torch; before = set(sys.modules);"
+            "import hhook, hhook.scales, hhook.allreduce, hhook.ddp_hook;"
+            "bad = [m for m in ('tqdm', 'matplotlib', 'sklearn', 'mpi4py') if m in sys.modules and m not in before];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

@@ -84,7 +84,9 @@ class MPIComm(Comm):
     backend = "mpi"
 
     def __init__(self):
-        from mpi4py import MPI  # initialises MPI: only after the arguments were checked
+        from .deps import require
+
+        MPI = require("mpi4py.MPI", "MPI runs")  # initialises MPI: only after the arguments were checked
 
         self.MPI = MPI
         self.comm = MPI.COMM_WORLD

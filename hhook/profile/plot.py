@@ -164,10 +164,10 @@ def codec_panel(ax, rows):
 
 def save(path: str, panels) -> None:
     """Draw ``panels`` (callables taking an Axes) side by side, two per row, into ``path``."""
-    import matplotlib
+    from .deps import require
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    require("matplotlib", "plots (--plot)").use("Agg")
+    plt = require("matplotlib.pyplot", "plots (--plot)")
 
     n = len(panels)
     cols = 1 if n == 1 else 2

@@ -68,7 +68,9 @@ class Progress:
         self._thread = None
         if not self.enabled:
             return
-        from tqdm import tqdm
+        from .deps import require
+
+        tqdm = require("tqdm", "its progress bar").tqdm
 
         self._bar = tqdm(total=self.total, file=self.stream, delay=delay, smoothing=0, leave=False,
                          dynamic_ncols=True, mininterval=0.2,

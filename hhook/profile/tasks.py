@@ -32,8 +32,10 @@ def load(rank: int, world: int):
     """``(x_train, y_train, x_test, y_test, shard)``: a fixed 75/25 split of the digits,
     pixels scaled to [0, 1] and flattened to 64 features; ``shard`` holds the training
     indices of this rank (every ``world``-th sample from ``rank``)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    from .deps import require
+
+    load_digits = require("sklearn.datasets", "the bundled digits task").load_digits
+    train_test_split = require("sklearn.model_selection", "the bundled digits task").train_test_split
 
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=0.25, random_state=0, stratify=y)
