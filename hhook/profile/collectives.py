@@ -199,8 +199,7 @@ class Runner:
             self.calls += 1
             words = codec.quantize(prepared, agreed, key)
             timer.lap("encode")
-            if words is not None:
-                timer.collective("words", lambda: comm.allreduce(words, "sum"), self.barrier)
+            timer.collective("words", lambda: comm.allreduce(words, "sum"), self.barrier)
             codec.decode(prepared, agreed, words, self.out)
             timer.lap("decode")
         elif kind == "zlib":

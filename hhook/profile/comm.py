@@ -24,7 +24,6 @@ import warnings
 import numpy as np
 import torch
 
-BACKENDS = ("mpi", "gloo", "nccl")
 
 
 class Comm:

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import time
 
+import numpy
 import torch
 
 from .units import iterations
@@ -62,13 +63,9 @@ def fit_alpha_beta(sizes, times) -> Fit:
     if min(ts) <= 0:
         raise ValueError("the alpha-beta fit needs positive times")
     w = [1.0 / t for t in ts]
-    sw = sum(w)
-    mx = sum(wi * x for wi, x in zip(w, xs)) / sw
-    mt = sum(wi * t for wi, t in zip(w, ts)) / sw
-    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
-    sxt = sum(wi * (x - mx) * (t - mt) for wi, x, t in zip(w, xs, ts))
-    slope = sxt / sxx
-    alpha = mt - slope * mx
+    # numpy weighs the residuals, not their squares: sqrt(1/t) minimises sum (r**2 / t).
+    slope, alpha = (float(v) for v in numpy.polyfit(xs, ts, 1, w=[math.sqrt(wi) for wi in w]))
+    mt = sum(wi * t for wi, t in zip(w, ts)) / sum(w)
     clamped = alpha < 0
     if clamped:
         # A latency below zero means nothing (a token-bucket burst makes mid sizes look

@@ -69,10 +69,6 @@ def batches(shard: torch.Tensor, batch_size: int, epochs: int | None):
         epoch += 1
 
 
-def _image(x: torch.Tensor) -> torch.Tensor:
-    return x.view(-1, 1, 8, 8)
-
-
 def wide_cnn() -> nn.Module:
     return nn.Sequential(
         nn.Unflatten(1, (1, 8, 8)),

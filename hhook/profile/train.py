@@ -52,6 +52,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -553,12 +554,10 @@ def _worker_main(spec_path: str) -> int:
 
 # -- summaries, table, plot ---------------------------------------------------------------
 def _percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    if not s:
-        return math.nan
-    pos = (len(s) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    """The ``q`` quantile (0.5: median, 0.9: p90), interpolated between order statistics."""
+    if len(values) < 2:
+        return values[0] if values else math.nan
+    return statistics.quantiles(values, n=10, method="inclusive")[round(q * 10) - 1]
 
 
 def summarize(method: Method, status: str, message: str, results: list[dict], warmup: int, target: float) -> dict:
