@@ -52,6 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised through a subprocess 
 from .codec import THCCodec
 from .message import OpMismatchError
 from .scales import PredictedScales
+from .stats import Counters
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +118,7 @@ class THCCompressor:
         self._tokens = itertools.count()
         self._hint = threading.local()
         self._warned_anon = False
-        self._stats = dict.fromkeys(
-            ("dense_bytes", "wire_bytes", "predicted_calls", "dense_calls", "nonfinite_calls"), 0
-        )
+        self._stats = Counters()
 
     def __repr__(self) -> str:
         return (
@@ -133,15 +132,13 @@ class THCCompressor:
 
         ``dense_bytes``: what the same tensors would have sent as float32;
         ``wire_bytes``: what was handed to Horovod. ``dense_calls`` count warm-up steps
-        (and tensors compress cannot name), ``predicted_calls`` compressed ones.
+        (and tensors compress cannot name), ``compressed_calls`` compressed ones
+        (:mod:`hhook.stats`: the same fields as ``THCState.stats()``).
         """
-        s = dict(self._stats)
-        s["ratio"] = s["dense_bytes"] / s["wire_bytes"] if s["wire_bytes"] else float("nan")
-        return s
+        return self._stats.snapshot()
 
     def reset_stats(self) -> None:
-        for name in self._stats:
-            self._stats[name] = 0
+        self._stats.reset()
 
     def predicted_scales(self, optimizer, name: str) -> torch.Tensor | None:
         """The block scales the next compressed step of ``name`` will use (None: warm-up)."""
@@ -223,10 +220,7 @@ class THCCompressor:
                 "called outside a Horovod DistributedOptimizer?): such tensors are sent uncompressed"
             )
         words, msg = self._predicted.encode(tensor, key, ps.rank(), ps.size(), next(self._calls))
-        kind = "dense_calls" if msg.dense else "predicted_calls"
-        self._stats[kind] += 1
-        self._stats["dense_bytes"] += 4 * tensor.numel()
-        self._stats["wire_bytes"] += words.nbytes
+        self._stats.add("dense_calls" if msg.dense else "compressed_calls", 4 * tensor.numel(), words.nbytes)
         return words, msg
 
     # -- decompress ---------------------------------------------------------------
@@ -241,7 +235,7 @@ class THCCompressor:
         except OpMismatchError as e:
             raise OpMismatchError(f"{_OP_HELP} {e}") from None
         if words[1].item():  # the summed non-finite flag
-            self._stats["nonfinite_calls"] += 1
+            self._stats.add("nonfinite_calls")
         return out
 
 

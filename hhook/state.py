@@ -16,6 +16,7 @@ from .groups import SecondGroup
 from .message import ConfigMismatchError
 from .scales import ScalePolicy
 from .sequencer import Sequencer
+from .stats import Counters
 
 #: The scale policies (:mod:`hhook.scales`): agree on each step's maxima (two
 #: collectives; never clips; the default), or predict them from the previous step (one
@@ -25,7 +26,6 @@ SCALE_MODES = ("agreed", "predicted")
 #: Piece size of ``chunk_mb="auto"`` on CPUs: a 21 MB bucket goes in 2 pieces, DDP's
 #: default 25 MB bucket in 3 (docs/train.md: 4 MB pieces cost more than they hide).
 DEFAULT_CHUNK_MB = 12
-_STATS = ("dense_bytes", "wire_bytes", "compressed_calls", "dense_calls", "local_calls", "nonfinite_calls")
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class THCState:
         self.policies: dict = {}
         self.iter = 0
         self.calls = 0
-        self._stats = dict.fromkeys(_STATS, 0)
+        self._stats = Counters()
         self._reset_derived()
 
     def _reset_derived(self) -> None:
@@ -166,9 +166,8 @@ class THCState:
             saved.pop("predicted", None)
             logger.warning("hhook: a THCState saved by an older hhook: its residuals and predicted scales start afresh")
         saved.setdefault("policies", {})
-        stats = dict.fromkeys(_STATS, 0)
-        stats.update(saved.pop("_stats", {}))
-        self._stats = stats
+        stats = saved.pop("_stats", {})
+        self._stats = stats if isinstance(stats, Counters) else Counters(stats)  # a dict before Counters
         for name, value in saved.items():
             setattr(self, name, value)
 
@@ -292,7 +291,7 @@ class THCState:
                 event.synchronize()
             bad, nonfinite = host.tolist()
             if nonfinite:
-                self._stats["nonfinite_calls"] += 1
+                self._stats.add("nonfinite_calls")
             if bad and first is None:
                 first = what
         self._pending = still
@@ -309,10 +308,7 @@ class THCState:
 
     def count(self, kind: str | None, dense_bytes: int, wire_bytes: int) -> None:
         """Add one call of ``kind`` (None: wire traffic that is not a call)."""
-        if kind is not None:
-            self._stats[kind] += 1
-        self._stats["dense_bytes"] += dense_bytes
-        self._stats["wire_bytes"] += wire_bytes
+        self._stats.add(kind, dense_bytes, wire_bytes)
 
     def stats(self) -> dict:
         """Bytes since creation (or :meth:`reset_stats`) on this rank.
@@ -325,11 +321,9 @@ class THCState:
         (GradScaler skips those steps); on GPUs counted once the flag's copy has arrived.
         """
         self.check_deferred()
-        s = dict(self._stats)
-        s["ratio"] = s["dense_bytes"] / s["wire_bytes"] if s["wire_bytes"] else float("nan")
+        s = self._stats.snapshot()
         s["iter"] = self.iter
         return s
 
     def reset_stats(self) -> None:
-        for name in self._stats:
-            self._stats[name] = 0
+        self._stats.reset()

@@ -158,7 +158,7 @@ def one_step():
             worst, opt = thc_vs_fp32(base, make, bits)
             comp = opt._compression
             s = comp.stats()
-            assert s["dense_calls"] == 4 and s["predicted_calls"] == 4, s
+            assert s["dense_calls"] == 4 and s["compressed_calls"] == 4, s
             comp.reset_stats()
             details.append(f"{kind}/{bits}b err/bound<={worst:.2f}")
     return " ".join(details)
@@ -188,7 +188,7 @@ def predicted_steps():
         with opt.skip_synchronize():
             opt.step()
     s = opt.thc.stats()
-    assert s["dense_calls"] == 4 and s["predicted_calls"] == 20, s
+    assert s["dense_calls"] == 4 and s["compressed_calls"] == 20, s
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert torch.equal(hvd.broadcast(flat, 0, name="pred.bcast"), flat), "ranks diverged"
     assert max(errs) < 0.1, errs
@@ -250,7 +250,7 @@ def backward_passes():
 
     worst, opt = thc_vs_fp32(mlp(2), make, bpps=2, steps=3)
     s = opt.thc.stats()
-    assert s["dense_calls"] == 4 and s["predicted_calls"] == 8, s
+    assert s["dense_calls"] == 4 and s["compressed_calls"] == 8, s
     return f"err/bound<={worst:.2f}, 12 compress calls for 3 steps x 2 micro-batches"
 
 
@@ -349,7 +349,7 @@ def nonfinite():
     s = opt.thc.stats()
     assert s["nonfinite_calls"] == 2, s
     # inf at the warm-up step kept w32 in warm-up: it was sent dense twice.
-    assert s["dense_calls"] == 4 and s["predicted_calls"] == 8, s
+    assert s["dense_calls"] == 4 and s["compressed_calls"] == 8, s
     return "steps: " + ",".join(seen)
 
 
@@ -448,7 +448,7 @@ def grouped():
 
     worst, _ = thc_vs_fp32(mlp(5), make, steps=3)
     s = comp.stats()
-    assert s["dense_calls"] == 4 and s["predicted_calls"] == 8, s
+    assert s["dense_calls"] == 4 and s["compressed_calls"] == 8, s
     return f"err/bound<={worst:.2f}"
 
 
@@ -469,8 +469,8 @@ def unused_params():
     assert all(float(p.grad.abs().max()) == 0 for p in spare.parameters()), [p.grad for p in spare.parameters()][:2]
     s = opt.thc.stats()
     # Zero gradients have nothing to predict from: the spare ones stay dense.
-    assert s["predicted_calls"] == 4 and s["dense_calls"] == 2 + 12 * 3, s
-    return f"{s['dense_calls']} dense, {s['predicted_calls']} compressed calls"
+    assert s["compressed_calls"] == 4 and s["dense_calls"] == 2 + 12 * 3, s
+    return f"{s['dense_calls']} dense, {s['compressed_calls']} compressed calls"
 
 
 def agreed_max_mean(grad, codec, name, call):

@@ -1,0 +1,48 @@
+"""Byte and call counters, one definition for every integration (DDP hook, thc_allreduce,
+Horovod, FSDP)."""
+
+from __future__ import annotations
+
+import threading
+
+#: ``dense_bytes``: what the same calls would have sent as float32 (sparse and float64
+#: tensors: their own size). ``wire_bytes``: what was handed to collectives.
+#: ``compressed_calls``/``dense_calls``: tensors sent as codes / exactly.
+#: ``local_calls``: calls in a world of one rank (nothing sent). ``nonfinite_calls``:
+#: tensors that came back NaN because some rank's held inf/NaN.
+FIELDS = ("dense_bytes", "wire_bytes", "compressed_calls", "dense_calls", "local_calls", "nonfinite_calls")
+
+
+class Counters:
+    """Thread-safe counters (continuations count from the process group's threads)."""
+
+    def __init__(self, saved: dict | None = None):
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(FIELDS, 0)
+        if saved:
+            self._values.update({k: v for k, v in saved.items() if k in self._values})
+
+    def add(self, kind: str | None, dense_bytes: int = 0, wire_bytes: int = 0) -> None:
+        """One call of ``kind`` (None: bytes that are not a call, e.g. a handshake)."""
+        with self._lock:
+            if kind is not None:
+                self._values[kind] += 1
+            self._values["dense_bytes"] += dense_bytes
+            self._values["wire_bytes"] += wire_bytes
+
+    def snapshot(self) -> dict:
+        """The counters and ``ratio`` (dense over wire bytes; NaN before any traffic)."""
+        with self._lock:
+            s = dict(self._values)
+        s["ratio"] = s["dense_bytes"] / s["wire_bytes"] if s["wire_bytes"] else float("nan")
+        return s
+
+    def reset(self) -> None:
+        with self._lock:
+            self._values = dict.fromkeys(FIELDS, 0)
+
+    def __getstate__(self):
+        return dict(self._values)
+
+    def __setstate__(self, saved):
+        self.__init__(saved)
