@@ -11,7 +11,6 @@ must agree); DDP without a hook reduces in C++, so its bytes are the fp32 gradie
 """
 
 import argparse
-import contextlib
 import json
 import time
 
@@ -22,28 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import digits  # the shared task, beside this script
 import hhook
-
-
-@contextlib.contextmanager
-def counting_collective_bytes(counter: dict):
-    """Count the bytes of every tensor passed to dist.all_reduce / all_gather."""
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
-
-    def wrap(name, fn):
-        def counted(tensor, *args, **kwargs):
-            t = tensor[0] if isinstance(tensor, list) else tensor
-            counter[name] = counter.get(name, 0) + t.nbytes
-            return fn(tensor, *args, **kwargs)
-
-        return counted
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield counter
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+from hhook.profile.counting import collective_bytes
 
 
 def register_hook(ddp: DDP, args):
@@ -101,9 +79,9 @@ def main():
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     n_params = sum(p.numel() for p in model.parameters())
 
-    steps, counter = 0, {}
+    steps, counter = 0, {"bytes": 0}
     start = time.perf_counter()
-    with counting_collective_bytes(counter):
+    with collective_bytes(counter):
         for idx in digits.batches(shard, args.batch_size, args.epochs):
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(ddp(x_train[idx]), y_train[idx])
@@ -115,7 +93,7 @@ def main():
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
     dense = 4 * n_params * steps
-    wire = dense if args.hook == "none" else sum(counter.values())
+    wire = dense if args.hook == "none" else counter["bytes"]
     result = {
         "hook": args.hook, "bits": args.bits if args.hook == "thc" else None, "world_size": world,
         "launcher": env.launcher, "params": n_params, "steps": steps, "test_accuracy": accuracy,
@@ -136,6 +114,7 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
+    dist.barrier()  # every rank done with the group: destroying it under a peer still talking aborts Gloo at random
     dist.destroy_process_group()
 
 

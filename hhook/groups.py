@@ -19,6 +19,7 @@ same order (at each state's blocking handshake), so the prefixes match.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import threading
 
@@ -28,8 +29,22 @@ _lock = threading.Lock()
 _made: dict = {}  # parent group name -> second communicators made for it in this process
 # Every backend made, kept for the life of the process: a backend whose last reference
 # went away inside one of its own worker threads (a continuation holds it) would join
-# that thread from itself and abort the process ("Resource deadlock avoided").
+# that thread from itself and abort the process ("Resource deadlock avoided"). They are
+# shut down at exit, from the main thread, before the interpreter tears down (a backend
+# whose threads still run at static destruction aborts with "terminate called without an
+# active exception"), and only released with the module.
 _alive: list = []
+
+
+@atexit.register
+def _shut_down() -> None:
+    with _lock:
+        backends = list(_alive)
+    for backend in backends:
+        try:
+            backend.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
 
 class SecondGroup:

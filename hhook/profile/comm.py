@@ -254,6 +254,7 @@ class TorchComm(Comm):
 
     def finalize(self):
         if self.dist.is_initialized():
+            self.dist.barrier()  # destroying the group under a peer still talking aborts Gloo at random
             self.dist.destroy_process_group()
 
 

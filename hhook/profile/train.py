@@ -43,7 +43,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -339,35 +338,6 @@ def _peer_error(message: str) -> bool:
 
 
 # -- the child: one rank of one method ----------------------------------------------------
-@contextlib.contextmanager
-def _counting_collective_bytes(counter: dict):
-    """Count the bytes of every tensor passed to dist.all_reduce / all_gather, and to
-    hhook's second communicator (agreed-scale SUMs)."""
-    import torch.distributed as dist
-
-    from hhook.groups import SecondGroup
-
-    originals = {(dist, name): getattr(dist, name) for name in ("all_reduce", "all_gather")}
-    originals[(SecondGroup, "all_reduce")] = SecondGroup.all_reduce
-
-    def wrap(fn, method):
-        def counted(*args, **kwargs):
-            tensor = args[1] if method else args[0]
-            t = tensor[0] if isinstance(tensor, list) else tensor
-            counter["bytes"] += t.nbytes
-            return fn(*args, **kwargs)
-
-        return counted
-
-    for (owner, name), fn in originals.items():
-        setattr(owner, name, wrap(fn, owner is SecondGroup))
-    try:
-        yield counter
-    finally:
-        for (owner, name), fn in originals.items():
-            setattr(owner, name, fn)
-
-
 def _hang_hook(state, bucket):
     """Test-only: a hook whose future never completes from the third step on, as a hung collective."""
     import torch
@@ -451,6 +421,7 @@ def worker(spec: dict) -> dict:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from .counting import collective_bytes
     from .tasks import TASKS, batches, shard
 
     rank, world = spec["rank"], spec["world_size"]
@@ -498,7 +469,7 @@ def worker(spec: dict) -> dict:
     counter = {"bytes": 0}
     clock = 0.0
     beat("step 0")
-    with _counting_collective_bytes(counter):
+    with collective_bytes(counter):
         for step, idx in enumerate(batches(mine, spec["batch_size"], None), start=1):
             before = counter["bytes"]
             sync()
@@ -529,6 +500,7 @@ def worker(spec: dict) -> dict:
         result["thc_stats"] = stats
         if stats["wire_bytes"] != sum(step_bytes):
             result["bytes_mismatch"] = f"counted {sum(step_bytes)} B, THC stats say {stats['wire_bytes']} B"
+    dist.barrier()  # destroying the group under a peer still talking aborts Gloo at random
     dist.destroy_process_group()
     return result
 
