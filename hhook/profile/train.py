@@ -62,6 +62,7 @@ import traceback
 
 TESTING_ENV = "HHOOK_PROFILE_TESTING"  # set to 1: the hidden method "_hang" may be selected
 KINDS = ("fp32", "fp16", "bf16", "powersgd", "thc")
+BASELINE_KINDS = ("sbc", "lgc")  # hhook.baselines (sbc[:p=P][:delay=H], lgc[:k=K][:dense=N][:topk=N][:ae=N])
 SCALE_MODES = ("agreed", "predicted")
 DEFAULT_METHODS = "fp32,fp16,bf16,powersgd,thc:4"
 POLL_S = 0.05
@@ -79,6 +80,7 @@ class Method:
     scales: str | None = None
     rank: int | None = None  # PowerSGD's matrix approximation rank
     chunk_mb: float | None = None  # THC's piece size (None: hhook's default)
+    options: dict | None = dataclasses.field(default=None, compare=False, hash=False)  # sbc/lgc (hhook.baselines)
 
 
 def parse_methods(text: str, powersgd_rank: int = 2) -> list[Method]:
@@ -94,9 +96,14 @@ def parse_methods(text: str, powersgd_rank: int = 2) -> list[Method]:
         kind, *opts = name.split(":")
         if kind == "_hang" and os.environ.get(TESTING_ENV) == "1" and not opts:
             m = Method(name, "_hang")
+        elif kind in BASELINE_KINDS:  # SBC and LGC: benchmark baselines, hhook/baselines/
+            from ..baselines.harness import parse as _parse_baseline
+
+            bname, bopts = _parse_baseline(raw.strip(), kind, opts)
+            m = Method(bname, kind, options=bopts)
         elif kind not in KINDS:
             raise ValueError(f"unknown method {raw.strip()!r} (known: fp32, fp16, bf16, powersgd[:RANK], "
-                             f"thc[:BITS[:{'|'.join(SCALE_MODES)}]][:chunk=MB])")
+                             f"thc[:BITS[:{'|'.join(SCALE_MODES)}]][:chunk=MB], sbc[:p=P][:delay=H], lgc[:k=K][:dense=N][:topk=N][:ae=N])")
         elif kind in ("fp32", "fp16", "bf16"):
             if opts:
                 raise ValueError(f"method {raw.strip()!r}: {kind} takes no options")
@@ -155,7 +162,9 @@ def add_parser(sub, common) -> None:
                     help="; ".join(f"{t.name}: {t.summary}" for t in TASKS.values()) + " (default wide-cnn)")
     tr.add_argument("--methods", default=DEFAULT_METHODS,
                     help="comma-separated: fp32 (DDP without a hook), fp16, bf16 (compression hooks), "
-                    "powersgd[:RANK], thc[:BITS[:agreed|predicted]][:chunk=MB] (passed to hhook as scales= and chunk_mb=) "
+                    "powersgd[:RANK], thc[:BITS[:agreed|predicted]][:chunk=MB] (passed to hhook as scales= and chunk_mb=), "
+                    "baselines sbc[:p=P][:delay=H] and lgc[:k=K][:dense=N][:topk=N][:ae=N] (hhook/baselines; LGC is "
+                    "patented, benchmark only; see docs/baselines.md) "
                     f"(default {DEFAULT_METHODS})")
     tr.add_argument("--steps", type=int, default=200, help="training steps per method (default 200)")
     tr.add_argument("--warmup", type=int, default=5, help="first steps left out of the step-time figures (default 5)")
@@ -460,6 +469,11 @@ def worker(spec: dict) -> dict:
     state = _attach(method, ddp, spec["seed"])
     beat("model")
     opt = torch.optim.SGD(ddp.parameters(), lr=spec["lr"], momentum=0.9)
+    baseline = None
+    if method["kind"] in BASELINE_KINDS:  # no_sync steps, the baseline's own exchange
+        from ..baselines.harness import Runner
+
+        baseline = Runner(method["kind"], method["options"], ddp, opt, spec["seed"])
 
     def evaluate() -> float:
         with torch.no_grad():
@@ -474,10 +488,13 @@ def worker(spec: dict) -> dict:
             before = counter["bytes"]
             sync()
             t0 = time.perf_counter()
-            opt.zero_grad()
-            loss = F.cross_entropy(ddp(x_train[idx]), y_train[idx])
-            loss.backward()
-            opt.step()
+            if baseline is not None:
+                loss = baseline.step(lambda: F.cross_entropy(ddp(x_train[idx]), y_train[idx]))
+            else:
+                opt.zero_grad()
+                loss = F.cross_entropy(ddp(x_train[idx]), y_train[idx])
+                loss.backward()
+                opt.step()
             sync()
             dt = time.perf_counter() - t0
             clock += dt
@@ -495,6 +512,11 @@ def worker(spec: dict) -> dict:
     result = {"status": "ok", "rank": rank, "params": n_params, "step_s": step_s, "step_bytes": step_bytes,
               "bytes_counted": method["kind"] != "fp32", "evals": evals, "train_s": clock,
               "final_accuracy": evals[-1]["accuracy"] if evals else None, "final_loss": loss.item()}
+    if baseline is not None:
+        result["baseline_stats"] = baseline.stats()
+        if baseline.step_bytes != step_bytes:  # the counter misses broadcasts (LGC's mask): the method's own count
+            result["baseline_stats"]["counter_bytes"] = sum(step_bytes)
+            result["step_bytes"] = step_bytes = list(baseline.step_bytes)
     if state is not None:
         stats = state.stats()
         result["thc_stats"] = stats
@@ -553,6 +575,7 @@ def summarize(method: Method, status: str, message: str, results: list[dict], wa
         final_accuracy=r0["final_accuracy"], final_loss=r0["final_loss"],
         step_ms=[t * 1e3 for t in r0["step_s"]], step_ms_per_rank=[[t * 1e3 for t in r["step_s"]] for r in results],
         evals=r0["evals"], thc_stats=[r.get("thc_stats") for r in results] if "thc_stats" in r0 else None,
+        baseline_stats=[r.get("baseline_stats") for r in results] if "baseline_stats" in r0 else None,
         bytes_mismatch=[r["bytes_mismatch"] for r in results if "bytes_mismatch" in r] or None,
     )
     return row

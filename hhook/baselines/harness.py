@@ -1,0 +1,91 @@
+r"""``hhook-profile train`` glue for the baselines: the method grammar and one training step.
+
+Grammar (options in any order, ``name=value``)::
+
+    sbc[:p=FRACTION][:delay=STEPS]                  (defaults p=0.01, delay=4)
+    lgc[:k=FRACTION][:dense=N][:topk=N][:ae=N]      (defaults k=0.01, dense=10, topk=10, ae=10)
+
+Both train with DDP's gradient reduction off (``ddp.no_sync()``) and do their own
+exchange with stock collectives: SBC after the optimizer step every ``delay`` steps
+(weight updates), LGC after ``backward()`` every step (gradients).
+"""
+
+from __future__ import annotations
+
+KINDS = ("sbc", "lgc")
+_OPTIONS = {
+    "sbc": {"p": (float, 0.01), "delay": (int, 4)},
+    "lgc": {"k": (float, 0.01), "dense": (int, 10), "topk": (int, 10), "ae": (int, 10)},
+}
+USAGE = {"sbc": "sbc[:p=FRACTION][:delay=STEPS]", "lgc": "lgc[:k=FRACTION][:dense=N][:topk=N][:ae=N]"}
+
+
+def parse(raw: str, kind: str, opts: list[str]) -> tuple[str, dict]:
+    """``(canonical name, options)`` of ``sbc...``/``lgc...``; ValueError naming ``raw``."""
+    known = _OPTIONS[kind]
+    values = {name: default for name, (_, default) in known.items()}
+    seen = set()
+    for opt in opts:
+        name, eq, text = opt.partition("=")
+        if not eq or name not in known or name in seen:
+            raise ValueError(f"method {raw!r}: expected {USAGE[kind]}")
+        seen.add(name)
+        try:
+            values[name] = known[name][0](text)
+        except ValueError:
+            raise ValueError(f"method {raw!r}: {name}= takes {'an integer' if known[name][0] is int else 'a number'}; "
+                             f"expected {USAGE[kind]}") from None
+    if kind == "sbc":
+        if not 0 < values["p"] < 1:
+            raise ValueError(f"method {raw!r}: p must be in (0, 1)")
+        if values["delay"] < 1:
+            raise ValueError(f"method {raw!r}: delay must be at least 1")
+    else:
+        if not 0 < values["k"] <= 1:
+            raise ValueError(f"method {raw!r}: k must be a fraction in (0, 1]")
+        if min(values["dense"], values["topk"]) < 0 or values["ae"] < 1:
+            raise ValueError(f"method {raw!r}: dense and topk must be >= 0, ae >= 1")
+    name = kind + "".join(f":{n}={values[n]:g}" for n in known if n in seen)
+    return name, values
+
+
+class Runner:
+    """One step of training with a baseline: forward, backward, exchange, optimizer step."""
+
+    def __init__(self, kind: str, options: dict, ddp, optimizer, seed: int = 0):
+        self.kind, self.ddp, self.opt = kind, ddp, optimizer
+        if kind == "sbc":
+            from .sbc import SBC
+
+            self.method = SBC(ddp.parameters(), p=options["p"], delay=options["delay"])
+        else:
+            from .lgc import LGC  # benchmark baseline only: see the patent notice there
+
+            self.method = LGC(ddp.parameters(), k=options["k"], dense_steps=options["dense"],
+                              topk_steps=options["topk"], ae_steps=options["ae"], seed=seed)
+        self.phases: list[str] = []
+
+    def step(self, loss_fn):
+        """``loss_fn()`` computes the loss through ``ddp``; returns the loss."""
+        with self.ddp.no_sync():  # every step is local for DDP: the baseline exchanges itself
+            self.opt.zero_grad()
+            loss = loss_fn()
+            loss.backward()
+        if self.kind == "lgc":
+            self.phases.append(self.method.phase())
+            self.method.reduce()
+            self.opt.step()
+        else:
+            self.opt.step()
+            self.method.after_step()
+        return loss
+
+    @property
+    def step_bytes(self) -> list[int]:
+        return self.method.step_bytes
+
+    def stats(self) -> dict:
+        st = self.method.stats()
+        if self.phases:
+            st["phase_per_step"] = self.phases
+        return st
