@@ -260,3 +260,12 @@ def test_two_rank_smoke_run(tmp_path):
     for r in (sbc, lgc):
         assert r["steps"] == 12 and r["final_accuracy"] is not None and math.isfinite(r["median_ms"])
     assert "sbc:delay=2" in proc.stdout and "lgc:dense=2:topk=2:ae=2" in proc.stdout
+
+
+def test_traffic_model_sbc_grows_with_n_thc_and_lgc_do_not_grow_linearly():
+    from hhook.baselines.traffic import rows
+
+    t = {r["n"]: r for r in rows(1_000_000, [2, 4, 64, 128])}
+    assert t[128]["sbc"] == pytest.approx(127 * t[2]["sbc"])  # all-gather: linear in n
+    assert t[128]["lgc"] < 1.1 * t[4]["lgc"] and t[128]["fp32"] < 2 * t[2]["fp32"]
+    assert t[128]["thc:4"] < 6 * t[2]["thc:4"]  # only the lane width grows (log2 n)

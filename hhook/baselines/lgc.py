@@ -47,8 +47,13 @@ Choices where the paper is unclear (and why):
 * Error feedback: everything off the mask stays in a per-rank residual (as in top-k
   with memory); the autoencoder's reconstruction error is not fed back, since the
   decoded result is a sum and no rank knows its own share of the error.
-* The autoencoder is trained once (``ae`` phase) and then frozen; the leader rotates
-  so that no one rank's gradients decide the mask.
+* The autoencoder is trained once (``ae`` phase, ``ae_iters`` Adam iterations per step
+  on a random collected step) and then frozen; the leader rotates so that no one rank's
+  gradients decide the mask. ``stats()['ae_rel_error']`` is the relative error of the
+  decoded sum on the newest collected step before it was trained on (held out).
+* The mask's indices are sorted by position, so neighbouring inputs of the convolutions
+  are neighbouring parameters: on the MLP task the held-out error after 200 iterations
+  was ~0.95 with the values in magnitude order and ~0.6 sorted by position.
 * ``k`` is a fraction of all parameters (default 1 %), taken over the flattened model.
 """
 
@@ -101,7 +106,7 @@ class LGC:
     (dense, sparse or decoded) gradient. See the module docstring (and its patent notice)."""
 
     def __init__(self, params, k: float = 0.01, dense_steps: int = 10, topk_steps: int = 10, ae_steps: int = 10,
-                 ae_iters: int = 4, ae_lr: float = 1e-3, buffer: int = 64, seed: int = 0, group=None):
+                 ae_iters: int = 20, ae_lr: float = 1e-3, buffer: int = 64, seed: int = 0, group=None):
         if not 0 < k <= 1:
             raise ValueError(f"LGC: k must be a fraction in (0, 1], got {k}")
         for name, v in (("dense_steps", dense_steps), ("topk_steps", topk_steps), ("ae_steps", ae_steps)):
@@ -126,6 +131,7 @@ class LGC:
         self.phase_steps = {p: 0 for p in PHASES}
         self.ae_loss: float | None = None
         self.ae_train_s = 0.0
+        self.ae_rel_error: float | None = None  # ||Dec(sum Enc v_i) - sum v_i|| / ||sum v_i|| on an unseen step (rank 0)
         self.last_error: float | None = None  # relative error of the decoded sum (compressed phase, if measured)
 
     def phase(self, step: int | None = None) -> str:
@@ -153,7 +159,9 @@ class LGC:
         leader = self.steps % world
         idx = torch.empty(self.k, dtype=torch.int32)
         if dist.get_rank(self.group) == leader:
-            idx.copy_(torch.topk(acc.abs(), self.k, sorted=False).indices.to(torch.int32))
+            # sorted by position: neighbouring values are neighbouring parameters, which the
+            # convolutions can exploit (in magnitude order the held-out error stayed ~0.95, sorted ~0.6)
+            idx.copy_(torch.sort(torch.topk(acc.abs(), self.k, sorted=False).indices).values.to(torch.int32))
         dist.broadcast(idx, src=dist.get_global_rank(self.group, leader) if self.group is not None else leader,
                        group=self.group)
         return idx.long(), idx.nbytes
@@ -211,6 +219,11 @@ class LGC:
         t0 = time.perf_counter()
         if dist.get_rank(self.group) == 0:
             gen = torch.Generator().manual_seed(self.steps)
+            with torch.no_grad():  # held out: the newest sample, before training on it
+                x = self.samples[-1]
+                rec = self.ae.decoder(self.ae.encoder(x.unsqueeze(1)).sum(0, keepdim=True)).view(-1)
+                target = x.sum(0)
+                self.ae_rel_error = ((rec - target).norm() / target.norm().clamp_min(1e-30)).item()
             with torch.enable_grad():
                 for _ in range(self.ae_iters):
                     x = self.samples[int(torch.randint(len(self.samples), (1,), generator=gen))]
@@ -241,5 +254,5 @@ class LGC:
 
     def stats(self) -> dict:
         return {"method": "lgc", "phase": self.phase(), "steps": self.steps, "phase_steps": dict(self.phase_steps),
-                "k": self.k, "latent_numel": 4 * self.length // 16, "ae_loss": self.ae_loss,
+                "k": self.k, "latent_numel": 4 * self.length // 16, "ae_loss": self.ae_loss, "ae_rel_error": self.ae_rel_error,
                 "ae_train_s": self.ae_train_s, "patent": PATENT_NOTICE}
