@@ -66,7 +66,7 @@ def main():
     p.add_argument("--compression", choices=["none", "fp16", "thc"], default="thc")
     p.add_argument("--bits", type=int, default=4, help="THC bits per coordinate (1..8)")
     p.add_argument("--error-feedback", action="store_true", help="THC error feedback")
-    p.add_argument("--headroom", type=float, default=None, help="THC: next scale / bound on the maximum over ranks of the block maxima (default 1)")
+    p.add_argument("--headroom", type=float, default=None, help="THC: next scale / bound on the maximum over ranks of the block maxima (default: 1 up to 4 bits, 2 at 8)")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--hidden", type=int, default=256)

@@ -85,8 +85,8 @@ class THCCompressor:
             nothing to predict from.
         headroom: the next scale is ``headroom`` times the bound on the maximum over
             ranks of this step's block maxima (:mod:`hhook.scales`); above 1 leaves room
-            for growth and quantizes more coarsely. Default 1: a block that does not grow
-            between steps never clips.
+            for growth and quantizes more coarsely. Default:
+            :func:`hhook.scales.default_headroom` (1 up to 4 bits, 2 at 8).
         process_set: the Horovod process set, when not used through an optimizer that
             names one.
 
@@ -103,7 +103,7 @@ class THCCompressor:
         seed: int = 0,
         error_feedback: bool = False,
         warmup_steps: int = 1,
-        headroom: float = 1.0,
+        headroom: float | None = None,
         process_set=None,
     ):
         self._predicted = PredictedScales(bits, block_size, seed, error_feedback, warmup_steps, headroom)
@@ -285,7 +285,7 @@ def DistributedOptimizer(
     seed: int = 0,
     error_feedback: bool = False,
     warmup_steps: int = 1,
-    headroom: float = 1.0,
+    headroom: float | None = None,
     compression=None,
     backward_passes_per_step: int = 1,
     op=None,
