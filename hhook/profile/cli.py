@@ -26,15 +26,8 @@ import os
 import sys
 import traceback
 
+from .common import EXIT_FAILURE, EXIT_USAGE, UsageError, _check_outputs, _error, _options, _say
 from .units import format_size, iterations, parse_rate, parse_size, sweep
-
-EXIT_USAGE = 2
-EXIT_FAILURE = 1
-
-
-class UsageError(Exception):
-    """A bad argument or environment: every rank reaches the same verdict."""
-
 
 def _env():
     from ..launch import detect_env
@@ -266,20 +259,6 @@ def _check_common(args) -> None:
             raise UsageError("--backend nccl needs a CUDA GPU on every rank; use --backend gloo or mpi on CPU")
 
 
-def _check_outputs(args) -> str | None:
-    """Rank 0's own checks of where it will write; a message, or None."""
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:
-            parent = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(parent):
-                return f"{flag} {path}: directory {parent} does not exist"
-            if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-                return f"{flag} {path}: not writable"
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        return "--plot needs matplotlib (pip install matplotlib)"
-    return None
-
-
 def validate(args) -> dict:
     """Everything the run needs, checked; raises :class:`UsageError`."""
     cfg = {}
@@ -433,15 +412,6 @@ def _check_codec(args, env) -> dict:
 
 
 # -- subcommands -----------------------------------------------------------------
-def _say(text: str = "") -> None:
-    print(text, flush=True)
-
-
-def _options(args) -> dict:
-    skip = {"json", "plot", "quiet", "command"}
-    return {k: v for k, v in vars(args).items() if k not in skip}
-
-
 def _run_link(args, cfg, comm) -> tuple[dict, list[dict]]:
     from . import link, plot, report
     from .progress import Progress
@@ -583,11 +553,6 @@ def _run_codec(args, cfg) -> tuple[dict, list[dict]]:
 
 
 # -- main ----------------------------------------------------------------------
-def _error(msg: str, rank0: bool) -> None:
-    if rank0:
-        print(f"hhook-profile: error: {msg}", file=sys.stderr, flush=True)
-
-
 def main(argv=None) -> int:
     rank0 = _env_rank() == 0
     try:

@@ -675,7 +675,7 @@ def step_panel(ax, rows: list[dict]) -> None:
 def run(args, cfg) -> int:
     """``hhook-profile train``: every rank runs this; returns the exit status."""
     from . import plot, report
-    from .cli import EXIT_FAILURE, EXIT_USAGE, UsageError, _check_outputs, _error, _options, _say
+    from .common import EXIT_FAILURE, EXIT_USAGE, UsageError, _check_outputs, _error, _options, _say
 
     try:
         control = _control(max(3600.0, 10 * args.timeout))
