@@ -331,3 +331,40 @@ def test_a_key_that_holds_another_tensor_starts_afresh(scales):
 def test_error_feedback_before_buckets_are_stable_is_refused():
     with pytest.raises(ValueError, match="start_iter >= 2"):
         hhook.THCState(error_feedback=True, start_iter=1)
+
+
+def _join_worker(rank, world, scales):
+    """PyTorch's uneven-inputs case: a joined rank shadows the others' buckets with zeros
+    through the same hook (DDP's join)."""
+    torch.manual_seed(0)
+    model = MLP()
+    ddp = DDP(model)
+    state = hhook.register(ddp, bits=4, scales=scales)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    with ddp.join():
+        for _ in range(5 if rank == 0 else 9):
+            opt.zero_grad()
+            ddp(torch.randn(8, 10)).sum().backward()
+            opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), state.stats()["compressed_calls"]
+
+
+@pytest.mark.parametrize("scales", MODES)
+def test_uneven_inputs_under_join_stay_in_sync(scales):
+    (a, calls_a), (b, calls_b) = run_world(_join_worker, 2, scales, timeout=90)
+    assert torch.equal(a, b) and calls_a == calls_b == 7  # 9 iterations, the first 2 dense
+
+
+def _register_twice_worker(rank, world):
+    ddp = DDP(MLP())
+    hhook.register(ddp, bits=4)
+    try:
+        hhook.register(ddp, bits=4)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_hook_registers_once():
+    for message in run_world(_register_twice_worker, 2):
+        assert message is not None and "once" in message
