@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import os
 import re
+import socket
 import zlib
 
 import torch
@@ -69,6 +70,14 @@ class DistributedEnv:
     local_rank: int
     master_addr: str
     master_port: int
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port the OS says is free now on ``host`` (all interfaces by default), for a
+    rendezvous the caller starts right away."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def first_slurm_host(nodelist: str) -> str:

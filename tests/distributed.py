@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 import traceback
 
 import torch
@@ -17,9 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from hhook.launch import free_port as free
+
+    return free("127.0.0.1")
 
 
 def subprocess_env(**extra) -> dict:

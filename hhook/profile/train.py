@@ -257,12 +257,6 @@ def _master_addr(control) -> str:
     return control.bcast_object(socket.gethostbyname(socket.gethostname()) if control.rank == 0 else None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 # -- one method on one rank: the parent's side ------------------------------------------
 def _run_child(spec: dict, workdir: str, timeout_s: float) -> dict:
     """Start the child, watch its heartbeat, return its result (or why there is none)."""
@@ -674,6 +668,7 @@ def step_panel(ax, rows: list[dict]) -> None:
 # -- the subcommand -------------------------------------------------------------------------
 def run(args, cfg) -> int:
     """``hhook-profile train``: every rank runs this; returns the exit status."""
+    from ..launch import free_port
     from . import plot, report
     from .common import EXIT_FAILURE, EXIT_USAGE, UsageError, _check_outputs, _error, _options, _say
 
@@ -707,7 +702,7 @@ def run(args, cfg) -> int:
                  f"a method without progress for {args.timeout:g} s is killed")
         rows = []
         for method in methods:
-            port = control.bcast_object(_free_port() if rank0 else None)
+            port = control.bcast_object(free_port() if rank0 else None)
             spec = {"method": dataclasses.asdict(method), "rank": control.rank, "world_size": control.size,
                     "local_rank": getattr(getattr(control, "env", None), "local_rank", 0),
                     "master_addr": master_addr, "port": port, "backend": args.backend,
