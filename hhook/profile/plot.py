@@ -29,6 +29,8 @@ def method_color(method: str) -> str:
         return _AGREED_COLORS.get(int(bits), "maroon") if mode == "agreed" else _THC_BITS_COLORS.get(int(bits), "tab:red")
     if kind == "powersgd":
         return "tab:green"
+    if kind in ("sbc", "lgc"):  # hhook.baselines
+        return "darkorange" if kind == "sbc" else "olive"
     return "tab:gray"
 
 
