@@ -53,6 +53,10 @@ class Runner:
     """One step of training with a baseline: forward, backward, exchange, optimizer step."""
 
     def __init__(self, kind: str, options: dict, ddp, optimizer, seed: int = 0):
+        import torch.distributed as dist
+
+        if dist.get_backend() != "gloo":  # both exchange CPU tensors (numpy bit packing)
+            raise ValueError(f"{kind} runs on the gloo backend only (got {dist.get_backend()})")
         self.kind, self.ddp, self.opt = kind, ddp, optimizer
         if kind == "sbc":
             from .sbc import SBC
