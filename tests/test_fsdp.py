@@ -217,3 +217,41 @@ def test_custom_hsdp():
     for r0, r1 in ((0, 2), (1, 3)):
         for a, b in zip(outs[r0][2], outs[r1][2]):
             assert torch.equal(a, b)
+
+
+def _direct(rank, world):
+    from hhook.fsdp import THCReduceScatter
+    from hhook.state import THCState
+
+    state = THCState(bits=8)
+    comm = THCReduceScatter(state, "direct", None)
+    group = dist.group.WORLD
+    n = 3000  # not a multiple of the block size
+    torch.manual_seed(rank)
+    x = torch.randn(world * n)
+    out = comm.allocate((n,), dtype=torch.float32, device=torch.device("cpu"))
+    comm(out, x.clone(), group, dist.ReduceOp.SUM)
+    ref = x.clone()
+    dist.all_reduce(ref)
+    ref = ref.view(world, n)[rank] / world
+    err = ((out - ref).norm() / ref.norm()).item()
+    bad = x.clone()
+    if rank == 1:
+        bad[5] = float("inf")  # in rank 0's chunk only
+    comm(out, bad, group, dist.ReduceOp.SUM)
+    all_nan = bool(torch.isnan(out).all())
+    exact = x.double()
+    out64 = torch.empty(n, dtype=torch.float64)
+    comm(out64, exact.clone(), group, dist.ReduceOp.SUM)
+    ref64 = exact.clone()
+    dist.all_reduce(ref64)
+    return err, all_nan, torch.equal(out64, ref64.view(world, n)[rank] / world), state.stats()
+
+
+def test_direct_comm_nonfinite_and_fallback():
+    for err, all_nan, exact64, stats in run_world(_direct, 3):
+        assert err < 0.02
+        assert all_nan  # one rank's inf in one chunk: every rank's output is NaN
+        assert exact64  # float64: exact dense fallback ...
+        assert stats["dense_calls"] == 1 and stats["compressed_calls"] == 2  # ... counted
+        assert stats["nonfinite_calls"] == 1
