@@ -165,6 +165,8 @@ def register(module, state: THCState | None = None, **options) -> THCState:
         raise TypeError("hhook.fsdp.register: pass either state or options, not both")
     if state.scales != "agreed":
         raise ValueError("hhook.fsdp.register supports scales='agreed' only (for now)")
+    if state.error_feedback:
+        raise ValueError("hhook.fsdp.register does not support error_feedback (for now)")
     fsdp_modules = _fsdp_modules(module)
     _check_params(module)
     plan = []

@@ -255,3 +255,18 @@ def test_direct_comm_nonfinite_and_fallback():
         assert exact64  # float64: exact dense fallback ...
         assert stats["dense_calls"] == 1 and stats["compressed_calls"] == 2  # ... counted
         assert stats["nonfinite_calls"] == 1
+
+
+def test_example_runs():
+    import os
+    import subprocess
+    import sys
+
+    from distributed import ROOT, free_port, subprocess_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           os.path.join(ROOT, "examples", "fsdp_train.py"), "--steps", "8", "--warmup", "2", "--width", "128"]
+    done = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("mode=thc")]
+    assert line and "reduce_scatter_bytes_per_step=" in line[0]
