@@ -8,10 +8,11 @@ knows the scales of every chunk it encodes), the integer words of all chunks go 
 the stock ``reduce_scatter_tensor`` with SUM (lanes add without carries), and each rank
 decodes only its own chunk: the mean over ranks, written into FSDP's output.
 
-FSDP's own division is switched off (``set_force_sum_reduction_for_comms(True)`` and
-``set_gradient_divide_factor(1.0)``); the decode already yields the mean, scaled by
-``world_size / factor`` when the user had set a gradient divide factor before
-:func:`register`, so the result is what plain FSDP2 would have produced.
+FSDP's reduction is made a plain SUM (``set_force_sum_reduction_for_comms(True)``). Without
+a user divide factor, FSDP's division is switched off (``set_gradient_divide_factor(1.0)``)
+and the decode's mean is the result; with a factor the user set before :func:`register`,
+the comm returns the sum (mean times world size) and FSDP divides by that factor, as plain
+FSDP2 would.
 
 Custom HSDP (:func:`register_hsdp`): 1-D FSDP over the ranks of one node plus
 ``set_all_reduce_hook`` running :func:`hhook.thc_allreduce` over the replica group
@@ -87,7 +88,9 @@ class THCReduceScatter(ReduceScatter):
         world = group.size()
         rank = group.rank()
         n = output_tensor.numel()
-        scale = 1.0 if self.factor is None else world / self.factor
+        # No user factor: FSDP divides by 1.0 and we return the mean. A user factor f: FSDP
+        # keeps dividing by f (also at world size 1, where it never calls us), so return the sum.
+        scale = 1.0 if self.factor is None else float(world)
         state = self.state
         if input_tensor.dtype not in SUPPORTED_DTYPES:  # exact fallback, counted
             dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
@@ -184,8 +187,11 @@ def register(module, state: THCState | None = None, **options) -> THCState:
     for index, (m, group) in enumerate(plan):
         factor = group.gradient_divide_factor
         m.set_custom_reduce_scatter(THCReduceScatter(state, f"group{index}", factor))
+        if getattr(group.mesh_info, "shard_mesh_size", 2) == 1:
+            continue  # FSDP never calls the comm in a world of one: leave its division alone
         m.set_force_sum_reduction_for_comms(True)
-        m.set_gradient_divide_factor(1.0)
+        if factor is None:
+            m.set_gradient_divide_factor(1.0)
     return state
 
 

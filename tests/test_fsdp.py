@@ -270,3 +270,28 @@ def test_example_runs():
     assert done.returncode == 0, done.stderr[-3000:]
     line = [ln for ln in done.stdout.splitlines() if ln.startswith("mode=thc")]
     assert line and "reduce_scatter_bytes_per_step=" in line[0]
+
+
+def _user_factor(rank, world):
+    import hhook.fsdp
+
+    torch.manual_seed(100 + rank)
+    x, y = torch.randn(32, 6), torch.randn(32, 5)
+    model = _shard(_model())
+    for m in (model[0], model[2], model):
+        m.set_gradient_divide_factor(0.5)  # the user wants twice the sum
+    hhook.fsdp.register(model, bits=8)
+    _step(model, x, y)
+    ref = _model()
+    _step(ref, x, y)
+    full = [p.grad.clone() for p in ref.parameters()]
+    for g in full:
+        dist.all_reduce(g)
+        g.mul_(2)
+    return [((a - b).norm() / b.norm()).item() for a, b in zip(_grads(model), full)]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_user_divide_factor_respected(world):
+    for errs in run_world(_user_factor, world):
+        assert max(errs) < 0.05, errs
