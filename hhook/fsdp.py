@@ -26,9 +26,8 @@ import torch
 import torch.distributed as dist
 
 from . import rng
-from .codec import THCCodec, warm_up
-from .layout import HEADER, SUPPORTED_DTYPES
-from .message import ConfigMismatchError
+from .codec import THCCodec
+from .layout import SUPPORTED_DTYPES
 from .state import THCState
 
 try:  # torch >= 2.6
@@ -70,19 +69,9 @@ class THCReduceScatter(ReduceScatter):
 
     def _handshake(self, codec: THCCodec, group, device: torch.device) -> None:
         key = (id(group), device.type)
-        if key in self._verified:
-            return
-        warm_up(device)
-        f = float(rng.mix32(codec.fingerprint() ^ self.state.config_id()) >> 8)
-        vector = torch.tensor([f, -f], dtype=torch.float32, device=device)
-        dist.all_reduce(vector, dist.ReduceOp.MAX, group=group)
-        self.state.count(None, 0, vector.nbytes)
-        if vector[0].item() != -vector[1].item():
-            raise ConfigMismatchError(
-                "hhook.fsdp: ranks use different THC options; this rank has "
-                f"{self.state.describe()}. Every rank must call hhook.fsdp.register with the same options."
-            )
-        self._verified.add(key)
+        if key not in self._verified:
+            self.state.check_options(group, device)  # raises ConfigMismatchError on every rank
+            self._verified.add(key)
 
     def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
         world = group.size()

@@ -239,16 +239,25 @@ class THCState:
     # -- transport pieces built on first use ---------------------------------------
     def handshake(self, device: torch.device) -> None:
         """Once per state and device type, blocking, in the same place on every rank:
-        catch differing options before the first message (every rank raises
-        :class:`ConfigMismatchError`), and build the second communicator that agreed
-        rounds use (predicted keys take one at their first call, too)."""
+        :meth:`check_options`, then build the second communicator that agreed rounds use
+        (predicted keys take one at their first call, too)."""
+        self.check_options(self.process_group, device)
+        if device.type not in self._second:
+            self._second[device.type] = SecondGroup(self.process_group, device.type)
+        self._verified.add(device.type)
+
+    def check_options(self, group, device: torch.device) -> None:
+        """A blocking MAX allreduce over ``group`` of this state's options fingerprint
+        (codec and schedule): differing options raise :class:`ConfigMismatchError` on
+        every rank before the first message. Also builds the fused backend for
+        ``device`` (a first compile belongs here, not in a later stage)."""
         from .codec import warm_up
 
-        codec = self.codec()
-        warm_up(device)  # a first compile belongs here, once, not in a later stage
+        codec = THCCodec(self.bits, self.block_size, self.seed, dist.get_world_size(group))
+        warm_up(device)
         f = float(rng.mix32(codec.fingerprint() ^ self.config_id()) >> 8)  # 24 bits: exact in float32
         vector = torch.tensor([f, -f], dtype=torch.float32, device=device)
-        dist.all_reduce(vector, dist.ReduceOp.MAX, group=self.process_group)
+        dist.all_reduce(vector, dist.ReduceOp.MAX, group=group)
         self.count(None, 0, vector.nbytes)
         if vector[0].item() != -vector[1].item():
             raise ConfigMismatchError(
@@ -256,9 +265,6 @@ class THCState:
                 f"{self.describe()} (codec {codec.describe()}). Every rank must build THCState "
                 "with the same options."
             )
-        if device.type not in self._second:
-            self._second[device.type] = SecondGroup(self.process_group, device.type)
-        self._verified.add(device.type)
 
     def second_group(self, device: torch.device) -> SecondGroup:
         return self._second[device.type]
