@@ -130,6 +130,78 @@ def detect_env(environ=None) -> DistributedEnv:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class LauncherLayout:
+    """Where the launcher put this process: ``local_rank`` of ``local_world_size`` ranks on
+    its node, and the node's index when the launcher names one (torchrun's ``GROUP_RANK``,
+    SLURM's ``SLURM_NODEID``; Open MPI and MPICH name none, so nodes are told apart by
+    hostname)."""
+
+    launcher: str
+    local_rank: int
+    local_world_size: int
+    node_rank: int | None = None
+
+
+def slurm_tasks_per_node(spec: str) -> list[int]:
+    """SLURM's ``SLURM_TASKS_PER_NODE`` (``"2(x3),1"``) as one count per node: ``[2, 2, 2, 1]``."""
+    counts = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise ValueError(f"cannot parse SLURM_TASKS_PER_NODE={spec!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def launcher_layout(environ=None) -> LauncherLayout | None:
+    """This process's place on its node as the launcher set it, or None when no launcher
+    variable says it.
+
+    torchrun: ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node). Open MPI:
+    ``OMPI_COMM_WORLD_LOCAL_RANK``, ``OMPI_COMM_WORLD_LOCAL_SIZE``. MPICH/Hydra:
+    ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``. SLURM: ``SLURM_LOCALID``, ``SLURM_NODEID``
+    and the node's entry of ``SLURM_TASKS_PER_NODE`` (or ``SLURM_NTASKS_PER_NODE``).
+    The first launcher whose variables are all present wins, in that order (torchrun
+    started by mpirun is torchrun).
+
+    Example::
+        >>> launcher_layout({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "2"})
+        LauncherLayout(launcher='torchrun', local_rank=1, local_world_size=4, node_rank=2)
+    """
+    env = os.environ if environ is None else environ
+
+    def num(var):
+        try:
+            return int(env[var])
+        except ValueError:
+            raise ValueError(f"{var}={env[var]!r} is not an integer") from None
+
+    found = None
+    if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env:
+        found = LauncherLayout("torchrun", num("LOCAL_RANK"), num("LOCAL_WORLD_SIZE"),
+                               num("GROUP_RANK") if "GROUP_RANK" in env else None)
+    elif "OMPI_COMM_WORLD_LOCAL_RANK" in env and "OMPI_COMM_WORLD_LOCAL_SIZE" in env:
+        found = LauncherLayout("openmpi", num("OMPI_COMM_WORLD_LOCAL_RANK"), num("OMPI_COMM_WORLD_LOCAL_SIZE"))
+    elif "MPI_LOCALRANKID" in env and "MPI_LOCALNRANKS" in env:
+        found = LauncherLayout("pmi", num("MPI_LOCALRANKID"), num("MPI_LOCALNRANKS"))
+    elif "SLURM_LOCALID" in env and ("SLURM_TASKS_PER_NODE" in env or "SLURM_NTASKS_PER_NODE" in env):
+        node = num("SLURM_NODEID") if "SLURM_NODEID" in env else None
+        if "SLURM_TASKS_PER_NODE" in env:
+            counts = slurm_tasks_per_node(env["SLURM_TASKS_PER_NODE"])
+            if node is None and len(set(counts)) > 1:
+                return None  # uneven and no node index: cannot tell this node's size
+            size = counts[node if node is not None and node < len(counts) else 0]
+        else:
+            size = num("SLURM_NTASKS_PER_NODE")
+        found = LauncherLayout("slurm", num("SLURM_LOCALID"), size, node)
+    if found is not None and not 0 <= found.local_rank < found.local_world_size:
+        raise ValueError(
+            f"launcher {found.launcher} gave local rank {found.local_rank} outside a node of {found.local_world_size}"
+        )
+    return found
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> DistributedEnv:
     r"""Initialise the default process group from the launcher's environment.
 

@@ -1,0 +1,242 @@
+r"""Two-level THC: dense inside each node, homomorphic between nodes (DESIGN.md sec. 8).
+
+For a tensor of ``d`` coordinates on ``N`` nodes of ``k`` ranks (:class:`~hhook.topology.Topology`):
+
+1. **Inside the node, dense.** The flat tensor, padded to ``k s`` (``s = ceil(d / k)``),
+   goes through one ``all_to_all`` on the node's group: local rank ``j`` receives shard
+   ``j`` of every rank of its node, in the tensor's own dtype, and averages them in
+   float32 (in a fixed order; where every rank of the node holds the same value, that
+   value itself, so identical inputs stay exact). This is a reduce-scatter with the
+   same traffic as a ring's, ``(k - 1) / k`` of the tensor per rank.
+2. **Between nodes, THC.** Local rank ``j`` averages its node-mean shard with local rank
+   ``j`` of every other node through :func:`hhook.thc_allreduce_async` on the
+   ``inter_state``, whose process group is this rank's inter-node group: lanes are sized
+   for ``N`` nodes, not ``N k`` ranks, each rank encodes ``1 / k`` of the tensor, and the
+   ``k`` rings of a node run at once.
+3. **Inside the node, dense.** An ``all_gather`` on the node's second group (its own
+   communicator) writes every shard of the global mean into the tensor, in its dtype.
+
+Nothing waits. The ``all_to_all`` is launched by the caller, in call order. Stage 2 is
+launched from its continuation and stage 3 from stage 2's: continuations run in
+completion order, which differs between ranks, so both go through a
+:class:`~hhook.sequencer.Sequencer` per group (tickets drawn in call order, launches in
+ticket order): every rank pairs the same collectives. The all-gather has its own group
+because new tensors keep entering the first one from the caller's thread.
+
+Guarantees (as the flat path's): the result is the mean over every rank of the parent
+group, the same bits on every rank; inf or NaN on any rank makes the whole tensor NaN on
+every rank (no exception); identical tensors on every rank come back exactly; a
+configuration mismatch between nodes raises on every rank through the future (and the
+node's other ranks still complete their all-gather, so nobody hangs). float64 and sparse
+tensors take one exact allreduce over the parent group.
+
+Bytes: the ``inter_state`` counts what crosses nodes (the shard's codes and scales,
+:meth:`THCState.stats`); ``intra_stats`` (a :class:`~hhook.stats.Counters`) counts, per
+tensor, one ``compressed_calls``, the tensor's float32 size as ``dense_bytes`` and the
+bytes handed to the two intra-node collectives as ``wire_bytes``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .allreduce import _completed, _future, check_tensor, thc_allreduce_async
+from .layout import SUPPORTED_DTYPES
+from .stats import Counters
+from .topology import Topology
+
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def shard_numel(numel: int, ranks_per_node: int) -> int:
+    """Coordinates of the shard each local rank owns (the tensor is padded to ``k`` of them)."""
+    return -(-numel // ranks_per_node)
+
+
+def ensure_handshake(state, device: torch.device, sequencer) -> None:
+    """The state's blocking handshake, once, on the caller's thread (a continuation must
+    not block), ordered after every collective that earlier calls launch on the
+    inter-node group: it takes a ticket of that group's ``sequencer`` and waits (here,
+    not in a continuation) until the earlier tickets have launched. Every rank then
+    issues the handshake at the same place among that group's collectives."""
+    if device.type in state._verified:
+        return
+    turn = threading.Event()
+    sequencer.launch(sequencer.ticket(), turn.set)
+    turn.wait()  # earlier tickets launch from continuations, which never wait for this thread
+    state.handshake(device)
+
+
+def _dense_world(tensor: torch.Tensor, topo: Topology, inter_state, intra_stats) -> torch.futures.Future:
+    """float64 and sparse tensors: one exact allreduce over the parent group (its bytes
+    cross nodes: counted as the inter state's wire bytes, the call in ``intra_stats``)."""
+    tensor.div_(topo.world_size)
+    size = tensor._values().nbytes + tensor._indices().nbytes if tensor.is_sparse else tensor.nbytes
+    inter_state.count(None, 0, size)
+    if intra_stats is not None:
+        intra_stats.add("dense_calls", size, 0)
+    fut = dist.all_reduce(tensor, group=topo.group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def _node_mean(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Mean of the ``k`` rows in float32, fixed order; a value every row holds is kept exactly."""
+    rows = rows.to(torch.float32)
+    total = rows[0].clone()
+    same = torch.ones_like(total, dtype=torch.bool)
+    for i in range(1, k):
+        total.add_(rows[i])
+        same &= rows[i] == rows[0]
+    return torch.where(same, rows[0], total.div_(k))
+
+
+def two_level_allreduce_async(
+    tensor: torch.Tensor,
+    topo: Topology,
+    inter_state,
+    key=None,
+    intra_stats: Counters | None = None,
+) -> torch.futures.Future:
+    r"""Start averaging ``tensor`` in place over ``topo``'s parent group, two-level.
+
+    Returns at once a future holding ``tensor`` once it holds the mean over every rank.
+    ``inter_state`` is a :class:`~hhook.THCState` whose ``process_group`` is
+    ``topo.inter_group`` (its codec, scales, error feedback and counters apply to this
+    rank's shard); ``key`` names the tensor across steps as for
+    :func:`hhook.thc_allreduce_async` (the shard travels under the same key). Call it in
+    the same order on every rank, and wait for a key's future before reducing that key
+    again. The first call runs ``inter_state``'s blocking handshake on the caller's
+    thread.
+    """
+    check_tensor(tensor)
+    if not isinstance(topo, Topology) or not topo.two_level:
+        raise ValueError("two_level_allreduce_async needs a two-level Topology (detect_topology found a flat layout)")
+    if inter_state.process_group is not topo.inter_group:
+        raise ValueError("inter_state.process_group must be topo.inter_group (the THC ring of this local rank)")
+    if tensor.numel() == 0:
+        return _completed(tensor)
+    if tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES:
+        return _dense_world(tensor, topo, inter_state, intra_stats)
+    ensure_handshake(inter_state, tensor.device, topo.sequencer("inter"))
+
+    k = topo.ranks_per_node
+    d = tensor.numel()
+    s = shard_numel(d, k)
+    dtype = tensor.dtype
+    direct = tensor.is_contiguous() and d == k * s  # the tensor itself can be sent and gathered into
+    flat = tensor.view(-1) if tensor.is_contiguous() else None
+    if direct:
+        send = flat
+    else:
+        send = torch.zeros(k * s, dtype=dtype, device=tensor.device)
+        send[:d].copy_(tensor.reshape(-1))
+    recv = torch.empty(k * s, dtype=dtype, device=tensor.device)
+    if intra_stats is not None:
+        intra_stats.add("compressed_calls", 4 * d, send.nbytes + s * send.element_size())
+
+    inter_seq, gather_seq = topo.sequencer("inter"), topo.sequencer("gather")
+    inter_ticket, gather_ticket = inter_seq.ticket(), gather_seq.ticket()
+    result = _future(tensor)
+    failure: list = []  # this rank's first exception, set on the result once the gather is done
+
+    def finish(h: torch.futures.Future | None, out: torch.Tensor | None) -> None:
+        try:
+            if h is not None:
+                h.value()
+            if failure:
+                raise failure[0]
+            target = flat if direct else out[:d]
+            bad = ~torch.isfinite(target).all()
+            if target.is_cuda:
+                target.masked_fill_(bad, float("nan"))
+            elif bad:
+                target.fill_(float("nan"))
+                if intra_stats is not None:
+                    intra_stats.add("nonfinite_calls")
+            if not direct:
+                tensor.copy_(target.view(tensor.shape))
+            result.set_result(tensor)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            result.set_exception(exc)
+
+    def gather(mean_shard: torch.Tensor) -> None:
+        """Stage 3, in ticket order: every local rank launches it whatever happened before."""
+        piece = mean_shard.to(dtype)
+        out = flat if direct else torch.empty(k * s, dtype=dtype, device=tensor.device)
+
+        def launch() -> None:
+            try:
+                work = _gather_single(out, piece, group=topo.gather_group, async_op=True)
+                work.get_future().then(lambda h: finish(h, out))
+            except BaseException as exc:  # noqa: BLE001
+                failure.append(exc)
+                finish(None, out)
+
+        gather_seq.launch(gather_ticket, launch)
+
+    def after_inter(g: torch.futures.Future, shard: torch.Tensor) -> None:
+        try:
+            g.value()
+        except BaseException as exc:  # noqa: BLE001 - e.g. a mismatch between nodes: raised after the gather
+            failure.append(exc)
+            shard.fill_(float("nan"))
+        gather(shard)
+
+    def after_scatter(f: torch.futures.Future) -> None:
+        try:
+            f.value()
+        except BaseException as exc:  # noqa: BLE001 - the node's collective failed on every member
+            inter_seq.launch(inter_ticket, None)
+            gather_seq.launch(gather_ticket, None)
+            result.set_exception(exc)
+            return
+        try:
+            shard = _node_mean(recv.view(k, s), k)
+        except BaseException as exc:  # noqa: BLE001 - a local failure: NaN to every rank, raised here
+            failure.append(exc)
+            shard = torch.full((s,), float("nan"), dtype=torch.float32, device=tensor.device)
+
+        def launch() -> None:
+            try:
+                fut = thc_allreduce_async(shard, inter_state, key)
+            except BaseException as exc:  # noqa: BLE001
+                failure.append(exc)
+                shard.fill_(float("nan"))
+                gather(shard)
+                return
+            fut.then(lambda g: after_inter(g, shard))
+
+        inter_seq.launch(inter_ticket, launch)
+
+    work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
+    work.get_future().then(after_scatter)
+    return result
+
+
+def two_level_allreduce(tensor: torch.Tensor, topo: Topology, inter_state, key=None,
+                        intra_stats: Counters | None = None) -> torch.Tensor:
+    """The blocking form of :func:`two_level_allreduce_async`."""
+    out = two_level_allreduce_async(tensor, topo, inter_state, key, intra_stats).wait()
+    inter_state.check_deferred(wait=True)
+    return out
+
+
+def two_level_stats(inter_stats: dict, intra: Counters) -> dict:
+    """One ``stats()`` dict for a two-level state, from the inter state's ``stats()`` and
+    the ``intra_stats`` counters: the call counts and ``dense_bytes`` of the whole tensors
+    (from ``intra``); ``wire_bytes`` = ``inter_wire_bytes``, what crossed nodes (the
+    shards' codes and scales, handshakes, exact float64/sparse allreduces);
+    ``intra_wire_bytes``, what was handed to the collectives inside the node; ``ratio``,
+    dense over inter-node bytes. ``inter_calls`` counts the shards' THC calls."""
+    mine = intra.snapshot()
+    out = dict(inter_stats)
+    out["inter_calls"] = inter_stats.get("compressed_calls", 0)
+    for name in ("dense_bytes", "compressed_calls", "dense_calls", "nonfinite_calls"):
+        out[name] = mine[name]
+    out["intra_wire_bytes"] = mine["wire_bytes"]
+    out["inter_wire_bytes"] = inter_stats["wire_bytes"]
+    out["ratio"] = out["dense_bytes"] / out["inter_wire_bytes"] if out["inter_wire_bytes"] else float("nan")
+    return out
