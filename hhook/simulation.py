@@ -67,3 +67,14 @@ def simulate_policy(policies: list, inputs: torch.Tensor, key="sim", step: int =
     total = torch.stack(words).sum(0, dtype=words[0].dtype)
     outs = [p.decode(total, pl, torch.empty_like(inputs[0]))[0] for p, pl in zip(policies, plans)]
     return outs[0]
+
+
+def simulate_two_level(codec: THCCodec, inputs: torch.Tensor, ranks_per_node: int, step: int = 0) -> torch.Tensor:
+    """The mean that two-level THC (:mod:`hhook.two_level`) decodes: the exact float32
+    mean of each node's ``ranks_per_node`` consecutive rows, then THC over the node means
+    (``codec`` sized for the number of nodes)."""
+    world = inputs.shape[0]
+    if world % ranks_per_node:
+        raise ValueError(f"{ranks_per_node} ranks per node do not divide {world} ranks")
+    node_means = inputs.float().view(world // ranks_per_node, ranks_per_node, -1).mean(1)
+    return simulate_allreduce(codec, node_means, step)
