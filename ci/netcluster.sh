@@ -25,18 +25,36 @@
 # hostname hhI through a private UTS namespace.
 #
 # Requires root (CAP_NET_ADMIN + CAP_SYS_ADMIN), iproute2 (ip, tc, bridge),
-# util-linux (unshare), python3; Open MPI + mpi4py for the MPI recipe.
+# util-linux (unshare, nsenter), python3; Open MPI + mpi4py for the MPI recipe.
+#
+# Nodes with several ranks (--ranks-per-node K): the K ranks of node I share
+# its network namespace hhI (they talk to each other over its loopback path,
+# unshaped, as GPUs of one machine do over NVLink/PCIe/shared memory) and one
+# UTS namespace with hostname hhI (kept in /run/hhook-netcluster/uts-hhI, so
+# hostname-based node detection sees nodes too); nodes are joined by the
+# shaped links. Ranks are placed node by node, as torchrun places them:
+# rank = I*K + j, LOCAL_RANK=j, LOCAL_WORLD_SIZE=K, GROUP_RANK=I. "up" records
+# K (/run/hhook-netcluster/ranks_per_node) as the default of launch/mpirun/plan.
 #
 # Usage:
-#   ci/netcluster.sh up N [RATE]     # RATE is a tc rate, default 1gbit; "none" = unshaped.
-#                                    # An existing cluster is torn down first.
+#   ci/netcluster.sh up N [RATE] [--ranks-per-node K]
+#                                    # N nodes; RATE is a tc rate, default 1gbit;
+#                                    # "none" = unshaped. An existing cluster is
+#                                    # torn down first.
 #   ci/netcluster.sh down            # idempotent, never fails
 #   ci/netcluster.sh exec I CMD...   # run CMD inside namespace hhI
 #   ci/netcluster.sh hosts [N]       # one address per line (MPI hostfile material)
 #   ci/netcluster.sh measure [MB] [--duplex]   # TCP throughput hh0 -> hh1, prints MB/s
-#   ci/netcluster.sh launch N CMD... # torchrun-like: CMD in hh0..hh{N-1} with RANK etc.;
+#   ci/netcluster.sh launch N [--ranks-per-node K] CMD...
+#                                    # torchrun-like: K ranks of CMD in each of
+#                                    # hh0..hh{N-1} with RANK, LOCAL_RANK etc.;
 #                                    # non-zero if any rank fails (the rest are stopped)
-#   ci/netcluster.sh mpirun N CMD... # Open MPI job, one rank per namespace
+#   ci/netcluster.sh plan N [--ranks-per-node K]
+#                                    # the launcher variables launch would set, one
+#                                    # line per rank (needs no root, no cluster)
+#   ci/netcluster.sh mpirun N [--ranks-per-node K] CMD...
+#                                    # Open MPI job, K ranks per namespace (slots=K,
+#                                    # --map-by slot: node by node)
 #   ci/netcluster.sh rsh HOST CMD... # (internal) Open MPI's plm_rsh_agent
 #
 # Recipe 1 -- torch.distributed / gloo, 4 ranks (init_process_group("gloo"),
@@ -97,6 +115,7 @@ IFACE=eth0
 LATENCY=${HH_LATENCY:-20ms}
 MTU=${HH_MTU:-1500}
 PYTHON=${PYTHON:-python3}
+RUN_DIR=/run/hhook-netcluster   # ranks_per_node, uts-hhI (the nodes' UTS namespaces)
 
 die() { echo "netcluster: $*" >&2; exit 1; }
 log() { echo "netcluster: $*" >&2; }
@@ -143,8 +162,35 @@ rate_bytes_per_s() {
 # leaves $! = the rank process itself (every stage execs), which launch
 # needs in order to stop the ranks.
 ns_argv() {  # ns_argv I  -> sets NS_ARGV
-    # shellcheck disable=SC2016  # $0/$@ belong to the inner sh
-    NS_ARGV=(ip netns exec "hh$1" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "hh$1")
+    if [[ -e $RUN_DIR/uts-hh$1 ]]; then
+        # The node's own UTS namespace, made by "up": every rank of the node joins it.
+        NS_ARGV=(ip netns exec "hh$1" nsenter "--uts=$RUN_DIR/uts-hh$1")
+    else
+        # shellcheck disable=SC2016  # $0/$@ belong to the inner sh
+        NS_ARGV=(ip netns exec "hh$1" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "hh$1")
+    fi
+}
+
+# --ranks-per-node K, else what "up" recorded, else 1.
+recorded_k() {
+    local k=1
+    [[ -r $RUN_DIR/ranks_per_node ]] && k=$(<"$RUN_DIR/ranks_per_node")
+    [[ $k =~ ^[1-9][0-9]*$ ]] || k=1
+    echo "$k"
+}
+
+check_k() {
+    [[ $1 =~ ^[1-9][0-9]*$ ]] && (( $1 <= 64 )) || die "--ranks-per-node must be an integer in 1..64, got '$1'"
+}
+
+# The launcher variables of rank j on node i of n nodes x k, as torchrun sets
+# them (RANK, LOCAL_RANK, GROUP_RANK, ROLE_RANK, LOCAL_WORLD_SIZE, WORLD_SIZE,
+# GROUP_WORLD_SIZE, ROLE_WORLD_SIZE), plus NODE_RANK.
+rank_env() {  # rank_env I J N K -> sets RANK_ENV
+    local i=$1 j=$2 n=$3 k=$4 r=$(( $1 * $4 + $2 ))
+    RANK_ENV=(RANK="$r" WORLD_SIZE="$(( n * k ))" LOCAL_RANK="$j" LOCAL_WORLD_SIZE="$k"
+              GROUP_RANK="$i" GROUP_WORLD_SIZE="$n" ROLE_RANK="$r" ROLE_WORLD_SIZE="$(( n * k ))"
+              NODE_RANK="$i")
 }
 
 shape() {  # shape NS DEV RATE BURST
@@ -172,7 +218,14 @@ cmd_down() {
         # (and, for hhnet, the bridge).
         ip netns del "$ns" 2>/dev/null
     done
-    local d
+    local d u
+    for u in "$RUN_DIR"/uts-hh[0-9]*; do
+        [[ -e $u ]] || continue
+        umount "$u" 2>/dev/null
+        rm -f -- "$u"
+    done
+    rm -f -- "$RUN_DIR/ranks_per_node"
+    [[ -d $RUN_DIR ]] && rmdir "$RUN_DIR" 2>/dev/null
     for d in /etc/netns/hh[0-9]*; do
         [[ -d $d && ${d##*/} =~ ^hh[0-9]+$ ]] && rm -rf -- "$d"
     done
@@ -182,10 +235,20 @@ cmd_down() {
 }
 
 cmd_up() {
-    local n=${1:-} rate=${2:-1gbit} i bps burst
-    if ! [[ $n =~ ^[0-9]+$ ]] || (( n < 1 || n > 250 )); then
-        die "usage: up N [RATE] (1 <= N <= 250)"
+    local n="" rate=1gbit k=1 i bps burst
+    local -a pos=()
+    while (( $# )); do
+        case $1 in
+            --ranks-per-node) k=${2:-}; shift 2 || die "usage: up N [RATE] [--ranks-per-node K]" ;;
+            --ranks-per-node=*) k=${1#*=}; shift ;;
+            *) pos+=("$1"); shift ;;
+        esac
+    done
+    n=${pos[0]:-}; rate=${pos[1]:-1gbit}
+    if ! [[ $n =~ ^[0-9]+$ ]] || (( n < 1 || n > 250 || ${#pos[@]} > 2 )); then
+        die "usage: up N [RATE] [--ranks-per-node K] (1 <= N <= 250)"
     fi
+    check_k "$k"
     [[ $(id -u) == 0 ]] || die "must run as root (needs CAP_NET_ADMIN/CAP_SYS_ADMIN)"
     if [[ -n $(existing_ranks) ]] || ip netns list | awk '{print $1}' | grep -qx "$BRNS"; then
         log "existing cluster found; tearing it down first"
@@ -238,6 +301,14 @@ cmd_up() {
         mkdir -p "/etc/netns/hh$i"
         echo "$hosts" >"/etc/netns/hh$i/hosts"
     done
+    # One UTS namespace per node, kept by a bind mount, so all K ranks of a
+    # node share it (and its hostname hhI).
+    mkdir -p "$RUN_DIR"
+    echo "$k" >"$RUN_DIR/ranks_per_node"
+    for (( i = 0; i < n; i++ )); do
+        : >"$RUN_DIR/uts-hh$i"
+        unshare "--uts=$RUN_DIR/uts-hh$i" hostname "hh$i"
+    done
     # shellcheck disable=SC2034  # read by the EXIT trap
     UP_DONE=1
 
@@ -247,7 +318,7 @@ cmd_up() {
         (( $(bridge -n "$BRNS" link show | grep -c 'state forwarding') == n )) && break
         sleep 0.1
     done
-    log "up: $n ranks, $SUBNET.1-$SUBNET.$n on $IFACE, rate ${rate}${burst:+ burst ${burst}b} latency $LATENCY"
+    log "up: $n nodes x $k ranks, $SUBNET.1-$SUBNET.$n on $IFACE, rate ${rate}${burst:+ burst ${burst}b} latency $LATENCY"
 }
 
 cmd_exec() {
@@ -340,27 +411,55 @@ launch_reaped() {  # launch_reaped PID RC  (uses cmd_launch's rank_of/fail)
     return 0
 }
 
+# "N [--ranks-per-node K] CMD..." -> NODES, PER_NODE, CMD_ARGV
+parse_job() {  # parse_job WHAT ARGS...
+    local what=$1; shift
+    NODES=${1:-}; shift || true
+    PER_NODE=$(recorded_k)
+    case ${1:-} in
+        --ranks-per-node) PER_NODE=${2:-}; shift 2 || die "usage: $what N [--ranks-per-node K] CMD..." ;;
+        --ranks-per-node=*) PER_NODE=${1#*=}; shift ;;
+    esac
+    CMD_ARGV=("$@")
+    [[ $NODES =~ ^[0-9]+$ ]] && (( NODES >= 1 )) || die "usage: $what N [--ranks-per-node K] CMD..."
+    check_k "$PER_NODE"
+}
+
+cmd_plan() {
+    parse_job plan "$@"
+    local i j
+    for (( i = 0; i < NODES; i++ )); do
+        for (( j = 0; j < PER_NODE; j++ )); do
+            rank_env "$i" "$j" "$NODES" "$PER_NODE"
+            echo "hh$i ${RANK_ENV[*]}"
+        done
+    done
+}
+
 cmd_launch() {
-    local n=${1:-} i rc=0 pid fail=0
-    shift || true
-    if ! [[ $n =~ ^[0-9]+$ ]] || (( n < 1 || $# == 0 )); then die "usage: launch N CMD..."; fi
+    local i j rc=0 pid fail=0 n
+    parse_job launch "$@"
+    n=$NODES
+    (( ${#CMD_ARGV[@]} > 0 )) || die "usage: launch N [--ranks-per-node K] CMD..."
+    set -- "${CMD_ARGV[@]}"
     for (( i = 0; i < n; i++ )); do need_rank "$i"; done
     local -A rank_of=()
     # Async children of a non-interactive shell ignore SIGINT, so Ctrl-C (or
     # a CI timeout's TERM) must be forwarded or the ranks would live on.
     trap '(( ${#rank_of[@]} )) && kill -TERM "${!rank_of[@]}" 2>/dev/null; exit 130' INT TERM
     for (( i = 0; i < n; i++ )); do
-        # OMP_NUM_THREADS=1 mirrors torchrun: N ranks sharing a small box
-        # must not each spin up one OpenMP thread per core.
-        ns_argv "$i"
-        "${NS_ARGV[@]}" env \
-            RANK="$i" WORLD_SIZE="$n" LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
-            GROUP_RANK="$i" NODE_RANK="$i" \
-            MASTER_ADDR="$(addr_of 0)" MASTER_PORT="${MASTER_PORT:-29500}" \
-            GLOO_SOCKET_IFNAME="$IFACE" TP_SOCKET_IFNAME="$IFACE" \
-            OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
-            "$@" &
-        rank_of[$!]=$i
+        for (( j = 0; j < PER_NODE; j++ )); do
+            # OMP_NUM_THREADS=1 mirrors torchrun: N ranks sharing a small box
+            # must not each spin up one OpenMP thread per core.
+            ns_argv "$i"
+            rank_env "$i" "$j" "$n" "$PER_NODE"
+            "${NS_ARGV[@]}" env "${RANK_ENV[@]}" \
+                MASTER_ADDR="$(addr_of 0)" MASTER_PORT="${MASTER_PORT:-29500}" \
+                GLOO_SOCKET_IFNAME="$IFACE" TP_SOCKET_IFNAME="$IFACE" \
+                OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
+                "$@" &
+            rank_of[$!]=$(( i * PER_NODE + j ))
+        done
     done
     # Like torchrun: once one rank fails the others would block in a
     # collective until gloo's 30 min timeout, so stop them.
@@ -382,13 +481,20 @@ cmd_launch() {
 }
 
 cmd_mpirun() {
-    local n=${1:-} i
-    shift || true
-    if ! [[ $n =~ ^[0-9]+$ ]] || (( n < 1 || $# == 0 )); then die "usage: mpirun N CMD..."; fi
+    local n i
+    parse_job mpirun "$@"
+    n=$NODES
+    (( ${#CMD_ARGV[@]} > 0 )) || die "usage: mpirun N [--ranks-per-node K] CMD..."
+    set -- "${CMD_ARGV[@]}"
     for (( i = 0; i < n; i++ )); do need_rank "$i"; done
     HOSTFILE=$(mktemp /tmp/hh-hostfile.XXXXXX)   # global: the EXIT trap outlives this function
     trap 'rm -f "$HOSTFILE"' EXIT
-    for (( i = 0; i < n; i++ )); do echo "$(addr_of "$i") slots=1"; done >"$HOSTFILE"
+    # K slots per node, filled node by node (--map-by slot): ranks I*K..I*K+K-1
+    # on node I, as torchrun places them; Open MPI sets OMPI_COMM_WORLD_LOCAL_RANK
+    # and OMPI_COMM_WORLD_LOCAL_SIZE itself.
+    for (( i = 0; i < n; i++ )); do echo "$(addr_of "$i") slots=$PER_NODE"; done >"$HOSTFILE"
+    local map=node
+    (( PER_NODE > 1 )) && map=slot
     # Each "node" has one slot, so Open MPI believes nothing is oversubscribed
     # and busy-polls; here all ranks share a few cores, so spinning ranks
     # would steal CPU from the ones doing reductions -- an artifact a real
@@ -399,8 +505,8 @@ cmd_mpirun() {
     local rc=0
     ns_argv 0
     # shellcheck disable=SC2086  # HH_MPIRUN_ARGS is intentionally word-split
-    "${NS_ARGV[@]}" mpirun --allow-run-as-root --oversubscribe -np "$n" \
-        --hostfile "$HOSTFILE" --map-by node \
+    "${NS_ARGV[@]}" mpirun --allow-run-as-root --oversubscribe -np "$(( n * PER_NODE ))" \
+        --hostfile "$HOSTFILE" --map-by "$map" \
         --mca plm_rsh_agent "$SELF rsh" \
         --mca btl tcp,self --mca btl_tcp_if_include "$IFACE" \
         --mca oob_tcp_if_include "$IFACE" \
@@ -437,6 +543,7 @@ main() {
         hosts) cmd_hosts "$@" ;;
         measure) cmd_measure "$@" ;;
         launch) cmd_launch "$@" ;;
+        plan) cmd_plan "$@" ;;
         mpirun) cmd_mpirun "$@" ;;
         rsh) cmd_rsh "$@" ;;
         *) sed -n '2,/^set -euo/p' "$SELF" | sed '$d' | sed 's/^# \{0,1\}//' >&2; exit 2 ;;

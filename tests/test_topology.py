@@ -345,3 +345,16 @@ def test_targets_wire_bits_and_error_at_scale():
     assert vnmse(simulate_two_level(hhook.THCCodec(bits, 1024, 0, 128), x, 8), x) <= 9e-3
     with pytest.raises(ValueError):
         auto_bits(0)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 8])
+def test_node_mean_exact_for_equal_rows(k):
+    from hhook.two_level import _node_mean
+
+    g = torch.Generator().manual_seed(k)
+    row = torch.randn(1000, generator=g) * torch.logspace(-30, 30, 1000)
+    rows = row.repeat(k, 1)
+    assert torch.equal(_node_mean(rows.clone(), k), row)
+    mixed = torch.randn(k, 1000, generator=g)
+    assert torch.allclose(_node_mean(mixed.clone(), k), mixed.mean(0), atol=1e-6)
+    assert torch.equal(_node_mean(rows.clone().bfloat16(), k), row.bfloat16().float())
