@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import logging
+import math
+import os
+import secrets
 import socket
 
 import torch
@@ -58,7 +60,9 @@ TOPOLOGY_VERSION = 1
 
 # The request each rank makes, as one integer of its record.
 _AUTO, _FLAT, _INVALID = -1, -2, -3
-_RECORD = 8  # [request, local_rank, local_size, node_rank, host_hi, host_lo, rank, version]
+_RECORD = 9  # [request, local_rank, local_size, node_rank, host_hi, host_lo, rank, version, token]
+#: Where node-local shared memory lives (the intra-node path of CPU tensors).
+SHM_DIR = "/dev/shm"
 
 
 class TopologyError(ValueError):
@@ -100,6 +104,7 @@ def local_record(rank: int, ranks_per_node, environ=None, hostname: str | None =
         lo,
         rank,
         TOPOLOGY_VERSION,
+        secrets.randbits(62),  # names this job's shared-memory files (the node's first rank's)
     ]
 
 
@@ -240,7 +245,8 @@ class Topology:
         source: what decided it ("launcher", "hostname", "ranks_per_node", "flat").
     """
 
-    def __init__(self, group, world_size: int, rank: int, plan: Plan, groups: dict | None = None):
+    def __init__(self, group, world_size: int, rank: int, plan: Plan, groups: dict | None = None,
+                 token: int = 0):
         self.group = group
         self.world_size = world_size
         self.rank = rank
@@ -260,7 +266,13 @@ class Topology:
         self.gather_group = groups.get("gather")
         self.inter_group = groups.get("inter")
         self.fingerprint = layout_fingerprint(world_size, plan.nodes)
+        self.token = token  # the same on every rank of this node, random per job
+        #: CPU tensors meet inside the node in shared memory (probed at detection), else
+        #: through collectives on ``intra_group``/``gather_group``.
+        self.shared_memory = False
         self._sequencers: dict = {}
+        self._regions: dict = {}
+        self._region_count = 0
 
     def describe(self) -> str:
         if self.two_level:
@@ -299,8 +311,60 @@ class Topology:
             seq = self._sequencers[name] = Sequencer()
         return seq
 
+    def shm_path(self, name) -> str:
+        """A file of this job's node in :data:`SHM_DIR` (the same name on every rank of the node)."""
+        return os.path.join(SHM_DIR, f"hhook-{self.token:016x}-node{self.node}-{name}")
+
+    def region(self, key, numel: int, dtype: torch.dtype):
+        """``(rows, result, path_or_None)``: node-shared ``[k, numel]`` rows and a
+        ``[numel]`` result for ``key``, made at the key's first call (every rank of the
+        node makes its regions in the same order, so the same name), then reused: a key
+        is never in flight twice. ``path`` is returned once, for unlinking after every
+        rank of the node has mapped it. ``key=None`` gets a fresh region each call."""
+        found = self._regions.get(key) if key is not None else None
+        if found is not None and found[0] == (numel, dtype):
+            return found[1], found[2], None
+        self._region_count += 1
+        path = self.shm_path(f"r{self._region_count}")
+        k = self.ranks_per_node
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        storage = torch.UntypedStorage.from_file(path, True, (k + 1) * numel * itemsize)
+        flat = torch.empty(0, dtype=dtype).set_(storage.untyped(), 0, ((k + 1) * numel,), (1,))
+        rows, result = flat[: k * numel].view(k, numel), flat[k * numel:]
+        if key is not None:
+            self._regions[key] = ((numel, dtype), rows, result)
+        return rows, result, path
+
     def __getstate__(self):
         raise TypeError("a Topology holds process groups and cannot be pickled; save Topology.record() instead")
+
+
+def _probe_shared_memory(topo: Topology) -> bool:
+    """Do the ranks of every node see one another's writes in one file of
+    :data:`SHM_DIR`? (Not where "nodes" given by an integer span hosts.) Blocking, at
+    detection: every rank writes its rank into its slot, a barrier inside the node, every
+    rank reads all slots; then every rank of the parent group agrees (MIN). Gloo only:
+    the probe's collectives are on CPU tensors."""
+    if "gloo" not in str(dist.get_backend(topo.group)):
+        return False
+    path = topo.shm_path("probe")
+    ok = 1
+    try:
+        storage = torch.UntypedStorage.from_file(path, True, 8 * topo.ranks_per_node)
+        slots = torch.empty(0, dtype=torch.int64).set_(storage.untyped(), 0, (topo.ranks_per_node,), (1,))
+        slots[topo.local_rank] = topo.rank + 1
+    except (OSError, RuntimeError):
+        ok, slots = 0, None
+    dist.all_reduce(torch.zeros(1), group=topo.intra_group)  # every rank of the node has written
+    if slots is not None and slots.tolist() != [r + 1 for r in topo.nodes[topo.node]]:
+        ok = 0
+    flag = torch.tensor([ok], dtype=torch.int32)
+    dist.all_reduce(flag, dist.ReduceOp.MIN, group=topo.group)  # every rank has read
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    return bool(flag.item())
 
 
 def layout_fingerprint(world_size: int, nodes) -> int:
@@ -320,13 +384,20 @@ def flat_topology(world_size: int = 1, rank: int = 0, reason: str = "topology='f
     return Topology(group, world_size, rank, Plan(None, reason, "flat"))
 
 
-def detect_topology(group=None, ranks_per_node="auto", environ=None, hostname: str | None = None) -> Topology:
+def detect_topology(group=None, ranks_per_node="auto", environ=None, hostname: str | None = None,
+                    intra: str = "auto") -> Topology:
     r"""Find the nodes of ``group`` (None: the default group) and build the sub-groups.
 
     Call it on every rank, at the same point of the program (it creates process groups).
     One small all-gather over ``group``; for two-level ``2 n_nodes + ranks_per_node``
     ``new_group`` calls on every rank. ``environ`` and ``hostname`` replace
     ``os.environ`` and ``socket.gethostname()`` (tests, unusual launchers).
+
+    ``intra`` says how CPU tensors meet inside a node: ``"auto"`` (default) in shared
+    memory when every node's ranks can map one file of :data:`SHM_DIR` (probed here: two
+    tiny collectives; ``HHOOK_SHM=0`` turns it off), else through Gloo collectives;
+    ``"collectives"``; ``"shm"`` (an error where it fails). CUDA tensors always use
+    collectives (NCCL).
 
     Raises :class:`TopologyError` on every rank for a ``ranks_per_node`` that does not
     divide the world, ranks asking for different layouts, or launcher variables that
@@ -335,6 +406,8 @@ def detect_topology(group=None, ranks_per_node="auto", environ=None, hostname: s
     """
     if not dist.is_initialized():
         raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")
+    if intra not in ("auto", "collectives", "shm"):
+        raise ValueError(f"intra must be 'auto', 'collectives' or 'shm', got {intra!r}")
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if world == 1:
@@ -360,7 +433,12 @@ def detect_topology(group=None, ranks_per_node="auto", environ=None, hostname: s
         g = dist.new_group(ring)
         if rank in ring:
             mine["inter"] = g
-    topo = Topology(group, world, rank, plan, mine)
+    first = plan.nodes[next(i for i, n in enumerate(plan.nodes) if rank in n)][0]
+    topo = Topology(group, world, rank, plan, mine, token=records[first][8])
+    if intra == "shm" or (intra == "auto" and os.environ.get("HHOOK_SHM", "1") != "0"):
+        topo.shared_memory = _probe_shared_memory(topo)
+        if intra == "shm" and not topo.shared_memory:
+            raise TopologyError("hhook: intra='shm' but the ranks of a node do not share memory in " + SHM_DIR)
     if rank == 0:
         logger.info("hhook: topology %r: %s (from %s)", ranks_per_node, topo.describe(), plan.source)
     return topo

@@ -38,6 +38,7 @@ bytes handed to the two intra-node collectives as ``wire_bytes``.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -82,14 +83,24 @@ def _dense_world(tensor: torch.Tensor, topo: Topology, inter_state, intra_stats)
     return fut.then(lambda f: f.value()[0])
 
 
-def _node_mean(rows: torch.Tensor, k: int) -> torch.Tensor:
+def _node_mean(rows: torch.Tensor, k: int, in_place: bool = True) -> torch.Tensor:
     """Mean of the ``k`` rows in float32; a value every row holds comes back exactly.
 
     For ``k`` a power of two, a pairwise tree of sums (``2a + 2a = 4a``: exact for equal
-    values) times ``1 / k``, in place on the rows when they are float32 already: ``k``
-    passes. Otherwise the sum, and the first row where all rows agree.
+    values) times ``1 / k``, in place on the rows when they are float32 already and
+    ``in_place`` (shared rows are not): ``k`` passes. Otherwise the sum, and the first
+    row where all rows agree.
     """
-    rows = rows.to(torch.float32)  # the received buffer itself for float32 tensors
+    if rows.dtype != torch.float32:
+        rows = rows.to(torch.float32)
+    elif not in_place and k > 1 and k & (k - 1) == 0:
+        half = k // 2
+        rows = rows[:half] + rows[half:]  # the tree's first level, out of place
+        k_left = half
+        while k_left > 1:
+            k_left //= 2
+            rows[:k_left].add_(rows[k_left:2 * k_left])
+        return rows[0].mul_(1.0 / k)
     if k & (k - 1) == 0:
         width = k
         while width > 1:
@@ -102,6 +113,13 @@ def _node_mean(rows: torch.Tensor, k: int) -> torch.Tensor:
         total.add_(rows[i])
         same &= rows[i] == rows[0]
     return torch.where(same, rows[0], total.div_(k))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _all_gather(out: torch.Tensor, piece: torch.Tensor, group, k: int):
@@ -146,23 +164,33 @@ def two_level_allreduce_async(
     d = tensor.numel()
     s = shard_numel(d, k)
     dtype = tensor.dtype
-    direct = tensor.is_contiguous() and d == k * s  # the tensor itself can be sent and gathered into
+    j = topo.local_rank
     flat = tensor.view(-1) if tensor.is_contiguous() else None
-    if direct:
-        send = flat
-    else:
-        send = torch.zeros(k * s, dtype=dtype, device=tensor.device)
-        send[:d].copy_(tensor.reshape(-1))
-    recv = torch.empty(k * s, dtype=dtype, device=tensor.device)
-    if intra_stats is not None:
-        intra_stats.add("compressed_calls", 4 * d, send.nbytes + s * send.element_size())
-
+    shm = topo.shared_memory and tensor.device.type == "cpu"
     inter_seq, gather_seq = topo.sequencer("inter"), topo.sequencer("gather")
-    inter_ticket, gather_ticket = inter_seq.ticket(), gather_seq.ticket()
     result = _future(tensor)
     failure: list = []  # this rank's first exception, set on the result once the gather is done
 
-    def finish(h: torch.futures.Future | None, out: torch.Tensor | None) -> None:
+    # Stage 1's buffers. Shared memory: this rank's row of the node's [k, k s] region
+    # (the tensor copied in once), the node's result row. Collectives: the tensor itself
+    # (when it needs no padding) and a receive buffer.
+    if shm:
+        rows, shared_result, new_file = topo.region(key, k * s, dtype)
+        rows[j, :d].copy_(flat if flat is not None else tensor.reshape(-1))  # the padding stays zero
+        direct, send, recv = False, None, None
+    else:
+        direct = flat is not None and d == k * s  # the tensor itself can be sent and gathered into
+        if direct:
+            send = flat
+        else:
+            send = torch.zeros(k * s, dtype=dtype, device=tensor.device)
+            send[:d].copy_(tensor.reshape(-1))
+        recv = torch.empty(k * s, dtype=dtype, device=tensor.device)
+    if intra_stats is not None:
+        intra_stats.add("compressed_calls", 4 * d, (k * s + s) * tensor.element_size())
+    inter_ticket, gather_ticket = inter_seq.ticket(), gather_seq.ticket()
+
+    def finish(h: torch.futures.Future | None, out: torch.Tensor) -> None:
         try:
             if h is not None:
                 h.value()
@@ -171,15 +199,14 @@ def two_level_allreduce_async(
             # A non-finite shard travels as all NaN (see gather), so its first element
             # tells: k reads, the same on every rank of every node.
             bad = out[::s].isnan().any()
-            target = flat if direct else out[:d]
-            if target.is_cuda:
-                target.masked_fill_(bad, float("nan"))
+            if out.is_cuda:
+                out.masked_fill_(bad, float("nan"))
             elif bad:
-                target.fill_(float("nan"))
+                out = torch.full_like(out, float("nan")) if shm else out.fill_(float("nan"))
                 if intra_stats is not None:
                     intra_stats.add("nonfinite_calls")
             if not direct:
-                tensor.copy_(target.view(tensor.shape))
+                tensor.copy_(out[:d].view(tensor.shape))
             result.set_result(tensor)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
             result.set_exception(exc)
@@ -192,11 +219,18 @@ def two_level_allreduce_async(
             piece.masked_fill_(bad, float("nan"))
         elif bad:
             piece.fill_(float("nan"))
-        out = flat if direct else torch.empty(k * s, dtype=dtype, device=tensor.device)
+        if shm:
+            shared_result[j * s:(j + 1) * s].copy_(piece)
+            out = shared_result
+        else:
+            out = flat if direct else torch.empty(k * s, dtype=dtype, device=tensor.device)
 
         def launch() -> None:
             try:
-                work = _all_gather(out, piece, topo.gather_group, k)
+                if shm:  # a barrier: every rank of the node has written its shard
+                    work = dist.all_reduce(torch.zeros(1), group=topo.gather_group, async_op=True)
+                else:
+                    work = _all_gather(out, piece, topo.gather_group, k)
                 work.get_future().then(lambda h: finish(h, out))
             except BaseException as exc:  # noqa: BLE001
                 failure.append(exc)
@@ -220,8 +254,13 @@ def two_level_allreduce_async(
             gather_seq.launch(gather_ticket, None)
             result.set_exception(exc)
             return
+        if shm and new_file is not None and j == 0:
+            _unlink(new_file)  # every rank of the node has mapped it: the memory lives on
         try:
-            shard = _node_mean(recv.view(k, s), k)
+            if shm:
+                shard = _node_mean(rows[:, j * s:(j + 1) * s], k, in_place=False)
+            else:
+                shard = _node_mean(recv.view(k, s), k)
         except BaseException as exc:  # noqa: BLE001 - a local failure: NaN to every rank, raised here
             failure.append(exc)
             shard = torch.full((s,), float("nan"), dtype=torch.float32, device=tensor.device)
@@ -238,7 +277,10 @@ def two_level_allreduce_async(
 
         inter_seq.launch(inter_ticket, launch)
 
-    work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
+    if shm:  # a barrier: every rank of the node has written its row
+        work = dist.all_reduce(torch.zeros(1), group=topo.intra_group, async_op=True)
+    else:
+        work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
     work.get_future().then(after_scatter)
     return result
 

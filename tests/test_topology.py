@@ -135,13 +135,13 @@ def _inputs(world, d=D, seed=0):
     return heavy_tailed(d, world, seed=seed)
 
 
-def _two_level_world(rank, world):
+def _two_level_world(rank, world, intra):
     torch.manual_seed(rank)
     _fake_torchrun(rank)
     before = dist.new_group([0, 1, 2, 3])  # the program's own groups, before and after
-    topo = detect_topology(ranks_per_node="auto")
+    topo = detect_topology(ranks_per_node="auto", intra=intra)
     after = dist.new_group([1, 3])
-    out = {"describe": topo.describe(), "node": topo.node, "local": topo.local_rank,
+    out = {"describe": topo.describe(), "node": topo.node, "shm": topo.shared_memory, "local": topo.local_rank,
            "intra": dist.get_process_group_ranks(topo.intra_group),
            "inter": dist.get_process_group_ranks(topo.inter_group), "fp": topo.fingerprint}
     x = torch.ones(3)
@@ -219,9 +219,12 @@ def _two_level_world(rank, world):
     return out
 
 
-def test_two_level_on_2_nodes_x_2():
-    res = run_world(_two_level_world, 4, timeout=240)
+@pytest.mark.parametrize("intra", ["shm", "collectives"])
+def test_two_level_on_2_nodes_x_2(intra):
+    res = run_world(_two_level_world, 4, intra, timeout=240)
     r0 = res[0]
+    assert [r["shm"] for r in res] == [intra == "shm"] * 4
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("hhook-")]  # every file unlinked
     assert [r["describe"] for r in res] == ["4 ranks as 2 nodes x 2 (two-level)"] * 4
     assert [(r["node"], r["local"]) for r in res] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [r["intra"] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]
@@ -357,4 +360,9 @@ def test_node_mean_exact_for_equal_rows(k):
     assert torch.equal(_node_mean(rows.clone(), k), row)
     mixed = torch.randn(k, 1000, generator=g)
     assert torch.allclose(_node_mean(mixed.clone(), k), mixed.mean(0), atol=1e-6)
+    shared = torch.randn(k, 3000, generator=g)[:, 1000:2000]  # a strided view, as in shared memory
+    before = shared.clone()
+    assert torch.allclose(_node_mean(shared, k, in_place=False), before.mean(0), atol=1e-6)
+    assert torch.equal(shared, before)
+    assert torch.equal(_node_mean(rows.clone(), k, in_place=False), row)
     assert torch.equal(_node_mean(rows.clone().bfloat16(), k), row.bfloat16().float())
