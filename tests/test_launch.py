@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
-from hhook.launch import DEFAULT_PORT, PORT_RANGE, detect_env, first_slurm_host, job_port
+from hhook.launch import (
+    DEFAULT_PORT,
+    PORT_RANGE,
+    detect_env,
+    first_slurm_host,
+    job_port,
+    launcher_layout,
+    slurm_tasks_per_node,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,3 +102,79 @@ def test_two_mpirun_jobs_on_one_host_at_once(tmp_path):
         assert job.returncode == 0, out
     ports = [{line for line in out.splitlines() if line.startswith("port")} for out in outs]
     assert all(len(p) == 1 for p in ports) and ports[0] != ports[1], outs
+
+
+# -- where the launcher put this process on its node (hhook.topology reads it) -------
+@pytest.mark.parametrize(
+    "environ,expected",
+    [
+        ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "2"}, ("torchrun", 1, 4, 2)),
+        ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, ("torchrun", 0, 2, None)),
+        ({"OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, ("openmpi", 3, 8, None)),
+        ({"MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, ("pmi", 1, 2, None)),
+        ({"SLURM_LOCALID": "1", "SLURM_NODEID": "2", "SLURM_TASKS_PER_NODE": "2(x3),1"}, ("slurm", 1, 2, 2)),
+        ({"SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4"}, ("slurm", 0, 4, None)),
+    ],
+)
+def test_launcher_layout(environ, expected):
+    lay = launcher_layout(environ)
+    assert (lay.launcher, lay.local_rank, lay.local_world_size, lay.node_rank) == expected
+
+
+def test_launcher_layout_absent_or_wrong():
+    assert launcher_layout({}) is None
+    assert launcher_layout({"LOCAL_RANK": "0"}) is None  # torchrun always sets both
+    # uneven SLURM nodes without a node index: this node's size is unknown
+    assert launcher_layout({"SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "2,1"}) is None
+    with pytest.raises(ValueError, match="outside a node of 2"):
+        launcher_layout({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="not an integer"):
+        launcher_layout({"OMPI_COMM_WORLD_LOCAL_RANK": "x", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    assert slurm_tasks_per_node("4(x2),3") == [4, 4, 3]
+    with pytest.raises(ValueError):
+        slurm_tasks_per_node("4(x2")
+
+
+NETCLUSTER = os.path.join(ROOT, "ci", "netcluster.sh")
+
+
+def _plan(*args):
+    return subprocess.run(["bash", NETCLUSTER, "plan", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("nodes,k", [(2, 2), (3, 1), (2, 4)])
+def test_netcluster_places_k_ranks_per_node_as_torchrun(nodes, k):
+    """``netcluster.sh launch N --ranks-per-node K`` sets these variables (``plan``
+    prints them; it needs no root and no cluster): hhook.topology finds the nodes."""
+    from hhook.topology import local_record, plan_layout
+
+    out = _plan(str(nodes), "--ranks-per-node", str(k))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == nodes * k
+    envs = []
+    for line in lines:
+        ns, *assignments = line.split()
+        env = dict(a.split("=", 1) for a in assignments)
+        assert ns == f"hh{env['GROUP_RANK']}"
+        envs.append(env)
+    assert [int(e["RANK"]) for e in envs] == list(range(nodes * k))
+    for e in envs:
+        assert e["WORLD_SIZE"] == str(nodes * k) and e["LOCAL_WORLD_SIZE"] == str(k)
+        assert int(e["RANK"]) == int(e["GROUP_RANK"]) * k + int(e["LOCAL_RANK"])
+        assert detect_env(e).rank == int(e["RANK"])
+    # every rank of a node in one namespace, with one hostname: both detections agree
+    records = [local_record(int(e["RANK"]), "auto", e, f"hh{e['GROUP_RANK']}") for e in envs]
+    plan = plan_layout(records)
+    if k == 1:
+        assert plan.nodes is None and "one rank per node" in plan.reason
+    else:
+        assert plan.nodes == tuple(tuple(range(i * k, (i + 1) * k)) for i in range(nodes))
+        assert plan_layout([local_record(r[6], "auto", {}, f"hh{r[6] // k}") for r in records]).nodes == plan.nodes
+
+
+@pytest.mark.parametrize("args", [["2", "--ranks-per-node", "0"], ["2", "--ranks-per-node", "x"], ["zero"]])
+def test_netcluster_refuses_bad_layouts_before_touching_anything(args):
+    assert _plan(*args).returncode != 0
+    up = subprocess.run(["bash", NETCLUSTER, "up", *args], capture_output=True, text=True, timeout=30)
+    assert up.returncode != 0 and ("ranks-per-node" in up.stderr or "usage" in up.stderr)
