@@ -366,3 +366,59 @@ def test_node_mean_exact_for_equal_rows(k):
     assert torch.equal(shared, before)
     assert torch.equal(_node_mean(rows.clone(), k, in_place=False), row)
     assert torch.equal(_node_mean(rows.clone().bfloat16(), k), row.bfloat16().float())
+
+
+# -- the scale model (hhook-profile model --layouts) ----------------------------------
+def _inputs_doc():
+    import json
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "topology-inputs.json")) as fh:
+        return json.load(fh)
+
+
+def test_scale_model_layouts_and_wire_bits():
+    from hhook.profile.models import inputs_from_json, layout_step, scale_rows
+
+    inp = inputs_from_json({**_inputs_doc(), "host_cores": None})
+    for N, k in [(1, 4), (3, 1)]:  # one node, or one rank per node: two-level is flat
+        assert layout_step(N, k, "thc2", inp)["time_s"] == layout_step(N, k, "thc", inp)["time_s"]
+    assert abs(layout_step(8, 8, "thc", inp)["wire_bits"] - 10.7) < 0.05  # lanes for 64 ranks
+    assert layout_step(8, 8, "thc2", inp)["wire_bits"] <= 7.2  # lanes for 8 nodes
+    auto = inputs_from_json({**_inputs_doc(), "host_cores": None}, bits="auto")
+    big = layout_step(128, 8, "thc2", auto)
+    assert big["bits"] == 2 and big["wire_bits"] <= 9.2
+    # fp32 on two nodes of one rank: compute plus one ring of two (W / beta), latency aside
+    two = layout_step(2, 1, "fp32", inp)
+    assert abs(two["time_s"] - inp.compute_s - inp.model_bytes / inp.beta_inter) < 1e-3
+    rows = scale_rows(inp, [(2, 8), (128, 8)])
+    assert {r["method"] for r in rows} == {"fp32", "bf16", "thc", "thc2"}
+    assert all(r["speedup_vs_fp32"] > 0 for r in rows)
+
+
+def test_scale_model_within_15_percent_of_the_measured_layouts():
+    from hhook.profile.models import inputs_from_json, validation_rows
+
+    doc = _inputs_doc()
+    rows = validation_rows(inputs_from_json(doc), doc["measured"])
+    assert {r["layout"] for r in rows} == {"1x2", "1x4", "2x1", "2x2"} and len(rows) == 13
+    assert max(abs(r["error"]) for r in rows) <= 0.15, [(r["layout"], r["method"], round(r["error"], 3)) for r in rows]
+
+
+def test_model_layouts_cli(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "scale.json"
+    cmd = [sys.executable, "-m", "hhook.profile", "model", "--layouts", "1x2,2x2,128x8",
+           "--scale-inputs", os.path.join(root, "docs", "topology-inputs.json"), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr
+    assert "128x8" in proc.stdout and "Validation" in proc.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert any(r["op"] == "scale" and r["method"] == "thc2" and r["nodes"] == 128 for r in rows)
+    bad = subprocess.run(cmd[:4] + ["--layouts", "2y2"], capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert bad.returncode != 0 and "NODESxRANKS" in bad.stderr

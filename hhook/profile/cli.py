@@ -188,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     md.add_argument("--block-size", type=int, default=1024, help="THC block size for the layout (default 1024)")
     md.add_argument("--fixed-ratio", action="store_true",
                     help="use the measured THC ratio at every M instead of the lane layout at M")
+    md.add_argument("--layouts", metavar="LIST",
+                    help="the scale model instead: NODESxRANKS layouts, e.g. 1x2,2x2,8x8,128x8 (fp32, bf16, flat "
+                    "and two-level THC; docs/topology.md)")
+    md.add_argument("--scale-inputs", metavar="PATH",
+                    help="measured inputs of the scale model (JSON, docs/topology-inputs.json); with --layouts")
     md.add_argument("--plot-models", choices=("ring", "paper", "both"), default="ring",
                     help="models drawn in the speedup panel (default ring: the one that applies to "
                     "allreduce, hence to hhook; both tables are printed and in --json either way)")
@@ -479,6 +484,11 @@ def _run_allreduce(args, cfg, comm) -> tuple[dict, list[dict]]:
 def _run_model(args, cfg) -> tuple[dict, list[dict]]:
     from . import models, plot, report
 
+    if args.layouts:  # the scale model: nodes x ranks per node, flat and two-level
+        try:
+            return models.run_scale(args, cfg, _say)
+        except (OSError, ValueError, KeyError) as e:
+            raise UsageError(f"model --layouts: {e}") from None
     alpha, beta, C, W = cfg["alpha"], cfg["beta"], cfg["C"], cfg["W"]
     rows = models.predict(cfg["methods"], sorted(set(args.workers)), C, W, alpha, beta, args.fixed_ratio)
     src = f"fit in {args.link_json}" if cfg["link_doc"] and args.alpha_us is None and args.beta is None else "given"
