@@ -2,7 +2,10 @@ r"""Collectives launched from continuations, in the same order on every rank."""
 
 from __future__ import annotations
 
+import logging
 import threading
+
+logger = logging.getLogger(__name__)
 
 
 class Sequencer:
@@ -13,6 +16,21 @@ class Sequencer:
     ranks launching SUMs in different orders would pair unrelated collectives. Tickets
     are drawn in hook order (identical on every rank); a launch waits, without blocking
     anything, until every earlier ticket has launched or been skipped.
+
+    Every ticket drawn must be launched or skipped exactly once, also when the code
+    between drawing and launching it raises (skip it in ``finally``/``except``): a
+    ticket left pending holds back every later one for good.
+
+    Callbacks run outside the lock, one thread at a time: the thread whose
+    :meth:`launch` makes tickets ready runs them in order, including those that other
+    threads (or the callbacks themselves) launch meanwhile. So a callback may draw and
+    launch tickets of the same sequencer, directly or through a transport that runs
+    ``then`` callbacks inline (NCCL does), without deadlocking.
+
+    Callbacks should not raise (the transports hand their errors to their futures).
+    One that does is logged, since the thread running it may be a transport's, which
+    drops exceptions; the later ready tickets still run, and then :meth:`launch`
+    re-raises the first such exception to its caller.
     """
 
     def __init__(self):
@@ -20,6 +38,7 @@ class Sequencer:
         self._next_ticket = 0
         self._next_launch = 0
         self._ready: dict = {}
+        self._running = False  # a thread is running the ready callbacks
 
     def ticket(self) -> int:
         with self._lock:
@@ -29,9 +48,28 @@ class Sequencer:
     def launch(self, ticket: int, fn) -> None:
         """Run ``fn`` (None: skip the ticket) once all earlier tickets have run."""
         with self._lock:
+            if not self._next_launch <= ticket < self._next_ticket or ticket in self._ready:
+                raise ValueError(f"hhook: sequencer ticket {ticket} was never drawn or was already launched")
             self._ready[ticket] = fn
-            while self._next_launch in self._ready:
-                fn = self._ready.pop(self._next_launch)
+            if self._running:
+                return  # the running thread gets to it in turn
+            self._running = True
+        first_error = None
+        while True:
+            with self._lock:
+                if self._next_launch not in self._ready:
+                    self._running = False
+                    break
+                current = self._next_launch
+                fn = self._ready.pop(current)
                 self._next_launch += 1
-                if fn is not None:
-                    fn()
+            if fn is None:
+                continue
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - later tickets must still launch
+                logger.error("hhook: the launch callback of sequencer ticket %d raised", current, exc_info=True)
+                if first_error is None:
+                    first_error = exc
+        if first_error is not None:
+            raise first_error
