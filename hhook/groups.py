@@ -47,6 +47,13 @@ def _shut_down() -> None:
             pass
 
 
+def _gloo_for_cuda(parent: dist.ProcessGroup) -> bool:
+    """Whether ``parent`` reduces CUDA tensors over Gloo (ranks sharing one GPU, which
+    NCCL refuses): the second communicator then uses Gloo too."""
+    config = dict(item.split(":", 1) for item in dist.get_backend_config(parent).split(",") if ":" in item)
+    return config.get("cuda") == "gloo"
+
+
 class SecondGroup:
     """``all_reduce(tensor, op, async_op=True)`` on a private backend over ``parent``'s ranks."""
 
@@ -58,7 +65,7 @@ class SecondGroup:
             _made[parent.group_name] = index + 1
         store = dist.PrefixStore(f"hhook/second/{parent.group_name}/{index}/", dist.distributed_c10d._get_default_store())
         timeout = datetime.timedelta(minutes=30)
-        if device_type == "cuda":
+        if device_type == "cuda" and not _gloo_for_cuda(parent):
             if not dist.is_nccl_available():
                 raise RuntimeError("hhook: CUDA tensors need NCCL for the agreed-scale SUMs")
             self.backend = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())

@@ -36,7 +36,8 @@ def _worker(rank, world_size, port, backend, cuda, fn, args, results):
     torch.set_num_threads(1)  # N ranks share two cores
     try:
         if cuda:
-            torch.cuda.set_device(0)  # every rank on the one GPU
+            # Gloo ranks share GPU 0; NCCL refuses two ranks on one GPU, so rank r takes GPU r.
+            torch.cuda.set_device(rank if backend == "nccl" else 0)
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
@@ -54,7 +55,8 @@ def _worker(rank, world_size, port, backend, cuda, fn, args, results):
 def run_world(fn, world_size: int, *args, timeout: float = 180.0, backend: str = "gloo", cuda: bool = False) -> list:
     """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process.
 
-    ``backend`` is the process group's; ``cuda`` puts every rank on GPU 0.
+    ``backend`` is the process group's; ``cuda`` puts every rank on GPU 0 (NCCL: rank r
+    on GPU r).
 
     ``fn`` must be a module-level function; it should return plain Python data (results
     are copied by value, so tensors work, but lists and numbers keep the test's intent
