@@ -3,7 +3,8 @@
 The scenarios live in tests/horovod_worker.py and run inside real 2-rank Horovod jobs,
 once under ``horovodrun -np 2 --gloo`` and once under ``mpirun -np 2``; each scenario
 becomes one test here. Skipped, with the reason, where Horovod (or a launcher) is
-missing: install it with ``bash ci/install_horovod.sh``.
+missing or does not import: install it with ``bash ci/install_horovod.sh``. Under
+``HHOOK_REQUIRE=horovod,mpi`` (ci/test.sh; tests/conftest.py) those skips fail.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ SCENARIOS = [
 ]
 RANKS = 2
 TIMEOUT = 240  # seconds per launcher; both together take about a minute on 2 cores
+IMPORT_TIMEOUT = 120  # seconds for `import horovod.torch` (a few on an idle machine)
 
 
 def _env() -> dict:
@@ -47,23 +49,25 @@ def _env() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def horovod_build() -> dict | None:
-    """``{"gloo": bool, "mpi": bool}`` of the installed Horovod, or None if it does not import."""
+def horovod_build() -> tuple[dict | None, str]:
+    """``({"gloo": bool, "mpi": bool}, "")`` of the installed Horovod, or ``(None, why)``
+    when ``horovod.torch`` does not import in a fresh interpreter."""
     code = "import json, horovod.torch as h; print(json.dumps({'gloo': bool(h.gloo_built()), 'mpi': bool(h.mpi_built())}))"
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=IMPORT_TIMEOUT, env=_env())
     except subprocess.TimeoutExpired:
-        return None
+        return None, f"`import horovod.torch` took more than {IMPORT_TIMEOUT}s"
     if out.returncode != 0:
-        return None
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+        return None, f"horovod.torch is not importable ({last}); install it with `bash ci/install_horovod.sh`"
+    return json.loads(out.stdout.strip().splitlines()[-1]), ""
 
 
 def _launcher(name: str) -> tuple[list[str] | None, str]:
     """The command prefix of a launcher, or None and why it cannot run."""
-    build = horovod_build()
+    build, why = horovod_build()
     if build is None:
-        return None, "horovod.torch is not importable (install it with `bash ci/install_horovod.sh`)"
+        return None, why
     if name == "horovodrun":
         exe = Path(sys.executable).with_name("horovodrun")
         exe = str(exe) if exe.exists() else shutil.which("horovodrun")
@@ -185,6 +189,54 @@ def test_horovod_absent_gives_install_hint():
     assert out.stdout.startswith("hhook "), out.stdout
     message = out.stdout.split("ImportError:", 1)[1]
     assert "ci/install_horovod.sh" in message and "README" in message, message
+
+
+# -- HHOOK_REQUIRE (tests/conftest.py) ----------------------------------------------
+_SKIPS = """
+import pytest
+
+def test_horovod():
+    pytest.skip("horovod.torch is not importable (ImportError: libtorch ABI)")
+
+@pytest.mark.skipif(True, reason="Open MPI's mpirun is not installed")
+def test_mpi():
+    pass
+
+def test_gpu():
+    pytest.skip("needs a CUDA device and CuPy")
+"""
+
+
+def _pytest_skipping(tmp_path, require: str | None) -> subprocess.CompletedProcess:
+    """pytest with tests/conftest.py on three tests that skip for want of Horovod, MPI, a GPU."""
+    (tmp_path / "test_skips.py").write_text(_SKIPS)
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env["PYTHONPATH"]])
+    env.pop("HHOOK_REQUIRE", None)
+    if require is not None:
+        env["HHOOK_REQUIRE"] = require
+    cmd = [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q", "-rs", "test_skips.py"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+
+
+def test_required_dependencies_fail_instead_of_skipping(tmp_path):
+    out = _pytest_skipping(tmp_path, None)
+    assert out.returncode == 0 and "3 skipped" in out.stdout, out.stdout + out.stderr
+    assert "horovod.torch is not importable" in out.stdout  # -rs gives the reason
+    out = _pytest_skipping(tmp_path, "horovod,mpi")
+    # A skipif mark skips at set-up: failing there makes an error, which fails the run as well.
+    assert out.returncode == 1 and "1 failed, 1 skipped, 1 error" in out.stdout, out.stdout + out.stderr
+    assert "HHOOK_REQUIRE=horovod,mpi requires horovod, but: Skipped: horovod.torch is not importable" in out.stdout
+    assert "requires mpi, but: Skipped: Open MPI's mpirun is not installed" in out.stdout
+    out = _pytest_skipping(tmp_path, "horovod")
+    assert out.returncode == 1 and "1 failed, 2 skipped" in out.stdout, out.stdout + out.stderr
+    out = _pytest_skipping(tmp_path, "cuda")
+    assert out.returncode == 4 and "HHOOK_REQUIRE: unknown cuda" in out.stderr, out.stdout + out.stderr
+
+
+def test_ci_requires_horovod_and_mpi():
+    """CI runs ci/test.sh, which installs both: there they must not skip."""
+    assert 'export HHOOK_REQUIRE="${HHOOK_REQUIRE-horovod,mpi}"' in (ROOT / "ci" / "test.sh").read_text()
 
 
 # -- the example --------------------------------------------------------------------

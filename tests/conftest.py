@@ -1,0 +1,62 @@
+"""``HHOOK_REQUIRE``: dependencies whose absence fails the suite instead of skipping tests.
+
+A comma-separated list of ``horovod`` and ``mpi``. A test (or a test module) that skips
+with a reason naming a required dependency fails instead, with that reason. ci/test.sh
+installs Open MPI, mpi4py and Horovod and sets ``HHOOK_REQUIRE=horovod,mpi``, so there a
+Horovod that does not import (a failed build, an ABI mismatch with torch, an import that
+times out) or a missing ``mpirun`` is an error; unset, as on a developer's machine, those
+tests skip and ``pytest -rs`` says why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+REQUIRE_ENV = "HHOOK_REQUIRE"
+#: How a skip's reason names each dependency ("Open MPI", "mpirun", "mpi4py" for mpi).
+MENTIONS = {"horovod": re.compile(r"horovod", re.I), "mpi": re.compile(r"\bmpi", re.I)}
+_REQUIRED = pytest.StashKey[frozenset]()
+
+
+def required() -> frozenset:
+    names = frozenset(n.strip().lower() for n in os.environ.get(REQUIRE_ENV, "").split(",") if n.strip())
+    unknown = names - MENTIONS.keys()
+    if unknown:
+        raise pytest.UsageError(f"{REQUIRE_ENV}: unknown {', '.join(sorted(unknown))} (known: {', '.join(sorted(MENTIONS))})")
+    return names
+
+
+def pytest_configure(config):
+    config.stash[_REQUIRED] = required()
+
+
+def pytest_report_header(config):
+    names = config.stash[_REQUIRED]
+    return f"{REQUIRE_ENV}={','.join(sorted(names))}: skips for want of these fail" if names else None
+
+
+def _fail_required_skip(report, names: frozenset) -> None:
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    missing = sorted(name for name in names if MENTIONS[name].search(reason))
+    if missing:
+        report.outcome = "failed"
+        report.longrepr = f"{REQUIRE_ENV}={','.join(sorted(names))} requires {', '.join(missing)}, but: {reason}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    _fail_required_skip(report, item.config.stash[_REQUIRED])
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    _fail_required_skip(report, collector.config.stash[_REQUIRED])
+    return report
