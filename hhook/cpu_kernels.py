@@ -49,12 +49,13 @@ from pathlib import Path
 
 import torch
 
+from . import backend
 from . import layout as spec
 from . import rotation
+from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by hhook.profile.codec_bench
 
 logger = logging.getLogger(__name__)
 
-FORCE_REFERENCE_ENV = "HHOOK_FORCE_REFERENCE"
 CACHE_ENV = "HHOOK_CACHE_DIR"
 SOURCE_NAME = "thc_cpu.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-std=c11", "-fPIC", "-shared")
@@ -78,12 +79,7 @@ _SIGNATURES = {
 
 # -- building ------------------------------------------------------------------------
 def source_path() -> Path:
-    """``hhook/csrc/thc_cpu.c`` (package data, or the checkout's symlink to ``csrc/``)."""
-    here = Path(__file__).resolve().parent
-    for folder in (Path(__file__).parent / "csrc", here.parent / "csrc"):
-        if (folder / SOURCE_NAME).is_file():
-            return folder / SOURCE_NAME
-    raise FileNotFoundError(f"hhook: {SOURCE_NAME} is missing from {here / 'csrc'} and {here.parent / 'csrc'}")
+    return backend.source_path(SOURCE_NAME)
 
 
 def cache_dir() -> Path:
@@ -189,9 +185,7 @@ def _library():
 
 def available() -> bool:
     """Whether CPU tensors go through this module: not forced off and the library loads."""
-    if os.environ.get(FORCE_REFERENCE_ENV, "") == "1":
-        return False
-    return _library() is not None
+    return not backend.forced_off() and _library() is not None
 
 
 def supports(block: int) -> bool:
@@ -249,15 +243,6 @@ def scaled_signs(seed: int, block: int) -> torch.Tensor:
     return (rotation.signs(seed, block, torch.device("cpu")) / math.sqrt(block)).contiguous()
 
 
-def _check(tensor: torch.Tensor, numel: int, what: str, dtype=None) -> None:
-    if tensor.numel() != numel or (dtype is not None and tensor.dtype != dtype) or tensor.device.type != "cpu":
-        raise ValueError(
-            f"hhook: {what} must be a CPU tensor of {numel} elements"
-            + (f" ({dtype})" if dtype is not None else "")
-            + f", got {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
-        )
-
-
 # -- stages ------------------------------------------------------------------------
 def rotate(codec, source: torch.Tensor):
     """``(blocks, maxima, digest, nonfinite)`` of a flat tensor: the fused stage 1 without
@@ -307,12 +292,12 @@ def quantize(codec, prepared, agreed, key: int, residual=None, residual_out=None
     layout = codec.layout
     count = blocks.numel()
     n_words = layout.n_words(count)
-    _check(agreed, codec.scales_numel(prepared.numel), "agreed scales", torch.float32)
+    backend.check(agreed, codec.scales_numel(prepared.numel), "agreed scales", torch.float32, device_type="cpu")
     nonfinite, _, identical = _verdicts(agreed)
     words = torch.empty(n_words, dtype=layout.word_dtype) if out is None else out
     if residual is not None:
-        _check(residual, count, "residual", torch.float32)
-        _check(residual_out, count, "residual_out", torch.float32)
+        backend.check(residual, count, "residual", torch.float32, device_type="cpu")
+        backend.check(residual_out, count, "residual_out", torch.float32, device_type="cpu")
     if nonfinite or identical:  # the words carry nothing
         words.zero_()
         if residual is not None and residual_out is not residual:
@@ -342,9 +327,9 @@ def decode(codec, prepared, agreed, words: torch.Tensor, out: torch.Tensor) -> t
     n_blocks = codec.n_blocks(numel)
     layout = codec.layout
     n_words = layout.n_words(n_blocks * block)
-    _check(agreed, codec.scales_numel(numel), "agreed scales", torch.float32)
-    _check(words, n_words, "words", layout.word_dtype)
-    _check(out, numel, "out")
+    backend.check(agreed, codec.scales_numel(numel), "agreed scales", torch.float32, device_type="cpu")
+    backend.check(words, n_words, "words", layout.word_dtype, device_type="cpu")
+    backend.check(out, numel, "out", device_type="cpu")
     nonfinite, mismatch, identical = _verdicts(agreed)
     if prepared.blocks is not None:
         _give_workspace(prepared.blocks)

@@ -58,14 +58,14 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import rng
+from . import backend, rng
+from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by tests/test_cuda.py
 from .layout import HEADER as _HEADER
 from .layout import Prepared
 
@@ -74,7 +74,6 @@ logger = logging.getLogger(__name__)
 #: Largest rotation block the kernels handle: quantize's window of coordinates (up to
 #: 2 blocks of 4096 floats) must fit in 48 KiB of shared memory.
 MAX_BLOCK = 4096
-FORCE_REFERENCE_ENV = "HHOOK_FORCE_REFERENCE"
 SOURCE_NAME = "thc_kernels.cu"
 #: NVRTC options; CuPy appends ``-ftz=true`` (and the architecture) itself.
 COMPILE_OPTIONS = ("-std=c++14",)
@@ -113,9 +112,7 @@ def _cupy_importable() -> bool:
 def available() -> bool:
     """Whether CUDA tensors may go through these kernels: CuPy importable and not forced
     off. CuPy is imported here, lazily, so importing hhook never needs it."""
-    if os.environ.get(FORCE_REFERENCE_ENV, "") == "1":
-        return False
-    return _cupy_importable()
+    return not backend.forced_off() and _cupy_importable()
 
 
 def supports(block: int) -> bool:
@@ -159,13 +156,7 @@ def usable(device, block: int) -> bool:
 
 # -- sources -----------------------------------------------------------------------
 def source_path() -> Path:
-    """The kernel source: ``hhook/csrc`` (installed package data, or the checkout's symlink
-    to ``csrc/``), else ``csrc/`` beside the package in a source checkout."""
-    here = Path(__file__).resolve().parent
-    for folder in (Path(__file__).parent / "csrc", here.parent / "csrc"):
-        if (folder / SOURCE_NAME).is_file():
-            return folder / SOURCE_NAME
-    raise FileNotFoundError(f"hhook: {SOURCE_NAME} is missing from {here / 'csrc'} and {here.parent / 'csrc'}")
+    return backend.source_path(SOURCE_NAME)
 
 
 @functools.cache
@@ -384,16 +375,6 @@ _launch = _cupy_launch
 
 
 # -- the three codec stages ----------------------------------------------------------
-def _check(tensor: torch.Tensor, numel: int, dtype, what: str) -> None:
-    """Kernels index raw pointers: a wrong length, dtype or layout would read or write out
-    of bounds, so it is an error, never a silent copy."""
-    if tensor.numel() != numel or tensor.dtype != dtype or not tensor.is_contiguous():
-        raise ValueError(
-            f"hhook: {what} must be a contiguous {dtype} tensor of {numel} elements, got "
-            f"{tensor.dtype} of {tensor.numel()} (contiguous: {tensor.is_contiguous()})"
-        )
-
-
 def _block_of(codec, numel: int) -> int:
     block = codec.block_for(numel)
     if not supports(block):
@@ -424,11 +405,11 @@ def quantize(codec, prepared, agreed: torch.Tensor, key: int, residual=None, res
     words = torch.empty(codec.words_numel(prepared.numel), dtype=layout.word_dtype, device=source.device) if out is None else out
     if words.numel() == 0:
         return words
-    _check(agreed, _HEADER + n_blocks, torch.float32, "agreed scales")
+    backend.check(agreed, _HEADER + n_blocks, "agreed scales", torch.float32, contiguous=True)
     if residual is not None:
         residual_out = residual if residual_out is None else residual_out
-        _check(residual, n_blocks * block, torch.float32, "residual")
-        _check(residual_out, n_blocks * block, torch.float32, "residual_out")
+        backend.check(residual, n_blocks * block, "residual", torch.float32, contiguous=True)
+        backend.check(residual_out, n_blocks * block, "residual_out", torch.float32, contiguous=True)
     signs = _signs_on(codec.seed, block, source.device)
     launch = quantize_launch(source, signs, agreed, words, residual, residual_out, block, layout, codec.levels, key)
     _launch(launch, source.device)
@@ -443,8 +424,8 @@ def decode(codec, prepared, agreed: torch.Tensor, words: torch.Tensor, out: torc
     if numel == 0:
         return out
     block = _block_of(codec, numel)
-    _check(agreed, _HEADER + codec.n_blocks(numel), torch.float32, "agreed scales")
-    _check(words, codec.words_numel(numel), codec.layout.word_dtype, "words")
+    backend.check(agreed, _HEADER + codec.n_blocks(numel), "agreed scales", torch.float32, contiguous=True)
+    backend.check(words, codec.words_numel(numel), "words", codec.layout.word_dtype, contiguous=True)
     direct = out.is_contiguous() and out.dtype in _DTYPE_SUFFIX
     target = out.view(-1) if direct else torch.empty(numel, dtype=torch.float32, device=out.device)
     signs = _signs_on(codec.seed, block, out.device)
