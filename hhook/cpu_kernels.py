@@ -199,19 +199,24 @@ _executor_lock = threading.Lock()
 
 
 def _parallel(fn, total: int, coords_per_item: int) -> list:
-    """Run ``fn(first, last)`` over ``[0, total)`` split across torch's thread count."""
+    """Run ``fn(first, last)`` over ``[0, total)`` split across torch's thread count.
+
+    Called from several threads at once (the hook encodes while the transport's threads
+    decode). The pool grows by replacement; submitting under the lock that replaces it
+    means no call submits to a pool already shut down (whose queued work still runs).
+    """
     global _executor, _executor_threads
     parts = min(torch.get_num_threads(), max(1, total * coords_per_item // _MIN_PER_THREAD), max(total, 1))
     if parts <= 1:
         return [fn(0, total)]
+    bounds = [total * i // parts for i in range(parts + 1)]
     with _executor_lock:
         if _executor is None or _executor_threads < parts:
             if _executor is not None:
                 _executor.shutdown(wait=False)
             _executor = concurrent.futures.ThreadPoolExecutor(parts, thread_name_prefix="hhook-cpu")
             _executor_threads = parts
-    bounds = [total * i // parts for i in range(parts + 1)]
-    futures = [_executor.submit(fn, bounds[i], bounds[i + 1]) for i in range(parts)]
+        futures = [_executor.submit(fn, bounds[i], bounds[i + 1]) for i in range(parts)]
     return [f.result() for f in futures]
 
 

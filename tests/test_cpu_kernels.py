@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -211,6 +212,58 @@ def test_threads_split_work_without_changing_results():
         torch.set_num_threads(previous)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_encode_and_decode_from_two_threads_while_the_pool_is_replaced(monkeypatch):
+    """The hook's thread encodes while a process group's thread decodes, both through the
+    one thread pool. The pool is replaced when a call needs more threads than it has;
+    forcing that before every call makes the replacement race each other's submissions."""
+    monkeypatch.setattr(cpu_kernels, "_MIN_PER_THREAD", 1)  # small tensors still split
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        codec = THCCodec(4, 64, 0, 4)
+        x, y = torch.randn(64 * 40 + 3), torch.randn(64 * 50)
+        p = codec.prepare(x)
+        agreed_x = _not_identical(p.scales)
+        words_x = codec.quantize(p, agreed_x, 7)
+        q = codec.prepare(y)
+        agreed_y = _not_identical(q.scales)
+        words_y = codec.quantize(q, agreed_y, 8)
+        mean_y = codec.decode(q, agreed_y, words_y, torch.empty_like(y))
+        errors, rounds = [], 300
+        start = threading.Barrier(2)
+
+        def encode():
+            start.wait()
+            for _ in range(rounds):
+                cpu_kernels._executor_threads = 0  # the next call replaces the pool
+                prepared = codec.prepare(x)
+                assert torch.equal(codec.quantize(prepared, agreed_x, 7), words_x)
+
+        def decode():
+            start.wait()
+            out = torch.empty_like(y)
+            for _ in range(rounds):
+                cpu_kernels._executor_threads = 0
+                assert torch.equal(codec.decode(q, agreed_y, words_y, out), mean_y)
+
+        def run(fn):
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+                start.abort()
+
+        workers = [threading.Thread(target=run, args=(fn,), daemon=True) for fn in (encode, decode)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(120)
+        assert not any(w.is_alive() for w in workers), "stuck"
+        assert not errors, repr(errors[0])
+    finally:
+        torch.set_num_threads(threads)
 
 
 # -- build cache ---------------------------------------------------------------------
