@@ -1,5 +1,6 @@
 """The package's layering: no module imports one that (through others) imports it back,
-and the codec's backends read the layout, never the codec."""
+the codec's backends read the layout, never the codec, and hhook-profile's dispatcher sits
+above its subcommands, which sit above what they share."""
 
 import ast
 import pathlib
@@ -8,23 +9,33 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "hhook"
 
 
 def _graph() -> dict:
+    """module -> the hhook modules it imports (relative or absolute, inside functions too),
+    leaving out its own ancestor packages (Python initialises them before it, whatever it imports)."""
     graph = {}
     for path in ROOT.rglob("*.py"):
         parts = path.relative_to(ROOT.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):  # imports inside functions count too
-            if isinstance(node, ast.ImportFrom) and node.level:
-                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-                deps.update([target] if node.module else [f"{target}.{a.name}" for a in node.names])
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                elif (node.module or "").split(".")[0] == "hhook":
+                    target = node.module
+                else:
+                    continue
+                deps.add(target)
+                deps.update(f"{target}.{a.name}" for a in node.names)  # kept only where a module
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.split(".")[0] == "hhook")
         graph[name] = deps
-    return graph
+    return {name: {d for d in deps if d in graph and not (name + ".").startswith(d + ".")}
+            for name, deps in graph.items()}
 
 
-def test_no_import_cycles():
-    graph = _graph()
+def _cycles(graph: dict) -> list[list[str]]:
     cycles = []
 
     def visit(node, stack, done):
@@ -34,13 +45,22 @@ def test_no_import_cycles():
         if node in done:
             return
         done.add(node)
-        for dep in graph.get(node, ()):
-            if dep in graph:
-                visit(dep, stack + [node], done)
+        for dep in sorted(graph.get(node, ())):
+            visit(dep, stack + [node], done)
 
     done: set = set()
-    for name in graph:
+    for name in sorted(graph):
         visit(name, [], done)
+    return cycles
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_graph())
     assert not cycles, [" -> ".join(c) for c in cycles]
 
 
@@ -48,3 +68,18 @@ def test_backends_depend_on_the_layout_not_the_codec():
     graph = _graph()
     for backend in ("hhook.cpu_kernels", "hhook.cuda_kernels"):
         assert "hhook.codec" not in graph[backend] and "hhook.layout" in graph[backend], graph[backend]
+
+
+def test_profile_layers():
+    """cli -> commands.* -> shared profile modules: only the package entry points import the
+    dispatcher, only the dispatcher imports the subcommands, no subcommand imports another."""
+    graph = _graph()
+    profile = {m: deps for m, deps in graph.items() if m.startswith("hhook.profile")}
+    commands = {m for m in profile if m.startswith("hhook.profile.commands.")}
+    assert {"hhook.profile.commands.link", "hhook.profile.commands.train"} <= commands
+    for module, deps in profile.items():
+        if module not in ("hhook.profile", "hhook.profile.__main__"):
+            assert "hhook.profile.cli" not in deps, module
+        if module not in ("hhook.profile.cli", "hhook.profile.commands"):
+            assert not deps & (commands | {"hhook.profile.commands"}), (module, deps & commands)
+    assert not _cycles(profile)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,9 +16,12 @@ import pytest
 from distributed import free_port, subprocess_env
 
 from hhook.profile import cli, train
-from hhook.profile.train import Method, add_speedups, parse_methods, summarize
+from hhook.profile.commands.train import add_speedups, summarize, table
+from hhook.profile.methods import Method
+from hhook.profile.train import parse_methods
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HANG_METHOD = os.path.join(ROOT, "tests", "hang_method")  # sitecustomize registering the test-only "_hang"
 LAUNCHER_VARS = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
                  "SLURM_PROCID", "SLURM_NTASKS")
 
@@ -37,7 +41,7 @@ def _world(monkeypatch, rank: int, size: int) -> None:
     "args,message",
     [
         (["--methods", "fp32,sgd"], "unknown method 'sgd'"),
-        (["--methods", "_hang"], "unknown method '_hang'"),  # test-only, needs HHOOK_PROFILE_TESTING=1
+        (["--methods", "_hang"], "unknown method '_hang'"),  # test-only: tests/hang_method registers it
         (["--methods", "thc:9"], "bits must be an integer in 1..8"),
         (["--methods", "thc:4:guessed"], "unknown scale mode 'guessed'"),
         (["--methods", "powersgd:0"], "RANK >= 1"),
@@ -45,15 +49,16 @@ def _world(monkeypatch, rank: int, size: int) -> None:
         (["--methods", "thc,thc:4"], "listed twice"),
         (["--model", "resnet"], "unknown model 'resnet'"),
         (["--steps", "5", "--warmup", "5"], "--warmup must be in 0..steps-1"),
-        (["--target-accuracy", "1.5"], "--target-accuracy must be in (0, 1]"),
+        (["--target-accuracy", "1.5"], "--target-accuracy: must be in (0, 1], got 1.5"),
         (["--batch-size", "5000"], "exceeds a rank's shard"),
-        (["--timeout", "0"], "--timeout must be positive"),
+        (["--timeout", "0"], "--timeout: must be positive"),
+        (["--steps", "0"], "--steps: must be at least 1, got 0"),
+        (["--lr", "x"], "--lr: expected a number, got 'x'"),
         (["--plot", "x.jpg"], "must end in .png"),
     ],
 )
 def test_bad_arguments_give_one_line_and_exit_2(args, message, capsys, monkeypatch):
     _world(monkeypatch, 0, 2)
-    monkeypatch.delenv(train.TESTING_ENV, raising=False)
     assert cli.main(["train", *args]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert err.count("hhook-profile: error:") == 1 and message in err, err
@@ -85,14 +90,47 @@ def test_method_names():
             parse_methods(bad)
 
 
+def test_one_method_grammar_for_allreduce_and_train():
+    from hhook.profile.collectives import parse_methods as allreduce_methods
+    from hhook.state import THCState
+
+    # allreduce's bare thc takes its --bits and keeps the name "thc"; train's spells the bits
+    ms = allreduce_methods("FP32, thc,thc:8,fp16,zlib", bits=2)
+    assert [(m.name, m.bits) for m in ms] == [("fp32", None), ("thc", 2), ("thc:8", 8), ("fp16", None), ("zlib", None)]
+    # keyword options in any order, named in one canonical order
+    assert [m.name for m in parse_methods("sbc:delay=2:p=0.1,thc:chunk=2")] == ["sbc:p=0.1:delay=2", "thc:4:chunk=2"]
+    # allreduce runs the codec alone: hhook's hook options and train's kinds are refused there, by entry
+    for bad, msg in (("thc:4:predicted", "method 'thc:4:predicted': expected thc[:BITS]"),
+                     ("fp32,thc:chunk=1", "method 'thc:chunk=1': expected thc[:BITS]"),
+                     ("bf16", "unknown method 'bf16' (known: fp32, thc[:BITS], fp16, zlib)"),
+                     ("fp32,FP32", "method 'fp32' is listed twice")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            allreduce_methods(bad, 4)
+    # THC's values are checked by THCState itself, in both subcommands
+    for entry, kwargs in (("thc:9", {"bits": 9}), ("thc:4:chunk=-1", {"bits": 4, "chunk_mb": -1.0})):
+        with pytest.raises(ValueError) as want:
+            THCState(**kwargs)
+        with pytest.raises(ValueError) as got:
+            parse_methods(entry)
+        assert str(got.value) == f"method {entry!r}: {want.value}"
+    with pytest.raises(ValueError, match=re.escape("method 'thc:9': bits must be an integer in 1..8")):
+        allreduce_methods("thc:9", 4)
+    # every error names the bad entry, not its neighbours
+    for bad in ("fp32,thc:x", "thc:4:agreed:1", "fp16,thc:chunk=1:4", "powersgd:r", "sbc:3", "fp32,lgc:k=2", "zlib"):
+        with pytest.raises(ValueError) as e:
+            parse_methods(bad)
+        entry = bad.split(",")[-1]
+        assert repr(entry) in str(e.value) and str(e.value).count("'") == 2, str(e.value)
+
+
 def test_verdict_is_hung_if_any_rank_hung_and_names_the_rank_that_failed_first():
     ok = {"status": "ok"}
-    assert train._verdict([ok, ok]) == ("ok", "")
-    status, message = train._verdict([ok, {"status": "hung", "message": "no progress for 5 s after step 2"}])
+    assert train.verdict([ok, ok]) == ("ok", "")
+    status, message = train.verdict([ok, {"status": "hung", "message": "no progress for 5 s after step 2"}])
     assert status == "hung" and message.startswith("hung (timeout)") and "rank 1" in message
     peer = {"status": "failed", "message": "RuntimeError: Connection closed by peer [127.0.0.1]:1234"}
     own = {"status": "failed", "message": "ValueError: bad bucket"}
-    assert train._verdict([peer, own]) == ("failed", "failed on rank 1: ValueError: bad bucket")
+    assert train.verdict([peer, own]) == ("failed", "failed on rank 1: ValueError: bad bucket")
 
 
 def _result(step_s, accs, times, step_bytes):
@@ -117,7 +155,7 @@ def test_figures_from_step_times_and_the_eval_curve():
     assert t["speedup_vs_fp32"] == pytest.approx(2.5) and t["speedup_vs_fp16"] == pytest.approx(1.25)
     assert t["tta_speedup_vs_fp32"] == pytest.approx(5.0) and t["tta_speedup_vs_fp16"] is None
     assert p["speedup_vs_fp32"] is None
-    text = train.table(rows, 0.95)
+    text = table(rows, 0.95)
     lines = text.splitlines()
     assert len(lines) == 2 + 4 and max(map(len, lines)) <= 120
     assert "not reached" in lines[3] and lines[5].startswith("powersgd:2") and "hung (timeout)" in lines[5]
@@ -139,14 +177,14 @@ def test_two_ranks_time_every_method_and_survive_a_hang(tmp_path):
             "--eval-every", "8", "--target-accuracy", "0.5", "--timeout", "6", "--json", str(out), "--strict"]
     if importlib.util.find_spec("matplotlib"):
         args += ["--plot", str(png)]
-    proc = _torchrun(*args, HHOOK_PROFILE_TESTING="1")
+    proc = _torchrun(*args, PYTHONPATH=os.pathsep.join([HANG_METHOD, ROOT]))
     assert proc.returncode == 1, proc.stdout + proc.stderr  # --strict: the hung method makes it fail
     # (torchrun prints a traceback of its own for any rank's non-zero exit; ours would name the rank)
     assert "hhook-profile: rank" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr
     rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
     assert [rows[m]["status"] for m in ("fp32", "fp16", "_hang", "thc:4")] == ["ok", "ok", "hung", "ok"]
-    table = [ln for ln in proc.stdout.splitlines() if ln.startswith("_hang")]
-    assert table and "hung (timeout)" in table[0]
+    hung = [ln for ln in proc.stdout.splitlines() if ln.startswith("_hang")]
+    assert hung and "hung (timeout)" in hung[0]
     params = rows["fp32"]["params"]
     assert rows["fp32"]["bytes_per_step"] == 4 * params
     assert rows["fp16"]["bytes_per_step"] == 2 * params  # every gradient, as float16, once per step

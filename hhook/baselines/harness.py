@@ -1,6 +1,6 @@
-r"""``hhook-profile train`` glue for the baselines: the method grammar and one training step.
+r"""``hhook-profile train`` glue for the baselines: their options and one training step.
 
-Grammar (options in any order, ``name=value``)::
+Options (in any order, ``name=value``; the grammar is :mod:`hhook.profile.methods`)::
 
     sbc[:p=FRACTION][:delay=STEPS]                  (defaults p=0.01, delay=4)
     lgc[:k=FRACTION][:dense=N][:topk=N][:ae=N]      (defaults k=0.01, dense=10, topk=10, ae=10)
@@ -13,40 +13,26 @@ exchange with stock collectives: SBC after the optimizer step every ``delay`` st
 from __future__ import annotations
 
 KINDS = ("sbc", "lgc")
-_OPTIONS = {
+OPTIONS = {  # name: (type, default)
     "sbc": {"p": (float, 0.01), "delay": (int, 4)},
     "lgc": {"k": (float, 0.01), "dense": (int, 10), "topk": (int, 10), "ae": (int, 10)},
 }
 USAGE = {"sbc": "sbc[:p=FRACTION][:delay=STEPS]", "lgc": "lgc[:k=FRACTION][:dense=N][:topk=N][:ae=N]"}
 
 
-def parse(raw: str, kind: str, opts: list[str]) -> tuple[str, dict]:
-    """``(canonical name, options)`` of ``sbc...``/``lgc...``; ValueError naming ``raw``."""
-    known = _OPTIONS[kind]
-    values = {name: default for name, (_, default) in known.items()}
-    seen = set()
-    for opt in opts:
-        name, eq, text = opt.partition("=")
-        if not eq or name not in known or name in seen:
-            raise ValueError(f"method {raw!r}: expected {USAGE[kind]}")
-        seen.add(name)
-        try:
-            values[name] = known[name][0](text)
-        except ValueError:
-            raise ValueError(f"method {raw!r}: {name}= takes {'an integer' if known[name][0] is int else 'a number'}; "
-                             f"expected {USAGE[kind]}") from None
+def check(kind: str, values: dict) -> None:
+    """The checks of one baseline's options (``values``: every option of ``OPTIONS[kind]``,
+    converted); ValueError saying what is wrong."""
     if kind == "sbc":
         if not 0 < values["p"] < 1:
-            raise ValueError(f"method {raw!r}: p must be in (0, 1)")
+            raise ValueError("p must be in (0, 1)")
         if values["delay"] < 1:
-            raise ValueError(f"method {raw!r}: delay must be at least 1")
+            raise ValueError("delay must be at least 1")
     else:
         if not 0 < values["k"] <= 1:
-            raise ValueError(f"method {raw!r}: k must be a fraction in (0, 1]")
+            raise ValueError("k must be a fraction in (0, 1]")
         if min(values["dense"], values["topk"]) < 0 or values["ae"] < 1:
-            raise ValueError(f"method {raw!r}: dense and topk must be >= 0, ae >= 1")
-    name = kind + "".join(f":{n}={values[n]:g}" for n in known if n in seen)
-    return name, values
+            raise ValueError("dense and topk must be >= 0, ae >= 1")
 
 
 class Runner:

@@ -1,7 +1,8 @@
 r"""hhook-profile: what homomorphic compression saves on your network.
 
 An MPI-launched bandwidth profiler in the style of nccl-tests and the OSU
-micro-benchmarks, with four subcommands:
+micro-benchmarks, with five subcommands (one module each in
+:mod:`hhook.profile.commands`; what they share is :mod:`hhook.profile.common`):
 
 ``link``
     Ping-pong between ring neighbours over a size sweep; latency and bandwidth per size
@@ -18,6 +19,12 @@ micro-benchmarks, with four subcommands:
 ``codec``
     Encode/decode throughput of the codec alone, fused beside reference and copy
     (:mod:`hhook.profile.codec_bench`).
+``train``
+    Real DDP training with each method, one after another in child processes: step time,
+    time to accuracy, bytes per rank and step (:mod:`hhook.profile.train`).
+
+``allreduce`` and ``train`` read their ``--methods`` with one grammar
+(:mod:`hhook.profile.methods`).
 
 Run it with ``mpirun -np N python -m hhook.profile SUBCOMMAND ...`` (or the
 ``hhook-profile`` console script). ``--backend gloo|nccl`` takes the same measurements

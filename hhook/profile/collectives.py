@@ -34,7 +34,6 @@ float64 on rank 0 from every rank's regenerated input.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 import zlib
@@ -44,48 +43,18 @@ import torch
 
 from ..codec import THCCodec
 from .. import rng
+from .methods import FP16, FP32, THC_BITS, ZLIB, Method, parse
 from .units import iterations
 
-KINDS = ("fp32", "thc", "fp16", "zlib")
+#: The kinds of method this module measures (:mod:`hhook.profile.methods`): the THC codec
+#: runs directly here (no THCState), so a thc entry takes BITS only.
+KINDS = (FP32, THC_BITS, FP16, ZLIB)
 DEFAULT_METHODS = "fp32,thc,fp16,zlib"
 
 
-@dataclasses.dataclass(frozen=True)
-class Method:
-    name: str  # as shown: fp32, thc, thc:8, fp16, zlib
-    kind: str  # one of KINDS
-    bits: int | None = None  # thc only
-
-    @property
-    def exact(self) -> bool:
-        return self.kind == "fp32"
-
-
 def parse_methods(text: str, bits: int) -> list[Method]:
-    """``"fp32,thc,thc:8,fp16,zlib"`` -> methods; ``ValueError`` names what is wrong."""
-    out: list[Method] = []
-    for raw in str(text).split(","):
-        name = raw.strip().lower()
-        if not name:
-            continue
-        kind, _, arg = name.partition(":")
-        if kind not in KINDS or (arg and kind != "thc"):
-            raise ValueError(f"unknown method {raw.strip()!r}: choose from fp32, thc, thc:BITS, fp16, zlib")
-        method_bits = None
-        if kind == "thc":
-            try:
-                method_bits = int(arg) if arg else bits
-            except ValueError:
-                raise ValueError(f"bad method {raw.strip()!r}: BITS in thc:BITS must be an integer 1..8") from None
-            if not 1 <= method_bits <= 8:
-                raise ValueError(f"bad method {raw.strip()!r}: THC bits must be in 1..8")
-        method = Method(name if arg else kind, kind, method_bits)
-        if any(m.name == method.name for m in out):
-            raise ValueError(f"method {method.name!r} given twice")
-        out.append(method)
-    if not out:
-        raise ValueError("no methods given")
-    return out
+    """``"fp32,thc,thc:8,fp16,zlib"`` -> methods (a bare ``thc`` at ``bits``); ValueError names the entry."""
+    return parse(text, KINDS, bits=bits)
 
 
 # -- inputs -------------------------------------------------------------------

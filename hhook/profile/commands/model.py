@@ -1,0 +1,217 @@
+"""``hhook-profile model``: predicted time per update and speedup against the number of
+workers (the ring and the paper's model), or with ``--layouts`` the scale model of nodes x
+ranks per node, flat and two-level THC; the maths is :mod:`hhook.profile.models`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..common import UsageError, add_output_options, assignment, integer_list, number, rate, run_local, say, \
+    size
+from ..units import format_size, parse_size
+
+
+def add_parser(sub) -> None:
+    md = sub.add_parser("model", help="predicted speedup against the number of workers",
+                        description="Predicted time per update and speedup against M with the alpha-beta "
+                        "ring model and the homomorphic-compression paper's T = h C / M + rho M W / chi.")
+    md.add_argument("--compute-ms", type=number(0), default=250.0,
+                    help="C: compute time of one (global) batch on one worker, ms (default 250)")
+    md.add_argument("--model-bytes", type=size, default=parse_size("100MB"), metavar="SIZE",
+                    help="W: float32 gradient bytes per update (default 100MB, ResNet-50-sized)")
+    md.add_argument("--workers", type=integer_list(1), default=[1, 2, 4, 8, 16, 32, 64], metavar="LIST",
+                    help="values of M (default 1,2,4,...,64)")
+    md.add_argument("--link-json", metavar="PATH", help="alpha and beta from a `link --json` file")
+    md.add_argument("--alpha-us", type=number(0, strict=False),
+                    help="latency per message in us (default 50, or --link-json)")
+    md.add_argument("--beta", type=rate, metavar="RATE",
+                    help="link bandwidth, e.g. 1gbit, 100mbit, 0.117GB/s (default 1gbit, or --link-json)")
+    md.add_argument("--allreduce-json", metavar="PATH", action="append", default=[],
+                    help="ratios and codec times of every method from an `allreduce --json` file "
+                    "(repeatable: results are merged, the size nearest --model-bytes is used)")
+    md.add_argument("--ratio", type=assignment(), action="append", default=[], metavar="METHOD=R",
+                    help="compression ratio (original/compressed) of a method; repeatable")
+    md.add_argument("--codec-ms", type=assignment(strict=False), action="append", default=[], metavar="METHOD=MS",
+                    help="codec time per update at W for a method; repeatable")
+    md.add_argument("--h", type=assignment(), action="append", default=[], metavar="METHOD=H",
+                    help="paper model's overhead factor h for a method (default 1); repeatable")
+    md.add_argument("--bits", type=int, default=4, help="THC bits when no allreduce JSON gives them (default 4)")
+    md.add_argument("--block-size", type=int, default=1024, help="THC block size for the layout (default 1024)")
+    md.add_argument("--fixed-ratio", action="store_true",
+                    help="use the measured THC ratio at every M instead of the lane layout at M")
+    md.add_argument("--layouts", metavar="LIST",
+                    help="the scale model instead: NODESxRANKS layouts, e.g. 1x2,2x2,8x8,128x8 (fp32, bf16, flat "
+                    "and two-level THC; docs/topology.md)")
+    md.add_argument("--scale-inputs", metavar="PATH",
+                    help="measured inputs of the scale model (JSON, docs/topology-inputs.json); with --layouts")
+    md.add_argument("--plot-models", choices=("ring", "paper", "both"), default="ring",
+                    help="models drawn in the speedup panel (default ring: the one that applies to "
+                    "allreduce, hence to hhook; both tables are printed and in --json either way)")
+    add_output_options(md)
+
+
+def check(args, env) -> dict:
+    """The link, the sizes and every method's ratio and codec time."""
+    from ...codec import THCCodec
+    from .. import models, report
+
+    try:
+        THCCodec(args.bits, args.block_size)
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    W = float(args.model_bytes)
+    alpha, beta, link_doc, ar_doc = 50e-6, 1e9 / 8, None, None
+    try:
+        if args.link_json:
+            link_doc = report.read_json(args.link_json)
+            alpha, beta = models.fit_from_link(link_doc)
+        for path in args.allreduce_json:
+            doc = report.read_json(path)
+            if ar_doc is None:
+                ar_doc = {"meta": doc.get("meta", {}), "results": []}
+            ar_doc["results"] += doc["results"]
+    except (OSError, ValueError, KeyError) as e:
+        path = getattr(e, "filename", None) or (args.link_json if link_doc is None and args.link_json
+                                                else ", ".join(args.allreduce_json))
+        raise UsageError(f"cannot use {path}: {e}") from None
+    if args.alpha_us is not None:
+        alpha = args.alpha_us * 1e-6
+    if args.beta is not None:
+        beta = args.beta
+    if alpha < 0:
+        alpha = 0.0  # a fit may land a hair below zero on a fast link
+    methods = {"fp32": models.ModelMethod("fp32", 1.0)}
+    if ar_doc is not None:
+        try:
+            for m in models.methods_from_allreduce(ar_doc, W):
+                methods[m.name] = m if m.name != "fp32" else methods["fp32"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"cannot use {', '.join(args.allreduce_json)}: {e}") from None
+    elif not args.ratio:
+        methods["thc"] = models.ModelMethod("thc", 1.0, bits=args.bits, block_size=args.block_size)
+        methods["fp16"] = models.ModelMethod("fp16", 2.0)
+    for name, ratio in args.ratio:
+        old = methods.get(name)
+        coll = "allgather" if name.split(":")[0] == "zlib" else "allreduce"
+        methods[name] = models.ModelMethod(name, ratio, old.encode_s if old else 0.0, old.decode_s if old else 0.0,
+                                           old.n_ref if old else 1, old.collective if old else coll)
+    for flag, pairs in (("--codec-ms", args.codec_ms), ("--h", args.h)):
+        for name, value in pairs:
+            if name not in methods:
+                raise UsageError(f"{flag} {name}={value:g}: no method {name!r} (known: {', '.join(methods)})")
+            if flag == "--codec-ms":
+                methods[name] = dataclasses.replace(methods[name], encode_s=value * 1e-3, decode_s=0.0)
+            else:
+                methods[name] = dataclasses.replace(methods[name], h=value)
+    return {"alpha": alpha, "beta": beta, "W": W, "C": args.compute_ms * 1e-3, "methods": list(methods.values()),
+            "link_doc": link_doc, "ar_doc": ar_doc, "rank0": env.rank == 0}
+
+
+def run(args, cfg) -> int:
+    return run_local(args, lambda args: _scale(args, cfg) if args.layouts else _predict(args, cfg), cfg["rank0"])
+
+
+def _predict(args, cfg) -> tuple[dict, list[dict]]:
+    from .. import models, plot, report
+
+    alpha, beta, C, W = cfg["alpha"], cfg["beta"], cfg["C"], cfg["W"]
+    rows = models.predict(cfg["methods"], sorted(set(args.workers)), C, W, alpha, beta, args.fixed_ratio)
+    src = f"fit in {args.link_json}" if cfg["link_doc"] and args.alpha_us is None and args.beta is None else "given"
+    say(f"# link: alpha = {alpha * 1e6:.2f} us, beta = {beta / 1e9:.4g} GB/s ({beta * 8 / 1e9:.4g} Gbit/s) ({src})")
+    say(f"# C = {C * 1e3:g} ms compute per batch on one worker, W = {format_size(W)} of float32 gradients")
+    for m in cfg["methods"]:
+        ratio = "lane layout at M" if m.bits is not None and not args.fixed_ratio else f"{m.ratio:.3f}"
+        say(f"#   {m.name:<7s} ratio {ratio}, codec {m.encode_s * 1e3:.2f} ms encode + {m.decode_s * 1e3:.2f} ms decode"
+            f"{f' (x M/{m.n_ref})' if m.collective == 'allgather' else ''}, {m.collective}, h = {m.h:g}")
+    say("#")
+    say(report.MODEL_GUIDE)
+    say("#")
+    say("# Ring (alpha-beta): T = C/M + 2(M-1) alpha + 2(M-1)/M (W/ratio)/beta + codec "
+        "[allgather: (M-1)(alpha + (W/ratio)/beta)]")
+    say(report.model_table(rows, "ring"))
+    say("#")
+    say("# Paper model: T = h C/M + rho M W/chi, rho = 1/ratio, chi = beta (no latency, no codec time)")
+    say(report.model_table(rows, "paper"))
+    say(report.model_disagreement(rows))
+    if args.plot:
+        panels = []
+        link_doc, ar_doc = cfg["link_doc"], cfg["ar_doc"]
+        fit = None
+        if link_doc:
+            from ..link import fit_rows
+
+            pings = [r for r in link_doc["results"] if r.get("op") == "pingpong"]
+            # Refit with the current fit (as the model does) rather than trusting the file's.
+            fit = fit_rows(pings).as_dict() if len({r["bytes"] for r in pings}) >= 2 else link_doc["meta"].get("fit")
+            panels.append(lambda ax: plot.link_panel(ax, link_doc["results"], fit))
+        if ar_doc:
+            panels.append(lambda ax: plot.busbw_panel(ax, ar_doc["results"], fit))
+            panels.append(lambda ax: plot.breakdown_panel(ax, ar_doc["results"]))
+        drawn = ("ring", "paper") if args.plot_models == "both" else (args.plot_models,)
+        panels.append(lambda ax: plot.speedup_panel(ax, rows, drawn))
+        plot.save(args.plot, panels)
+    extra = {"alpha_us": alpha * 1e6, "beta_GBps": beta / 1e9, "compute_ms": C * 1e3, "model_bytes": W,
+             "link_json": args.link_json, "allreduce_json": args.allreduce_json}
+    return extra, rows
+
+
+def _scale(args, cfg: dict) -> tuple[dict, list[dict]]:
+    """``model --layouts``: the scale model's tables (fixed bits and auto), the validation
+    against measured step times when the inputs JSON holds them, and the plot."""
+    try:
+        return _scale_tables(args, cfg)
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"model --layouts: {e}") from None
+
+
+def _scale_tables(args, cfg: dict) -> tuple[dict, list[dict]]:
+    import json
+
+    from ..models import bits_panel, inputs_from_json, parse_layouts, scale_rows, scale_table, speedup_panel, \
+        validation_rows
+
+    doc = {}
+    if args.scale_inputs:
+        with open(args.scale_inputs) as fh:
+            doc = json.load(fh)
+    override = {}
+    if args.link_json or args.alpha_us is not None or args.beta is not None or "alpha_inter_us" not in doc:
+        override.update(alpha_inter=cfg["alpha"], beta_inter=cfg["beta"])
+    if "compute_ms" not in doc:
+        override["compute_s"] = cfg["C"]
+    if "model_bytes" not in doc:
+        override["model_bytes"] = cfg["W"]
+    doc = {"alpha_intra_us": 5.0, "beta_intra_GBps": 100.0, "codec_GBps": 20.0, **doc}  # NVLink-class defaults
+    inp = inputs_from_json(doc, bits=args.bits, block_size=args.block_size, **override)
+    layouts = parse_layouts(args.layouts)
+    rows = scale_rows(inp, layouts)
+    auto = dataclasses.replace(inp, bits="auto")
+    auto_rows = [dict(r, auto_bits=True) for r in scale_rows(auto, layouts) if r["method"] in ("thc", "thc2")]
+    f = lambda v: f"{v:.4g}"  # noqa: E731
+    say(f"# Scale model (per step, no overlap): C = {inp.compute_s * 1e3:.4g} ms, W = {inp.model_bytes / 1e6:.4g} MB; "
+        f"between nodes alpha {f(inp.alpha_inter * 1e6)} us, beta {f(inp.beta_inter / 1e9)} GB/s per node; inside "
+        f"alpha {f(inp.alpha_intra * 1e6)} us, beta {f(inp.beta_intra / 1e9)} GB/s; codec {f(inp.codec_Bps / 1e9)} GB/s "
+        f"+ {f(inp.codec_call_s * 1e3)} ms x {inp.calls} calls; host cores {inp.host_cores or 'one node each'}; "
+        f"two-level intra {inp.intra}")
+    say(f"# THC at bits={inp.bits}: wire bits/coord between nodes (and bits used) per layout")
+    say(scale_table(rows))
+    say("#")
+    say('# THC at bits="auto" (hhook.topology.auto_bits: no worse than 4 bits at 4 ranks)')
+    say(scale_table([r for r in rows if r["method"] in ("fp32", "bf16")] + auto_rows))
+    rows += auto_rows
+    if doc.get("measured"):
+        check = validation_rows(inp, doc["measured"])
+        say("#")
+        say("# Validation against measured step times (ms)")
+        for r in check:
+            say(f"#   {r['layout']:>5s} {r['method']:<5s} measured {r['measured_ms']:8.1f} predicted "
+                f"{r['predicted_ms']:8.1f} ({r['error'] * 100:+.0f}%)")
+        rows += check
+    if args.plot:
+        from .. import plot
+
+        sc = [r for r in rows if r["op"] == "scale"]
+        plot.save(args.plot, [lambda ax: speedup_panel(ax, sc, "fp32"), lambda ax: speedup_panel(ax, sc, "bf16"),
+                              lambda ax: bits_panel(ax, sc)])
+    extra = {"scale_inputs": dataclasses.asdict(inp), "layouts": [f"{N}x{k}" for N, k in layouts]}
+    return extra, rows

@@ -1,0 +1,192 @@
+r"""The method lists of ``hhook-profile allreduce`` and ``train``: one grammar, one parser.
+
+A list is comma-separated entries ``KIND[:POSITIONAL...][:KEY=VALUE...]``, case-insensitive:
+positional options first, in their order, then keyword options in any order, each once.
+The kinds and their options::
+
+    fp32, fp16, bf16, zlib                              none
+    powersgd[:RANK]
+    thc[:BITS[:MODE]][:chunk=MB]                        MODE agreed|predicted
+    sbc[:p=P][:delay=H], lgc[:k=K][:dense=N][:topk=N][:ae=N]   (hhook.baselines)
+
+A subcommand passes the :class:`Kind` objects it accepts (its measurement knows how to
+run them): ``allreduce`` runs the codec directly, so its THC takes BITS only
+(:data:`THC_BITS`); ``train`` registers hhook's DDP hook and takes every THC option
+(:data:`THC`). THC's options are :class:`hhook.THCState`'s (``bits``, ``scales``,
+``chunk_mb``) and are checked by it. A bad entry raises ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from ..baselines.harness import OPTIONS as BASELINE_OPTIONS
+from ..baselines.harness import USAGE as BASELINE_USAGE
+from ..baselines.harness import check as check_baseline
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One entry of a method list: its canonical ``name`` (tables, JSON) and options."""
+
+    name: str
+    kind: str
+    bits: int | None = None  # thc
+    scales: str | None = None  # thc: hhook's scales= (None: its default)
+    rank: int | None = None  # powersgd's matrix approximation rank
+    chunk_mb: float | None = None  # thc: hhook's chunk_mb= (None: its default)
+    options: dict | None = dataclasses.field(default=None, compare=False, hash=False)  # sbc/lgc
+
+    @property
+    def exact(self) -> bool:
+        """fp32: the reference every other method is measured against."""
+        return self.kind == "fp32"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One entry split by the grammar: the options given, by name (positionals named by
+    their place), as written."""
+
+    raw: str
+    kind: str
+    given: dict[str, str]
+
+    def error(self, why: str) -> ValueError:
+        return ValueError(f"method {self.raw!r}: {why}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """A kind of method: its options and how an entry becomes a :class:`Method`."""
+
+    name: str
+    positional: tuple[str, ...] = ()  # names, in their order
+    keywords: tuple[str, ...] = ()
+    build: Callable[[Entry, "Kind", dict], Method] | None = None  # (entry, kind, defaults); None: no options
+    usage: str = ""  # e.g. powersgd[:RANK]; default: the name
+
+    def __post_init__(self):
+        if not self.usage:
+            object.__setattr__(self, "usage", self.name)
+
+
+def split(raw: str, kinds: dict[str, Kind]) -> Entry:
+    """``raw`` -> :class:`Entry`, checked against its kind's option names (not values)."""
+    text = raw.strip()
+    name, *tokens = text.lower().split(":")
+    kind = kinds.get(name)
+    if kind is None:
+        raise ValueError(f"unknown method {text!r} (known: {', '.join(k.usage for k in kinds.values())})")
+    if tokens and not (kind.positional or kind.keywords):
+        raise ValueError(f"method {text!r}: {name} takes no options")
+    given: dict[str, str] = {}
+    places = iter(kind.positional)
+    keyword_seen = False
+    for token in tokens:
+        key, eq, value = token.partition("=")
+        if eq:
+            keyword_seen = True
+            if key not in kind.keywords or key in given:
+                raise ValueError(f"method {text!r}: expected {kind.usage}")
+            given[key] = value
+        else:
+            place = next(places, None)
+            if place is None or keyword_seen:  # too many, or after a keyword
+                raise ValueError(f"method {text!r}: expected {kind.usage}")
+            given[place] = token
+    return Entry(text, name, given)
+
+
+def parse(text: str, kinds, **defaults) -> list[Method]:
+    """The comma-separated list ``text`` -> methods, each of one of ``kinds`` (:class:`Kind`);
+    ``defaults`` are the subcommand's (``bits=`` for a bare ``thc``, ``powersgd_rank=``)."""
+    by_name = {k.name: k for k in kinds}
+    methods: list[Method] = []
+    for raw in str(text).split(","):
+        if not raw.strip():
+            continue
+        entry = split(raw, by_name)
+        kind = by_name[entry.kind]
+        m = kind.build(entry, kind, defaults) if kind.build else Method(kind.name, kind.name)
+        if any(old.name == m.name for old in methods):
+            raise ValueError(f"method {m.name!r} is listed twice")
+        methods.append(m)
+    if not methods:
+        raise ValueError("--methods is empty")
+    return methods
+
+
+# -- the kinds ----------------------------------------------------------------------
+def plain(name: str) -> Kind:
+    """A kind without options (fp32, fp16, bf16, zlib)."""
+    return Kind(name)
+
+
+def _powersgd(entry: Entry, kind: Kind, defaults: dict) -> Method:
+    text = entry.given.get("rank")
+    if text is None:
+        rank = defaults.get("powersgd_rank", 2)
+        return Method(f"powersgd:{rank}", "powersgd", rank=rank)
+    if not text.isdigit() or int(text) < 1:
+        raise entry.error(f"expected {kind.usage} with RANK >= 1")
+    return Method(entry.raw.lower(), "powersgd", rank=int(text))
+
+
+def _thc(entry: Entry, kind: Kind, defaults: dict) -> Method:
+    """THC's options, checked by :class:`hhook.THCState` before any communication. A bare
+    ``thc`` takes the subcommand's ``bits=`` default and is then named ``thc``; otherwise
+    the name spells the bits (``thc:4``) and every option given."""
+    from ..state import SCALE_MODES, THCState
+
+    given = entry.given
+    if "bits" in given and not given["bits"].isdigit():
+        raise entry.error(f"BITS must be an integer; expected {kind.usage}")
+    bits = int(given["bits"]) if "bits" in given else defaults.get("bits", 4)
+    scales = given.get("scales")
+    if scales is not None and scales not in SCALE_MODES:
+        raise entry.error(f"unknown scale mode {scales!r} (known: {', '.join(SCALE_MODES)})")
+    chunk = None
+    if "chunk" in given:
+        try:
+            chunk = float(given["chunk"])
+        except ValueError:
+            raise entry.error(f"chunk= takes a number of megabytes; expected {kind.usage}") from None
+    options = {"bits": bits, "scales": scales, "chunk_mb": chunk}
+    try:  # hhook's own checks, before any communication
+        THCState(**{k: v for k, v in options.items() if v is not None})
+    except (ValueError, TypeError) as e:
+        raise entry.error(str(e)) from None
+    named = "bits" in given or "bits" not in defaults
+    name = "thc" + (f":{bits}" if named else "") + (f":{scales}" if scales else "") \
+        + (f":chunk={chunk:g}" if chunk is not None else "")
+    return Method(name, "thc", bits=bits, scales=scales, chunk_mb=chunk)
+
+
+def _baseline(entry: Entry, kind: Kind, defaults: dict) -> Method:
+    """SBC and LGC (:mod:`hhook.baselines.harness`: option types, defaults and checks)."""
+    known = BASELINE_OPTIONS[kind.name]
+    values = {name: default for name, (_, default) in known.items()}
+    for name, text in entry.given.items():
+        convert = known[name][0]
+        try:
+            values[name] = convert(text)
+        except ValueError:
+            raise entry.error(f"{name}= takes {'an integer' if convert is int else 'a number'}; "
+                              f"expected {kind.usage}") from None
+    try:
+        check_baseline(kind.name, values)
+    except ValueError as e:
+        raise entry.error(str(e)) from None
+    name = kind.name + "".join(f":{n}={values[n]:g}" for n in known if n in entry.given)
+    return Method(name, kind.name, options=values)
+
+
+FP32, FP16, BF16, ZLIB = plain("fp32"), plain("fp16"), plain("bf16"), plain("zlib")
+POWERSGD = Kind("powersgd", positional=("rank",), build=_powersgd, usage="powersgd[:RANK]")
+THC = Kind("thc", positional=("bits", "scales"), keywords=("chunk",), build=_thc,
+           usage="thc[:BITS[:agreed|predicted]][:chunk=MB]")
+THC_BITS = Kind("thc", positional=("bits",), build=_thc, usage="thc[:BITS]")  # the codec alone
+SBC, LGC = (Kind(name, keywords=tuple(BASELINE_OPTIONS[name]), build=_baseline, usage=BASELINE_USAGE[name])
+            for name in ("sbc", "lgc"))
