@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from distributed import free_port, subprocess_env
+from distributed import free_port, run_world, subprocess_env
 
 from hhook.codec import HEADER, THCCodec
 from hhook.profile import cli, models
@@ -292,6 +292,22 @@ def test_codec_subcommand_rejects_bad_values_in_one_line(bad, capsys, monkeypatc
     assert cli.main(["codec", *bad]) == 2
     err = capsys.readouterr().err
     assert "error" in err and "Traceback" not in err
+
+
+def _counted(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from hhook.profile.counting import collective_bytes
+
+    with collective_bytes() as counter:
+        dist.all_reduce(torch.zeros(10))  # 40 B
+        dist.all_to_all_single(torch.empty(8), torch.ones(8))  # its input: 32 B (two-level THC inside a node)
+    return counter["bytes"]
+
+
+def test_collective_bytes_counts_the_tensors_handed_to_collectives():
+    assert run_world(_counted, 2) == [72, 72]
 
 
 def test_units():
