@@ -1,123 +1,14 @@
-r"""THC allreduce over torch.distributed: the transport of :mod:`hhook.codec`.
-
-Nothing here waits. :func:`thc_allreduce_async` launches the first collective and
-returns a future at once; each later stage runs as the continuation of the previous
-collective and the last one completes the returned future. So in DDP the backward pass
-goes on computing (and launching) the next buckets while this one is on the wire. A
-large tensor travels in pieces (``THCState(chunk_mb=)``): while one piece is on the wire
-the next is encoded and the previous decoded, so part of the codec's time hides behind
-the wire's.
-
-The scale policy (:mod:`hhook.scales`) decides the rounds of each tensor:
-
-* predicted scales (a key with history): encode, one SUM allreduce, decode in its
-  continuation. The decode reads the summed prefix on the host.
-* agreed scales (``scales="agreed"``, and a predicted key's first call): MAX-allreduce the
-  scale vector; its continuation quantizes onto the agreed scales and launches the SUM of
-  the words; that one's continuation decodes. Continuations run on the process group's
-  threads in completion order, so the SUMs go on a second communicator over the same
-  ranks (:mod:`hhook.groups`), launched in hook order by a
-  :class:`~hhook.sequencer.Sequencer`: every rank pairs the same collectives.
-  Continuations never wait (a wait there can deadlock Gloo's few worker threads).
-
-Errors surface through the returned future (in DDP: from ``loss.backward()``) on every
-rank alike: a configuration mismatch raises :class:`~hhook.message.ConfigMismatchError`
-when the mismatched tensor's future completes (on GPUs with agreed scales, which read
-nothing on the host, at the next call, ``stats()`` or ``thc_allreduce``'s return); a rank
-that fails while encoding sends filler and every other rank raises
-:class:`~hhook.message.RankFailedError`. Non-finite inputs on any rank make every
-rank's result NaN (no exception), so ``GradScaler`` skips the step everywhere.
-"""
+r"""THC allreduce, the entry every integration calls: the flat schedule
+(:mod:`hhook.flat`) or, on a state whose topology found several nodes, the two-level one
+(:mod:`hhook.two_level`: dense inside the node, THC between nodes)."""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .layout import SUPPORTED_DTYPES
+from .flat import check_tensor, flat_allreduce_async
 from .state import THCState
-
-
-def _future(like: torch.Tensor) -> torch.futures.Future:
-    """A future that may hold ``like``'s device (a CUDA result needs a CUDA-aware future)."""
-    return torch.futures.Future(devices=[like.device]) if like.is_cuda else torch.futures.Future()
-
-
-def _completed(value: torch.Tensor) -> torch.futures.Future:
-    fut = _future(value)
-    fut.set_result(value)
-    return fut
-
-
-def _then(fut: torch.futures.Future, fn, like: torch.Tensor) -> torch.futures.Future:
-    """``fut.then(fn)``, except that an exception of ``fn`` (or of ``fut``) reaches the
-    waiter as it is: torch wraps a callback's exception in a RuntimeError, and a
-    :class:`~hhook.codec.ConfigMismatchError` should stay one."""
-    result = _future(like)
-
-    def run(f: torch.futures.Future) -> None:
-        try:
-            result.set_result(fn(f.value()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            result.set_exception(exc)
-
-    fut.then(run)
-    return result
-
-
-def _all(futures: list, value: torch.Tensor, starts: list[int]) -> torch.futures.Future:
-    """A future holding ``value`` once the futures of all its pieces (starting at
-    ``starts`` of the flat tensor) have completed: with the first exception among them, as
-    it is, if one failed; all NaN if one piece is (a rank's non-finite piece makes that
-    piece NaN on every rank; the whole tensor must be, as without pieces)."""
-
-    def check(done: list) -> torch.Tensor:
-        for f in done:
-            f.value()  # raises a piece's exception
-        flat = value.view(-1)
-        nan_piece = flat[starts].isnan().any()  # decode writes NaN over whole pieces only
-        if flat.is_cuda:
-            flat.masked_fill_(nan_piece, float("nan"))
-        elif nan_piece:
-            flat.fill_(float("nan"))
-        return value
-
-    return _then(torch.futures.collect_all(futures), check, value)
-
-
-def _payload_bytes(tensor: torch.Tensor) -> int:
-    if tensor.is_sparse:
-        return tensor._values().nbytes + tensor._indices().nbytes
-    return tensor.nbytes
-
-
-def check_tensor(tensor: torch.Tensor) -> None:
-    """Refuse, with a plain message, tensors hhook cannot reduce in place."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"hhook reduces torch tensors, not {type(tensor).__name__}")
-    if tensor.is_meta:
-        raise ValueError("hhook cannot reduce a meta tensor: it has no data (materialize it first)")
-    if tensor.requires_grad:
-        raise ValueError(
-            "hhook averages the tensor in place, which autograd forbids for a tensor that requires "
-            "grad: pass tensor.detach() (it shares the data) or call it under torch.no_grad()"
-        )
-
-
-def dense_allreduce(state: THCState, tensor: torch.Tensor) -> torch.futures.Future:
-    """What DDP does without a hook: divide by the world size, then SUM-allreduce.
-
-    Exact; used before ``start_iter`` and for tensors the codec does not take
-    (float64, sparse gradients).
-    """
-    if state.world_size == 1:
-        state.count("local_calls", 0, 0)
-        return _completed(tensor)
-    tensor.div_(state.world_size)
-    size = _payload_bytes(tensor)
-    state.count("dense_calls", size if tensor.is_sparse or tensor.dtype == torch.float64 else 4 * tensor.numel(), size)
-    fut = dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+from .two_level import two_level_allreduce_async
 
 
 def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=None) -> torch.futures.Future:
@@ -128,92 +19,20 @@ def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=
     and must be stable across steps; ``None`` (the default) carries nothing from one call
     to the next, so every call takes an agreed round. ``layout`` says what the key holds
     (default: the tensor's shape and dtype); when it changes the key's state starts afresh.
-    A tensor above ``state.chunk_mb`` travels in pieces (keys ``(key, 0)``, ``(key, 1)``,
-    ...), each encoded while the previous one is on the wire. Call it in the same order on
-    every rank, and wait for a key's future before reducing that key again (its decode
-    updates the key's state). If any rank's tensor holds inf or NaN, every rank's result is
-    all NaN. In a world of one rank the tensor is returned as it is. float64 and sparse
-    tensors take an exact plain allreduce.
+    A tensor above ``state.chunk_mb`` travels in pieces, each encoded while the previous
+    one is on the wire. Call it in the same order on every rank, and wait for a key's
+    future before reducing that key again (its decode updates the key's state). If any
+    rank's tensor holds inf or NaN, every rank's result is all NaN. In a world of one
+    rank the tensor is returned as it is. float64 and sparse tensors take an exact plain
+    allreduce. With ``THCState(topology=...)`` finding several nodes the tensor is
+    averaged two-level (:mod:`hhook.two_level`), with the same guarantees.
     """
     check_tensor(tensor)
+    topo = state.node_layout()
+    if not topo.two_level:
+        return flat_allreduce_async(tensor, state, key, layout)
     state.check_deferred()
-    if tensor.numel() == 0:
-        return _completed(tensor)
-    if state.world_size == 1 or tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES:
-        return dense_allreduce(state, tensor)
-    if tensor.device.type not in state._verified:
-        state.handshake(tensor.device)
-    if layout is None:
-        layout = (tuple(tensor.shape), str(tensor.dtype))
-    policy = state.policy(state.mode(tensor.device))
-    target = tensor if tensor.is_contiguous() else tensor.contiguous()
-    pieces = state.chunks(target.numel(), target.device)
-    if len(pieces) == 1:
-        fut = _reduce(state, policy, target, key, layout)
-    else:
-        flat = target.view(-1)
-        futures = [
-            _reduce(state, policy, flat[start:stop], None if key is None else (key, i), layout)
-            for i, (start, stop) in enumerate(pieces)
-        ]
-        fut = _all(futures, target, [start for start, _ in pieces])
-    if target is tensor:
-        return fut
-    return _then(fut, tensor.copy_, tensor)
-
-
-def _reduce(state: THCState, policy, target: torch.Tensor, key, layout) -> torch.futures.Future:
-    """One tensor (or piece) through the policy: one SUM round when its scales are
-    predicted, else a MAX round whose continuation launches the SUM on the second
-    communicator, in hook order. Nothing waits; the returned future completes in the
-    SUM's continuation."""
-    plan = policy.begin(target, key, state.rank, state.world_size, state.next_call(), state.config_id(), layout)
-    defer = state.defer if target.is_cuda or state._defer_on_cpu else None
-
-    def decode(sums: torch.Tensor) -> torch.Tensor:
-        _, nonfinite = policy.decode(sums, plan, target, defer)
-        if nonfinite is True:
-            state.count("nonfinite_calls", 0, 0)
-        return target
-
-    if plan.max_vector is None:  # predicted scales: one round
-        words = policy.finish(plan)
-        state.count("compressed_calls", 4 * target.numel(), words.nbytes)
-        fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=state.process_group, async_op=True).get_future()
-        return _then(fut, lambda value: decode(value[0]), target)
-
-    ticket = state._sequencer.ticket()
-    second = state.second_group(target.device)
-    length = policy.message_numel(plan.codec, target.numel(), predicted=False)
-    state.count("compressed_calls", 4 * target.numel(), plan.max_vector.nbytes + length * plan.codec.layout.word_bits // 8)
-    result = _future(target)
-
-    def finish_and_sum(f: torch.futures.Future) -> None:
-        try:
-            agreed = f.value()[0]
-        except BaseException as exc:  # the MAX itself failed: no rank can go on with this ticket
-            state._sequencer.launch(ticket, None)
-            result.set_exception(exc)
-            return
-        words = policy.finish(plan, agreed)  # never raises: a local failure sends filler
-
-        def settle(g: torch.futures.Future) -> None:
-            try:
-                result.set_result(decode(g.value()[0]))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                result.set_exception(exc)
-
-        def launch() -> None:
-            try:
-                second.all_reduce(words).get_future().then(settle)
-            except BaseException as exc:
-                result.set_exception(exc)
-
-        state._sequencer.launch(ticket, launch)
-
-    fut = dist.all_reduce(plan.max_vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)
-    fut.get_future().then(finish_and_sum)
-    return result
+    return two_level_allreduce_async(tensor, topo, state.inter, key, state._intra, layout)
 
 
 def thc_allreduce(tensor: torch.Tensor, state: THCState, key=None) -> torch.Tensor:

@@ -7,7 +7,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .allreduce import _completed, dense_allreduce, thc_allreduce_async
+from .allreduce import thc_allreduce_async
+from .flat import _completed, dense_allreduce
 from .codec import warm_up
 from .state import THCState
 
@@ -84,13 +85,17 @@ def _per_parameter(state: THCState, grad: torch.Tensor, param: torch.Tensor) -> 
 def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", **options) -> THCState:
     r"""Register :func:`thc_hook` on ``ddp_model``; ``options`` go to :class:`THCState`.
 
-    The process group defaults to the model's own.
+    The process group defaults to the model's own. With ``topology="auto"`` (or a
+    number of ranks per node) the node layout is found here, on every rank, so a bad
+    layout raises :class:`~hhook.topology.TopologyError` at registration.
 
     Example::
         >>> state = hhook.register(ddp_model, bits=4)
     """
     options.setdefault("process_group", getattr(ddp_model, "process_group", None))
     state = THCState(**options)
+    if state.topology != "flat":
+        state.node_layout()
     ddp_model.register_comm_hook(state, thc_hook)
     for param in ddp_model.parameters():
         warm_up(param.device)  # compile the fused codec now, not in the first backward pass

@@ -1,6 +1,7 @@
 r"""Per-process-group state shared by the DDP hook and :func:`hhook.thc_allreduce`:
 options, per-key state (through the scale policies), counters, and the transport pieces
-built on first use (the second communicator, the sequencer, deferred device checks)."""
+built on first use (the node layout, the second communicator, the sequencer, deferred
+device checks)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from .groups import SecondGroup
 from .message import ConfigMismatchError
 from .scales import ScalePolicy
 from .sequencer import Sequencer
-from .stats import Counters
+from .stats import Counters, two_level_stats
+from .topology import Topology, TopologyError, auto_bits, detect_topology, flat_topology
 
 #: The scale policies (:mod:`hhook.scales`): agree on each step's maxima (two
 #: collectives; never clips; the default), or predict them from the previous step (one
@@ -26,6 +28,9 @@ SCALE_MODES = ("agreed", "predicted")
 #: Piece size of ``chunk_mb="auto"`` on CPUs: a 21 MB bucket goes in 2 pieces, DDP's
 #: default 25 MB bucket in 3 (docs/train.md: 4 MB pieces cost more than they hide).
 DEFAULT_CHUNK_MB = 12
+#: ``topology=``: every rank a peer (the default), nodes from the launcher or hostnames,
+#: or an integer number of ranks per node (:mod:`hhook.topology`).
+TOPOLOGIES = ("flat", "auto")
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +41,10 @@ class THCState:
     Args:
         process_group: the group to reduce over; ``None`` means the default group.
         bits: bits per coordinate before headroom; ``2**bits`` quantization levels (1..8).
+            ``"auto"``: the fewest bits whose predicted error of the mean, at this
+            world size (or node count, two-level), is no worse than 4 bits at 4 ranks
+            (:func:`hhook.topology.auto_bits`: 5 at 2 ranks, 4 at 4-16, 3 at 64, 2 at
+            1024): large jobs average rounding noise away and get narrower lanes.
         block_size: rotation and scale block, a power of two (at most 65536). 1024 costs
             0.03 bits per coordinate for the scales.
         seed: shared seed of the rotation's random signs; must match on every rank.
@@ -61,6 +70,16 @@ class THCState:
             codec's fixed overhead, so pieces are large. ``"auto"`` (default): 12 MB for
             CPU tensors, whole tensors on GPUs (whose codec takes about a millisecond
             per bucket); ``0``: never split.
+        topology: ``"flat"`` (default): every rank of the group is a peer of one THC
+            allreduce. ``"auto"`` or an integer number of ranks per node: two-level THC
+            (:mod:`hhook.two_level`) when the group spans several nodes of equal size:
+            dense inside each node, THC between nodes with lanes sized for the number
+            of nodes, each rank encoding ``1 / ranks_per_node`` of the tensor. Nodes
+            come from the launcher's variables or the hostnames (:mod:`hhook.topology`);
+            one node, one rank per node or uneven nodes fall back to flat with one log
+            line. The layout is found once, blocking, on every rank (it creates process
+            groups): at :func:`hhook.register`, else at the first call; a request that
+            cannot hold raises :class:`~hhook.topology.TopologyError` on every rank.
 
     Example::
         >>> state = THCState(process_group=None, bits=4)
@@ -76,12 +95,18 @@ class THCState:
         "start_iter",
         "scales",
         "chunk_mb",
+        "topology",
         # per-key state (residuals, predicted scales), one store per scale policy in use
         "policies",
         # counters
         "iter",
         "calls",
         "_stats",
+        # two-level: the THC state of this rank's shard between nodes, the intra-node
+        # counters, and the layout a checkpoint was saved with
+        "inter",
+        "_intra",
+        "_saved_layout",
         # derived, rebuilt on demand and never pickled
         "_codec",
         "_verified",
@@ -89,11 +114,12 @@ class THCState:
         "_sequencer",
         "_pending",
         "_defer_on_cpu",
+        "_topo",
     ]
 
     _PICKLED = (
-        "bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "policies",
-        "iter", "calls", "_stats",
+        "bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "topology", "policies",
+        "iter", "calls", "_stats", "inter", "_intra",
     )
 
     def __init__(
@@ -106,8 +132,9 @@ class THCState:
         start_iter: int = 2,
         scales: str = "agreed",
         chunk_mb: float | str = "auto",
+        topology: str | int = "flat",
     ):
-        THCCodec(bits, block_size, seed)  # validates the options before any training
+        THCCodec(4 if bits == "auto" else bits, block_size, seed)  # validates the options before any training
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter must be a non-negative integer, got {start_iter!r}")
         if not isinstance(error_feedback, bool):
@@ -120,6 +147,8 @@ class THCState:
             isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float)) or not 0 <= chunk_mb < math.inf
         ):
             raise ValueError(f"chunk_mb must be 'auto' or a non-negative number of megabytes, got {chunk_mb!r}")
+        if topology not in TOPOLOGIES and (isinstance(topology, bool) or not isinstance(topology, int) or topology < 1):
+            raise ValueError(f"topology must be 'flat', 'auto' or a positive number of ranks per node, got {topology!r}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {process_group!r}")
         if error_feedback and start_iter < 2:
@@ -137,10 +166,14 @@ class THCState:
         self.start_iter = start_iter
         self.scales = scales
         self.chunk_mb = chunk_mb
+        self.topology = topology
         self.policies: dict = {}
         self.iter = 0
         self.calls = 0
         self._stats = Counters()
+        self.inter: THCState | None = None
+        self._intra = Counters()
+        self._saved_layout = None
         self._reset_derived()
 
     def _reset_derived(self) -> None:
@@ -150,10 +183,13 @@ class THCState:
         self._sequencer = Sequencer()
         self._pending = []
         self._defer_on_cpu = False  # tests: run the GPU's deferred checks on CPU tensors
+        self._topo = None
 
     def __getstate__(self):
         # Like PowerSGDState: a process group cannot be pickled; the default one is used after loading.
-        return {name: getattr(self, name) for name in self._PICKLED}
+        saved = {name: getattr(self, name) for name in self._PICKLED}
+        saved["layout"] = self._topo.record() if self._topo is not None else self._saved_layout
+        return saved
 
     def __setstate__(self, saved):
         self.process_group = None
@@ -166,6 +202,11 @@ class THCState:
             saved.pop("predicted", None)
             logger.warning("hhook: a THCState saved by an older hhook: its residuals and predicted scales start afresh")
         saved.setdefault("policies", {})
+        saved.setdefault("topology", "flat")  # saved before there were nodes
+        saved.setdefault("inter", None)
+        self._saved_layout = saved.pop("layout", None)
+        intra = saved.pop("_intra", {})
+        self._intra = intra if isinstance(intra, Counters) else Counters(intra)
         stats = saved.pop("_stats", {})
         self._stats = stats if isinstance(stats, Counters) else Counters(stats)  # a dict before Counters
         for name, value in saved.items():
@@ -176,7 +217,7 @@ class THCState:
         policy = self.policies.get(mode)
         if policy is None:
             policy = self.policies[mode] = ScalePolicy(
-                self.bits, self.block_size, self.seed, self.error_feedback, predict=mode == "predicted"
+                self.codec_bits(), self.block_size, self.seed, self.error_feedback, predict=mode == "predicted"
             )
         return policy
 
@@ -185,13 +226,54 @@ class THCState:
         with what lengths: part of the handshake and of every message's fingerprint."""
         h = rng.mix32(0x53434844)
         chunk = -1 if self.chunk_mb == "auto" else int(round(self.chunk_mb * 1024))
-        for value in (SCALE_MODES.index(self.scales), chunk & rng.MASK32, self.start_iter, int(self.error_feedback)):
+        topology = {"flat": 0, "auto": 1}.get(self.topology, 2 + (self.topology if isinstance(self.topology, int) else 0))
+        for value in (SCALE_MODES.index(self.scales), chunk & rng.MASK32, self.start_iter, int(self.error_feedback),
+                      topology & rng.MASK32):
             h = rng.mix32(h ^ value)
         return h
 
     def describe(self) -> str:
         return (f"bits={self.bits} block_size={self.block_size} seed={self.seed} scales={self.scales} "
-                f"chunk_mb={self.chunk_mb} start_iter={self.start_iter} error_feedback={self.error_feedback}")
+                f"chunk_mb={self.chunk_mb} start_iter={self.start_iter} error_feedback={self.error_feedback} "
+                f"topology={self.topology}")
+
+    def codec_bits(self) -> int:
+        """The bits the codec uses: ``bits``, or for ``"auto"`` the rule of
+        :func:`~hhook.topology.auto_bits` at this group's world size (a two-level state's
+        shards use the inter-node state's, sized for the number of nodes)."""
+        return auto_bits(self.world_size) if self.bits == "auto" else self.bits
+
+    def node_layout(self) -> Topology:
+        """The node layout of ``process_group`` under the ``topology`` option, found once.
+
+        ``"flat"`` needs no communication. Otherwise, the first call (on every rank, at
+        the same point of the program: it creates process groups) runs
+        :func:`~hhook.topology.detect_topology`, checks it against the layout a
+        checkpoint was saved with, and for two-level builds :attr:`inter`, the THC state
+        of this rank's shard between nodes (same options; ``bits="auto"`` sized for the
+        node count). Raises :class:`~hhook.topology.TopologyError` on every rank alike.
+        """
+        if self._topo is None:
+            if not dist.is_initialized():
+                raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")
+            if self.topology == "flat":
+                topo = flat_topology(self.world_size, self.rank, group=self.process_group)
+            else:
+                topo = detect_topology(self.process_group, ranks_per_node=self.topology)
+            topo.check_record(self._saved_layout)
+            if topo.two_level:
+                if self.inter is None:
+                    bits = auto_bits(topo.n_nodes, topo.ranks_per_node) if self.bits == "auto" else self.bits
+                    self.inter = THCState(
+                        topo.inter_group, bits, self.block_size, self.seed, self.error_feedback, self.start_iter,
+                        self.scales, self.chunk_mb,
+                    )
+                else:  # restored from a checkpoint of the same layout
+                    self.inter.process_group = topo.inter_group
+            elif self.inter is not None:
+                raise TopologyError("hhook: this THCState holds two-level state but the layout found is flat")
+            self._topo = topo
+        return self._topo
 
     def mode(self, device: torch.device) -> str:
         """The scale policy for tensors on ``device`` (the same on every device)."""
@@ -233,7 +315,7 @@ class THCState:
         if self._codec is None:
             if not dist.is_initialized():
                 raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")
-            self._codec = THCCodec(self.bits, self.block_size, self.seed, self.world_size)
+            self._codec = THCCodec(self.codec_bits(), self.block_size, self.seed, self.world_size)
         return self._codec
 
     # -- transport pieces built on first use ---------------------------------------
@@ -253,7 +335,7 @@ class THCState:
         ``device`` (a first compile belongs here, not in a later stage)."""
         from .codec import warm_up
 
-        codec = THCCodec(self.bits, self.block_size, self.seed, dist.get_world_size(group))
+        codec = THCCodec(self.codec_bits(), self.block_size, self.seed, dist.get_world_size(group))
         warm_up(device)
         f = float(rng.mix32(codec.fingerprint() ^ self.config_id()) >> 8)  # 24 bits: exact in float32
         vector = torch.tensor([f, -f], dtype=torch.float32, device=device)
@@ -288,6 +370,8 @@ class THCState:
         has arrived (all of them with ``wait``): a bad prefix (different options, a wrong
         reduction, a failed rank) raises :class:`ConfigMismatchError` here, on every rank,
         at the next hook call, ``stats()`` or ``thc_allreduce``'s return."""
+        if self.inter is not None:
+            self.inter.check_deferred(wait)
         still, first = [], None
         for event, host, what in self._pending:
             if event is not None and not wait and not event.query():
@@ -325,11 +409,23 @@ class THCState:
         ``local_calls``: calls in a world of one rank, which send and count nothing.
         ``nonfinite_calls``: tensors that came back NaN because some rank's held inf/NaN
         (GradScaler skips those steps); on GPUs counted once the flag's copy has arrived.
+
+        Two-level (:meth:`node_layout`): ``wire_bytes`` = ``inter_wire_bytes``, what was
+        handed to collectives that cross nodes (the shards' codes and scales, handshakes,
+        exact allreduces), ``intra_wire_bytes`` what stayed inside the node, ``ratio``
+        dense over inter-node bytes, ``inter_calls`` the shards' THC calls
+        (:func:`hhook.two_level.two_level_stats`).
         """
         self.check_deferred()
-        s = self._stats.snapshot()
+        if self.inter is not None:
+            s = two_level_stats(self.inter.stats(), self._intra, self._stats.snapshot())
+        else:
+            s = self._stats.snapshot()
         s["iter"] = self.iter
         return s
 
     def reset_stats(self) -> None:
         self._stats.reset()
+        self._intra.reset()
+        if self.inter is not None:
+            self.inter.reset_stats()

@@ -46,3 +46,24 @@ class Counters:
 
     def __setstate__(self, saved):
         self.__init__(saved)
+
+
+def two_level_stats(inter_stats: dict, intra: Counters, parent: dict | None = None) -> dict:
+    """One ``stats()`` dict for a two-level state, from the inter state's ``stats()``, the
+    ``intra_stats`` counters and (``parent``) the counters of calls that went over the
+    whole parent group (DDP's plain iterations before ``start_iter``): the call counts and
+    ``dense_bytes`` of the whole tensors; ``wire_bytes`` = ``inter_wire_bytes``, what may
+    cross nodes (the shards' codes and scales, handshakes, exact allreduces);
+    ``intra_wire_bytes``, what was handed to the collectives inside the node; ``ratio``,
+    dense over inter-node bytes. ``inter_calls`` counts the shards' THC calls."""
+    mine = intra.snapshot()
+    parent = parent or {}
+    out = dict(inter_stats)
+    out["inter_calls"] = inter_stats.get("compressed_calls", 0)
+    for name in ("dense_bytes", "compressed_calls", "dense_calls", "local_calls", "nonfinite_calls"):
+        out[name] = mine[name] + parent.get(name, 0)
+    out["intra_wire_bytes"] = mine["wire_bytes"]
+    out["inter_wire_bytes"] = inter_stats["wire_bytes"] + parent.get("wire_bytes", 0)
+    out["wire_bytes"] = out["inter_wire_bytes"]
+    out["ratio"] = out["dense_bytes"] / out["inter_wire_bytes"] if out["inter_wire_bytes"] else float("nan")
+    return out

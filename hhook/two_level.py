@@ -9,7 +9,7 @@ For a tensor of ``d`` coordinates on ``N`` nodes of ``k`` ranks (:class:`~hhook.
    value itself, so identical inputs stay exact). This is a reduce-scatter with the
    same traffic as a ring's, ``(k - 1) / k`` of the tensor per rank.
 2. **Between nodes, THC.** Local rank ``j`` averages its node-mean shard with local rank
-   ``j`` of every other node through :func:`hhook.thc_allreduce_async` on the
+   ``j`` of every other node through the flat schedule (:mod:`hhook.flat`) on the
    ``inter_state``, whose process group is this rank's inter-node group: lanes are sized
    for ``N`` nodes, not ``N k`` ranks, each rank encodes ``1 / k`` of the tensor, and the
    ``k`` rings of a node run at once.
@@ -44,9 +44,9 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .allreduce import _completed, _future, check_tensor, thc_allreduce_async
+from .flat import _completed, _future, check_tensor, flat_allreduce_async
 from .layout import SUPPORTED_DTYPES
-from .stats import Counters
+from .stats import Counters, two_level_stats  # noqa: F401 - two_level_stats: part of this module's API
 from .topology import Topology
 
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -145,6 +145,7 @@ def two_level_allreduce_async(
     inter_state,
     key=None,
     intra_stats: Counters | None = None,
+    layout=None,
 ) -> torch.futures.Future:
     r"""Start averaging ``tensor`` in place over ``topo``'s parent group, two-level.
 
@@ -152,7 +153,8 @@ def two_level_allreduce_async(
     ``inter_state`` is a :class:`~hhook.THCState` whose ``process_group`` is
     ``topo.inter_group`` (its codec, scales, error feedback and counters apply to this
     rank's shard); ``key`` names the tensor across steps as for
-    :func:`hhook.thc_allreduce_async` (the shard travels under the same key). Call it in
+    :func:`hhook.thc_allreduce_async` (the shard travels under the same key, and
+    ``layout`` says what the key holds, as there). Call it in
     the same order on every rank, and wait for a key's future before reducing that key
     again. The first call runs ``inter_state``'s blocking handshake on the caller's
     thread.
@@ -275,7 +277,7 @@ def two_level_allreduce_async(
 
         def launch() -> None:
             try:
-                fut = thc_allreduce_async(shard, inter_state, key)
+                fut = flat_allreduce_async(shard, inter_state, key, layout)
             except BaseException as exc:  # noqa: BLE001
                 failure.append(exc)
                 shard.fill_(float("nan"))
@@ -294,26 +296,8 @@ def two_level_allreduce_async(
 
 
 def two_level_allreduce(tensor: torch.Tensor, topo: Topology, inter_state, key=None,
-                        intra_stats: Counters | None = None) -> torch.Tensor:
+                        intra_stats: Counters | None = None, layout=None) -> torch.Tensor:
     """The blocking form of :func:`two_level_allreduce_async`."""
-    out = two_level_allreduce_async(tensor, topo, inter_state, key, intra_stats).wait()
+    out = two_level_allreduce_async(tensor, topo, inter_state, key, intra_stats, layout).wait()
     inter_state.check_deferred(wait=True)
-    return out
-
-
-def two_level_stats(inter_stats: dict, intra: Counters) -> dict:
-    """One ``stats()`` dict for a two-level state, from the inter state's ``stats()`` and
-    the ``intra_stats`` counters: the call counts and ``dense_bytes`` of the whole tensors
-    (from ``intra``); ``wire_bytes`` = ``inter_wire_bytes``, what crossed nodes (the
-    shards' codes and scales, handshakes, exact float64/sparse allreduces);
-    ``intra_wire_bytes``, what was handed to the collectives inside the node; ``ratio``,
-    dense over inter-node bytes. ``inter_calls`` counts the shards' THC calls."""
-    mine = intra.snapshot()
-    out = dict(inter_stats)
-    out["inter_calls"] = inter_stats.get("compressed_calls", 0)
-    for name in ("dense_bytes", "compressed_calls", "dense_calls", "nonfinite_calls"):
-        out[name] = mine[name]
-    out["intra_wire_bytes"] = mine["wire_bytes"]
-    out["inter_wire_bytes"] = inter_stats["wire_bytes"]
-    out["ratio"] = out["dense_bytes"] / out["inter_wire_bytes"] if out["inter_wire_bytes"] else float("nan")
     return out
