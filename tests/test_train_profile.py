@@ -115,6 +115,19 @@ def test_one_method_grammar_for_allreduce_and_train():
         assert str(got.value) == f"method {entry!r}: {want.value}"
     with pytest.raises(ValueError, match=re.escape("method 'thc:9': bits must be an integer in 1..8")):
         allreduce_methods("thc:9", 4)
+    # topology= (THCState's): flat, auto or K ranks per node, beside chunk= in any order; not for the codec alone
+    ms = parse_methods("thc:4:topology=auto,thc:topology=2:chunk=1,thc:2:agreed:topology=flat")
+    assert [(m.name, m.topology) for m in ms] == [("thc:4:topology=auto", "auto"), ("thc:4:chunk=1:topology=2", 2),
+                                                  ("thc:2:agreed:topology=flat", "flat")]
+    with pytest.raises(ValueError, match=re.escape("method 'thc:topology=x': topology= takes flat, auto or K")):
+        parse_methods("thc:topology=x")
+    with pytest.raises(ValueError) as want:
+        THCState(bits=4, topology=0)
+    with pytest.raises(ValueError) as got:
+        parse_methods("thc:topology=0")
+    assert str(got.value) == f"method 'thc:topology=0': {want.value}"
+    with pytest.raises(ValueError, match=re.escape("method 'thc:topology=auto': expected thc[:BITS]")):
+        allreduce_methods("thc:topology=auto", 4)
     # every error names the bad entry, not its neighbours
     for bad in ("fp32,thc:x", "thc:4:agreed:1", "fp16,thc:chunk=1:4", "powersgd:r", "sbc:3", "fp32,lgc:k=2", "zlib"):
         with pytest.raises(ValueError) as e:
@@ -162,8 +175,8 @@ def test_figures_from_step_times_and_the_eval_curve():
 
 
 # -- end to end: 2 ranks on loopback ---------------------------------------------------------
-def _torchrun(*args, timeout=240, **env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+def _torchrun(*args, timeout=240, ranks=2, **env):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
            str(free_port()), "-m", "hhook.profile", "train", *args]
     try:
         return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
@@ -200,6 +213,28 @@ def test_two_ranks_time_every_method_and_survive_a_hang(tmp_path):
     assert rows["fp32"]["speedup_vs_fp32"] == pytest.approx(1.0)
     if importlib.util.find_spec("matplotlib"):
         assert png.stat().st_size > 10_000
+
+
+def test_two_level_thc_reports_bytes_inside_and_between_nodes(tmp_path):
+    """4 ranks as 2 nodes of 2 (topology=2): THC's stats split the bytes, per rank and step."""
+    out = tmp_path / "train.json"
+    proc = _torchrun("--model", "mlp", "--methods", "thc:4,thc:4:topology=2", "--steps", "10", "--warmup", "3",
+                     "--eval-every", "10", "--target-accuracy", "0.1", "--json", str(out), ranks=4, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    flat, two = (r for r in json.loads(out.read_text())["results"])
+    assert (flat["method"], two["method"], two["topology"]) == ("thc:4", "thc:4:topology=2", 2)
+    assert flat["inter_bytes_per_step"] is None and flat["intra_bytes_per_step"] is None
+    assert two["status"] == "ok" and two["bytes_mismatch"] is None, two
+    assert len(two["inter_bytes_per_step_per_rank"]) == len(two["intra_bytes_per_step_per_rank"]) == 4
+    assert two["inter_bytes_per_step"] > 0 and two["intra_bytes_per_step"] > 0
+    # between nodes each rank sends codes for half the gradient, in lanes for 2 nodes, not 4 ranks
+    assert two["inter_bytes_per_step"] < flat["bytes_per_step"] / 2
+    for rank, stats in enumerate(two["thc_stats"]):
+        assert stats["wire_bytes"] == stats["inter_wire_bytes"] > 0
+        timed = two["steps"] - two["warmup"]
+        assert two["inter_bytes_per_step_per_rank"][rank] * timed <= stats["inter_wire_bytes"]
+        assert two["intra_bytes_per_step_per_rank"][rank] * timed <= stats["intra_wire_bytes"]
+    assert any(ln.startswith("# thc:4:topology=2: two-level, per rank and step") for ln in proc.stdout.splitlines())
 
 
 MPIRUN = shutil.which("mpirun")

@@ -6,14 +6,15 @@ The kinds and their options::
 
     fp32, fp16, bf16, zlib                              none
     powersgd[:RANK]
-    thc[:BITS[:MODE]][:chunk=MB]                        MODE agreed|predicted
+    thc[:BITS[:MODE]][:chunk=MB][:topology=T]           MODE agreed|predicted, T flat|auto|K
     sbc[:p=P][:delay=H], lgc[:k=K][:dense=N][:topk=N][:ae=N]   (hhook.baselines)
 
 A subcommand passes the :class:`Kind` objects it accepts (its measurement knows how to
 run them): ``allreduce`` runs the codec directly, so its THC takes BITS only
 (:data:`THC_BITS`); ``train`` registers hhook's DDP hook and takes every THC option
 (:data:`THC`). THC's options are :class:`hhook.THCState`'s (``bits``, ``scales``,
-``chunk_mb``) and are checked by it. A bad entry raises ValueError naming it.
+``chunk_mb``, ``topology``: flat, auto or K ranks per node) and are checked by it. A bad
+entry raises ValueError naming it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Method:
     scales: str | None = None  # thc: hhook's scales= (None: its default)
     rank: int | None = None  # powersgd's matrix approximation rank
     chunk_mb: float | None = None  # thc: hhook's chunk_mb= (None: its default)
+    topology: str | int | None = None  # thc: hhook's topology= (None: not given, flat)
     options: dict | None = dataclasses.field(default=None, compare=False, hash=False)  # sbc/lgc
 
     @property
@@ -134,6 +136,14 @@ def _powersgd(entry: Entry, kind: Kind, defaults: dict) -> Method:
     return Method(entry.raw.lower(), "powersgd", rank=int(text))
 
 
+def _topology(entry: Entry, text: str) -> str | int:
+    if text in ("flat", "auto"):
+        return text
+    if text.isdigit():
+        return int(text)
+    raise entry.error(f"topology= takes flat, auto or K (ranks per node), got {text!r}")
+
+
 def _thc(entry: Entry, kind: Kind, defaults: dict) -> Method:
     """THC's options, checked by :class:`hhook.THCState` before any communication. A bare
     ``thc`` takes the subcommand's ``bits=`` default and is then named ``thc``; otherwise
@@ -153,15 +163,17 @@ def _thc(entry: Entry, kind: Kind, defaults: dict) -> Method:
             chunk = float(given["chunk"])
         except ValueError:
             raise entry.error(f"chunk= takes a number of megabytes; expected {kind.usage}") from None
-    options = {"bits": bits, "scales": scales, "chunk_mb": chunk}
+    topology = _topology(entry, given["topology"]) if "topology" in given else None
+    options = {"bits": bits, "scales": scales, "chunk_mb": chunk, "topology": topology}
     try:  # hhook's own checks, before any communication
         THCState(**{k: v for k, v in options.items() if v is not None})
     except (ValueError, TypeError) as e:
         raise entry.error(str(e)) from None
     named = "bits" in given or "bits" not in defaults
     name = "thc" + (f":{bits}" if named else "") + (f":{scales}" if scales else "") \
-        + (f":chunk={chunk:g}" if chunk is not None else "")
-    return Method(name, "thc", bits=bits, scales=scales, chunk_mb=chunk)
+        + (f":chunk={chunk:g}" if chunk is not None else "") \
+        + (f":topology={topology}" if topology is not None else "")
+    return Method(name, "thc", bits=bits, scales=scales, chunk_mb=chunk, topology=topology)
 
 
 def _baseline(entry: Entry, kind: Kind, defaults: dict) -> Method:
@@ -185,8 +197,8 @@ def _baseline(entry: Entry, kind: Kind, defaults: dict) -> Method:
 
 FP32, FP16, BF16, ZLIB = plain("fp32"), plain("fp16"), plain("bf16"), plain("zlib")
 POWERSGD = Kind("powersgd", positional=("rank",), build=_powersgd, usage="powersgd[:RANK]")
-THC = Kind("thc", positional=("bits", "scales"), keywords=("chunk",), build=_thc,
-           usage="thc[:BITS[:agreed|predicted]][:chunk=MB]")
+THC = Kind("thc", positional=("bits", "scales"), keywords=("chunk", "topology"), build=_thc,
+           usage="thc[:BITS[:agreed|predicted]][:chunk=MB][:topology=flat|auto|K]")
 THC_BITS = Kind("thc", positional=("bits",), build=_thc, usage="thc[:BITS]")  # the codec alone
 SBC, LGC = (Kind(name, keywords=tuple(BASELINE_OPTIONS[name]), build=_baseline, usage=BASELINE_USAGE[name])
             for name in ("sbc", "lgc"))

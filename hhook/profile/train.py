@@ -222,10 +222,9 @@ def _thc(method: dict, ddp, seed: int):
     import hhook
 
     options = {"bits": method["bits"], "seed": seed}
-    if method["scales"] is not None:
-        options["scales"] = method["scales"]
-    if method["chunk_mb"] is not None:
-        options["chunk_mb"] = method["chunk_mb"]
+    for name in ("scales", "chunk_mb", "topology"):  # hhook's defaults unless the method names one
+        if method[name] is not None:
+            options[name] = method[name]
     return hhook.register(ddp, **options)
 
 
@@ -237,6 +236,14 @@ def _nothing(method: dict, ddp, seed: int):
 #: returns the THC state or None. A kind train runs is in :data:`KINDS` and here.
 ATTACH = {"fp32": _nothing, "fp16": _fp16, "bf16": _bf16, "powersgd": _powersgd, "thc": _thc,
           "sbc": _nothing, "lgc": _nothing}
+
+
+def _split_bytes(state) -> tuple[int, int] | None:
+    """A THC state's bytes so far inside and between nodes (0 until it is two-level); None without one."""
+    if state is None:
+        return None
+    stats = state.stats()
+    return stats.get("intra_wire_bytes", 0), stats.get("inter_wire_bytes", 0)
 
 
 def _watch_parent() -> None:
@@ -315,12 +322,14 @@ def worker(spec: dict) -> dict:
             return (model(x_test).argmax(1) == y_test).float().mean().item()
 
     step_s, step_bytes, evals = [], [], []
+    split = {"intra": [], "inter": []}  # two-level THC: each step's bytes inside and between nodes (its stats)
     counter = {"bytes": 0}
     clock = 0.0
     beat("step 0")
     with collective_bytes(counter):
         for step, idx in enumerate(batches(mine, spec["batch_size"], None), start=1):
             before = counter["bytes"]
+            split_before = _split_bytes(state)
             sync()
             t0 = time.perf_counter()
             if baseline is not None:
@@ -335,6 +344,9 @@ def worker(spec: dict) -> dict:
             clock += dt
             step_s.append(dt)
             step_bytes.append(counter["bytes"] - before)
+            if state is not None:
+                for where, after, then in zip(("intra", "inter"), _split_bytes(state), split_before):
+                    split[where].append(after - then)
             beat(f"step {step}")
             if step % spec["eval_every"] == 0 or step == spec["steps"]:
                 if rank == 0:
@@ -355,7 +367,12 @@ def worker(spec: dict) -> dict:
     if state is not None:
         stats = state.stats()
         result["thc_stats"] = stats
-        if stats["wire_bytes"] != sum(step_bytes):
+        if "inter_wire_bytes" in stats:  # two-level: the counter cannot tell the node's shared memory apart
+            result["step_intra_bytes"], result["step_inter_bytes"] = split["intra"], split["inter"]
+            if stats["inter_wire_bytes"] > sum(step_bytes):
+                result["bytes_mismatch"] = (f"counted {sum(step_bytes)} B, fewer than the {stats['inter_wire_bytes']} B "
+                                            "THC stats say crossed nodes")
+        elif stats["wire_bytes"] != sum(step_bytes):
             result["bytes_mismatch"] = f"counted {sum(step_bytes)} B, THC stats say {stats['wire_bytes']} B"
     dist.barrier()  # destroying the group under a peer still talking aborts Gloo at random
     dist.destroy_process_group()

@@ -54,7 +54,8 @@ def add_parser(sub) -> None:
                     help="; ".join(f"{t.name}: {t.summary}" for t in TASKS.values()) + " (default wide-cnn)")
     tr.add_argument("--methods", default=train.DEFAULT_METHODS,
                     help="comma-separated: fp32 (DDP without a hook), fp16, bf16 (compression hooks), "
-                    "powersgd[:RANK], thc[:BITS[:agreed|predicted]][:chunk=MB] (passed to hhook as scales= and chunk_mb=), "
+                    "powersgd[:RANK], thc[:BITS[:agreed|predicted]][:chunk=MB][:topology=flat|auto|K] (passed to hhook "
+                    "as scales=, chunk_mb= and topology=; K ranks per node), "
                     "baselines sbc[:p=P][:delay=H] and lgc[:k=K][:dense=N][:topk=N][:ae=N] (hhook/baselines; LGC is "
                     "patented, benchmark only; see docs/baselines.md) "
                     f"(default {train.DEFAULT_METHODS})")
@@ -117,20 +118,27 @@ def _percentile(values: list[float], q: float) -> float:
 def summarize(method: Method, status: str, message: str, results: list[dict], warmup: int, target: float) -> dict:
     """The row of ``method``: figures from rank 0's timings and evaluations."""
     row = {"method": method.name, "kind": method.kind, "bits": method.bits, "scales": method.scales,
-           "powersgd_rank": method.rank, "status": status, "message": message,
+           "topology": method.topology, "powersgd_rank": method.rank, "status": status, "message": message,
            "wall_s": max((r.get("wall_s", 0.0) for r in results), default=None)}
     if status != "ok":
         return row
     r0 = results[0]
     timed = r0["step_s"][warmup:]
     reached = next((e for e in r0["evals"] if e["accuracy"] >= target), None)
-    per_rank_bytes = [sum(r["step_bytes"][warmup:]) / len(r["step_bytes"][warmup:]) for r in results]
+
+    def per_step(key):  # rank by rank, the mean over the timed steps
+        return [sum(r[key][warmup:]) / len(r[key][warmup:]) for r in results] if key in r0 else None
+
+    per_rank_bytes = per_step("step_bytes")
+    intra, inter = per_step("step_intra_bytes"), per_step("step_inter_bytes")
     row.update(
         params=r0["params"], steps=len(r0["step_s"]), warmup=warmup,
         median_ms=_percentile(timed, 0.5) * 1e3, p90_ms=_percentile(timed, 0.9) * 1e3,
         mean_ms=sum(timed) / len(timed) * 1e3, train_s=r0["train_s"],
         bytes_per_step=per_rank_bytes[0], bytes_per_step_per_rank=per_rank_bytes,
         bytes_counted=r0["bytes_counted"], target_accuracy=target,
+        intra_bytes_per_step=intra[0] if intra else None, inter_bytes_per_step=inter[0] if inter else None,
+        intra_bytes_per_step_per_rank=intra, inter_bytes_per_step_per_rank=inter,
         time_to_target_s=reached["time_s"] if reached else None, step_to_target=reached["step"] if reached else None,
         final_accuracy=r0["final_accuracy"], final_loss=r0["final_loss"],
         step_ms=[t * 1e3 for t in r0["step_s"]], step_ms_per_rank=[[t * 1e3 for t in r["step_s"]] for r in results],
@@ -186,11 +194,17 @@ def table(rows: list[dict], target: float) -> str:
 
 
 def footer(rows: list[dict], args) -> list[str]:
+    from ..report import sig
+
     lines = [f"# step = forward + backward + optimizer step on rank 0, median and p90 after {args.warmup} "
              f"warm-up steps; s to {args.target_accuracy * 100:g}% = training time (eval excluded) until the "
              f"first evaluation (every {args.eval_every} steps) reaching it"]
     lines.append("# MB/rank/step: tensors handed to torch.distributed collectives (fp32: 4 B per parameter, "
                  "reduced in C++)")
+    for r in rows:
+        if r.get("inter_bytes_per_step") is not None:
+            lines.append(f"# {r['method']}: two-level, per rank and step {sig(r['intra_bytes_per_step'] / 1e6, 4)} MB "
+                         f"inside the node, {sig(r['inter_bytes_per_step'] / 1e6, 4)} MB between nodes (THC's stats)")
     for r in rows:
         if r.get("bytes_mismatch"):
             lines.append(f"# WARNING {r['method']}: bytes counted disagree with THC's stats: {r['bytes_mismatch'][0]}")
