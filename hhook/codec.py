@@ -33,7 +33,7 @@ import torch
 
 from . import cpu_kernels, cuda_kernels, lanes, quantization, rng, rotation
 from .layout import HEADER, SUPPORTED_DTYPES, Prepared, agreed_status
-from .message import ConfigMismatchError
+from .errors import ConfigMismatchError
 
 #: Bumped whenever the bits on the wire change meaning; part of the fingerprint.
 CODEC_VERSION = 2

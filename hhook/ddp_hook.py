@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from .allreduce import thc_allreduce_async
-from .flat import _completed, dense_allreduce
+from .flat import dense_allreduce
+from .futures import completed
 from .codec import warm_up
 from .state import THCState
 
@@ -79,7 +80,7 @@ def _per_parameter(state: THCState, grad: torch.Tensor, param: torch.Tensor) -> 
         layout = (tuple(param.shape), str(grad.dtype))
         thc_allreduce_async(grad, state, key=("param", id(param)), layout=layout).wait()
     state.check_deferred(wait=True)
-    return _completed(grad)
+    return completed(grad)
 
 
 def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", **options) -> THCState:

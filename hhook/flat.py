@@ -37,35 +37,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .futures import completed, new_future, settle, then
 from .layout import SUPPORTED_DTYPES
 from .state import THCState
-
-
-def _future(like: torch.Tensor) -> torch.futures.Future:
-    """A future that may hold ``like``'s device (a CUDA result needs a CUDA-aware future)."""
-    return torch.futures.Future(devices=[like.device]) if like.is_cuda else torch.futures.Future()
-
-
-def _completed(value: torch.Tensor) -> torch.futures.Future:
-    fut = _future(value)
-    fut.set_result(value)
-    return fut
-
-
-def _then(fut: torch.futures.Future, fn, like: torch.Tensor) -> torch.futures.Future:
-    """``fut.then(fn)``, except that an exception of ``fn`` (or of ``fut``) reaches the
-    waiter as it is: torch wraps a callback's exception in a RuntimeError, and a
-    :class:`~hhook.codec.ConfigMismatchError` should stay one."""
-    result = _future(like)
-
-    def run(f: torch.futures.Future) -> None:
-        try:
-            result.set_result(fn(f.value()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            result.set_exception(exc)
-
-    fut.then(run)
-    return result
 
 
 def _all(futures: list, value: torch.Tensor, starts: list[int]) -> torch.futures.Future:
@@ -85,13 +59,22 @@ def _all(futures: list, value: torch.Tensor, starts: list[int]) -> torch.futures
             flat.fill_(float("nan"))
         return value
 
-    return _then(torch.futures.collect_all(futures), check, value)
+    return then(torch.futures.collect_all(futures), check, value)
 
 
-def _payload_bytes(tensor: torch.Tensor) -> int:
+def payload_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a plain allreduce of ``tensor`` hands to the wire (a sparse one: values and indices)."""
     if tensor.is_sparse:
         return tensor._values().nbytes + tensor._indices().nbytes
     return tensor.nbytes
+
+
+def plain_allreduce(tensor: torch.Tensor, group, world_size: int) -> torch.futures.Future:
+    """What DDP does without a hook, exact: divide by ``world_size``, SUM-allreduce over
+    ``group``; the future holds ``tensor``."""
+    tensor.div_(world_size)
+    fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
 
 
 def check_tensor(tensor: torch.Tensor) -> None:
@@ -115,33 +98,21 @@ def dense_allreduce(state: THCState, tensor: torch.Tensor) -> torch.futures.Futu
     """
     if state.world_size == 1:
         state.count("local_calls", 0, 0)
-        return _completed(tensor)
-    tensor.div_(state.world_size)
-    size = _payload_bytes(tensor)
+        return completed(tensor)
+    size = payload_bytes(tensor)
     state.count("dense_calls", size if tensor.is_sparse or tensor.dtype == torch.float64 else 4 * tensor.numel(), size)
-    fut = dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    return plain_allreduce(tensor, state.process_group, state.world_size)
 
 
 def flat_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=None) -> torch.futures.Future:
-    r"""Start averaging ``tensor`` in place over ``state.process_group`` through the codec.
-
-    Returns at once a future holding ``tensor`` once it holds the mean. ``key`` names the
-    tensor for error feedback and predicted scales (a DDP bucket index, a parameter name)
-    and must be stable across steps; ``None`` (the default) carries nothing from one call
-    to the next, so every call takes an agreed round. ``layout`` says what the key holds
-    (default: the tensor's shape and dtype); when it changes the key's state starts afresh.
-    A tensor above ``state.chunk_mb`` travels in pieces (keys ``(key, 0)``, ``(key, 1)``,
-    ...), each encoded while the previous one is on the wire. Call it in the same order on
-    every rank, and wait for a key's future before reducing that key again (its decode
-    updates the key's state). If any rank's tensor holds inf or NaN, every rank's result is
-    all NaN. In a world of one rank the tensor is returned as it is. float64 and sparse
-    tensors take an exact plain allreduce.
+    r""":func:`hhook.thc_allreduce_async` over one process group, every rank a peer (its
+    contract, documented there). Pieces of a tensor above ``state.chunk_mb`` travel under
+    the keys ``(key, 0)``, ``(key, 1)``, ...
     """
     check_tensor(tensor)
     state.check_deferred()
     if tensor.numel() == 0:
-        return _completed(tensor)
+        return completed(tensor)
     if state.world_size == 1 or tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES:
         return dense_allreduce(state, tensor)
     if tensor.device.type not in state._verified:
@@ -162,7 +133,7 @@ def flat_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout
         fut = _all(futures, target, [start for start, _ in pieces])
     if target is tensor:
         return fut
-    return _then(fut, tensor.copy_, tensor)
+    return then(fut, tensor.copy_, tensor)
 
 
 def _reduce(state: THCState, policy, target: torch.Tensor, key, layout) -> torch.futures.Future:
@@ -183,13 +154,13 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout) -> torch
         words = policy.finish(plan)
         state.count("compressed_calls", 4 * target.numel(), words.nbytes)
         fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=state.process_group, async_op=True).get_future()
-        return _then(fut, lambda value: decode(value[0]), target)
+        return then(fut, lambda value: decode(value[0]), target)
 
     ticket = state._sequencer.ticket()
     second = state.second_group(target.device)
     length = policy.message_numel(plan.codec, target.numel(), predicted=False)
     state.count("compressed_calls", 4 * target.numel(), plan.max_vector.nbytes + length * plan.codec.layout.word_bits // 8)
-    result = _future(target)
+    result = new_future(target)
 
     def finish_and_sum(f: torch.futures.Future) -> None:
         try:
@@ -200,15 +171,9 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout) -> torch
             return
         words = policy.finish(plan, agreed)  # never raises: a local failure sends filler
 
-        def settle(g: torch.futures.Future) -> None:
-            try:
-                result.set_result(decode(g.value()[0]))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                result.set_exception(exc)
-
         def launch() -> None:
             try:
-                second.all_reduce(words).get_future().then(settle)
+                second.all_reduce(words).get_future().then(lambda g: settle(result, lambda: decode(g.value()[0])))
             except BaseException as exc:
                 result.set_exception(exc)
 

@@ -50,7 +50,7 @@ except ImportError as exc:  # pragma: no cover - exercised through a subprocess 
     ) from exc
 
 from .codec import THCCodec
-from .message import OpMismatchError
+from .errors import OpMismatchError
 from .scales import PredictedScales
 from .stats import Counters
 

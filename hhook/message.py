@@ -32,6 +32,7 @@ import dataclasses
 import torch
 
 from . import rng
+from .errors import ConfigMismatchError, OpMismatchError, RankFailedError  # noqa: F401 - raised here, re-exported
 
 #: Words at the front of every message.
 PREFIX = 12
@@ -39,19 +40,6 @@ PREFIX = 12
 #: non-finite ranks can reach).
 RANK_FAILED = 1 << 20
 _SALT = 0x54484348  # "THCH"
-
-
-class ConfigMismatchError(RuntimeError):
-    """Ranks disagree on the codec configuration or on the tensor they reduce."""
-
-
-class OpMismatchError(RuntimeError):
-    """The compressed integer words were not combined with a plain SUM over the group."""
-
-
-class RankFailedError(RuntimeError):
-    """Some rank failed while encoding this tensor; every rank raises this (that rank
-    raises its own exception)."""
 
 
 def wrap(value: int, word_bits: int) -> int:

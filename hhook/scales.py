@@ -43,7 +43,8 @@ import torch
 from . import lanes, message, rng, rotation
 from .codec import THCCodec
 from .layout import HEADER, SUPPORTED_DTYPES, agreed_status
-from .message import PREFIX, ConfigMismatchError, OpMismatchError
+from .errors import ConfigMismatchError, OpMismatchError
+from .message import PREFIX
 
 logger = logging.getLogger(__name__)
 

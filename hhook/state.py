@@ -14,7 +14,7 @@ import torch.distributed as dist
 from . import rng
 from .codec import THCCodec
 from .groups import SecondGroup
-from .message import ConfigMismatchError
+from .errors import ConfigMismatchError
 from .scales import ScalePolicy
 from .sequencer import Sequencer
 from .stats import Counters, two_level_stats

@@ -360,11 +360,16 @@ def _probe_shared_memory(topo: Topology) -> bool:
         ok = 0
     flag = torch.tensor([ok], dtype=torch.int32)
     dist.all_reduce(flag, dist.ReduceOp.MIN, group=topo.group)  # every rank has read
+    unlink_quietly(path)
+    return bool(flag.item())
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove a node-shared file; another rank of the node may have removed it already."""
     try:
         os.unlink(path)
     except OSError:
         pass
-    return bool(flag.item())
 
 
 def layout_fingerprint(world_size: int, nodes) -> int:

@@ -38,16 +38,16 @@ bytes handed to the two intra-node collectives as ``wire_bytes``.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
 import torch.distributed as dist
 
-from .flat import _completed, _future, check_tensor, flat_allreduce_async
+from .flat import check_tensor, flat_allreduce_async, payload_bytes, plain_allreduce
+from .futures import completed, new_future
 from .layout import SUPPORTED_DTYPES
 from .stats import Counters, two_level_stats  # noqa: F401 - two_level_stats: part of this module's API
-from .topology import Topology
+from .topology import Topology, unlink_quietly
 
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -74,13 +74,11 @@ def ensure_handshake(state, device: torch.device, sequencer) -> None:
 def _dense_world(tensor: torch.Tensor, topo: Topology, inter_state, intra_stats) -> torch.futures.Future:
     """float64 and sparse tensors: one exact allreduce over the parent group (its bytes
     cross nodes: counted as the inter state's wire bytes, the call in ``intra_stats``)."""
-    tensor.div_(topo.world_size)
-    size = tensor._values().nbytes + tensor._indices().nbytes if tensor.is_sparse else tensor.nbytes
+    size = payload_bytes(tensor)
     inter_state.count(None, 0, size)
     if intra_stats is not None:
         intra_stats.add("dense_calls", size, 0)
-    fut = dist.all_reduce(tensor, group=topo.group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    return plain_allreduce(tensor, topo.group, topo.world_size)
 
 
 def _node_mean(rows: torch.Tensor, k: int, in_place: bool = True) -> torch.Tensor:
@@ -123,13 +121,6 @@ def _nonfinite(x: torch.Tensor) -> torch.Tensor:
     return ~(torch.isfinite(low) & torch.isfinite(high))
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
 def _all_gather(out: torch.Tensor, piece: torch.Tensor, group, k: int):
     """All-gather of ``piece`` into ``out`` (async Work). Gloo's all_gather moved 8 MB
     4-5x slower than its all_to_all moved 16 MB on one host (measured here), so on
@@ -165,7 +156,7 @@ def two_level_allreduce_async(
     if inter_state.process_group is not topo.inter_group:
         raise ValueError("inter_state.process_group must be topo.inter_group (the THC ring of this local rank)")
     if tensor.numel() == 0:
-        return _completed(tensor)
+        return completed(tensor)
     if tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES:
         return _dense_world(tensor, topo, inter_state, intra_stats)
     ensure_handshake(inter_state, tensor.device, topo.sequencer("inter"))
@@ -178,7 +169,7 @@ def two_level_allreduce_async(
     flat = tensor.view(-1) if tensor.is_contiguous() else None
     shm = topo.shared_memory and tensor.device.type == "cpu"
     inter_seq, gather_seq = topo.sequencer("inter"), topo.sequencer("gather")
-    result = _future(tensor)
+    result = new_future(tensor)
     failure: list = []  # this rank's first exception, set on the result once the gather is done
 
     # Stage 1's buffers. Shared memory: this rank's row of the node's [k, k s] region
@@ -265,7 +256,7 @@ def two_level_allreduce_async(
             result.set_exception(exc)
             return
         if shm and new_file is not None and j == 0:
-            _unlink(new_file)  # every rank of the node has mapped it: the memory lives on
+            unlink_quietly(new_file)  # every rank of the node has mapped it: the memory lives on
         try:
             if shm:
                 shard = _node_mean(rows[:, j * s:(j + 1) * s], k, in_place=False)

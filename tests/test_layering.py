@@ -83,3 +83,43 @@ def test_profile_layers():
         if module not in ("hhook.profile.cli", "hhook.profile.commands"):
             assert not deps & (commands | {"hhook.profile.commands"}), (module, deps & commands)
     assert not _cycles(profile)
+
+
+#: DESIGN.md sec. 9 / docs/design.md, bottom to top: a module imports only its own layer
+#: and the ones below. Every module of the package must be placed.
+LAYERS = (
+    ("codec", {"errors", "rng", "layout", "lanes", "rotation", "quantization", "backend", "cpu_kernels",
+               "cuda_kernels", "codec"}),
+    ("message and scale policy", {"message", "scales"}),
+    ("schedule", {"futures", "stats", "sequencer", "groups", "launch", "topology", "state", "flat", "two_level",
+                  "allreduce"}),
+    ("integrations", {"ddp_hook", "horovod", "fsdp", ""}),  # "": the package's front, hhook/__init__.py
+    ("benchmarks", {"simulation", "baselines", "profile"}),
+)
+INTEGRATIONS = {"hhook.ddp_hook", "hhook.horovod", "hhook.fsdp"}
+
+
+def _layer(module: str) -> int:
+    name = module[len("hhook."):] if module != "hhook" else ""
+    top = name.split(".")[0]
+    for i, (_, members) in enumerate(LAYERS):
+        if name in members or top in members:
+            return i
+    raise AssertionError(f"{module} is in no layer of tests/test_layering.py's LAYERS (place it there and in docs/design.md)")
+
+
+def test_every_import_points_down_the_layers():
+    graph = _graph()
+    upward = [(m, d) for m, deps in graph.items() for d in deps if _layer(d) > _layer(m)]
+    assert not upward, [f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})" for m, d in upward]
+
+
+def test_integrations_do_not_import_each_other():
+    graph = _graph()
+    for module in INTEGRATIONS:
+        assert not graph[module] & (INTEGRATIONS - {module}), (module, graph[module] & INTEGRATIONS)
+
+
+def test_the_layer_check_finds_an_upward_import():
+    assert _layer("hhook.codec") < _layer("hhook.message") < _layer("hhook.flat") < _layer("hhook.fsdp")
+    assert _layer("hhook.profile.commands.train") == _layer("hhook.baselines.sbc") == len(LAYERS) - 1
