@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh Debian/Ubuntu machine for hhook, into the current Python
 # environment (activate a venv first if you want one).
-#   ci/setup.sh          torch (CPU wheel), hhook in editable mode, scikit-learn, pytest
+#   ci/setup.sh          torch==2.13.0 if missing (PyPI's default build for the platform; a CPU wheel
+#                        on this project's machines), hhook in editable mode with its profile extras, pytest
 #   ci/setup.sh --full   also Open MPI, mpi4py and Horovod 0.28.1: the whole test suite
 set -euo pipefail
 cd "$(dirname "$0")/.."
