@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -153,6 +154,60 @@ def test_sbc_exchange_average_residual_and_sign(world):
     assert st["bits_per_position"] > 0 and st["message_bytes"] > 0
 
 
+def _sbc_handed_rank(rank, world):
+    """SBC at p = 1 % through the real exchange; every tensor handed to ``dist.all_gather`` counted."""
+    import torch.distributed as dist
+
+    handed = []
+    real = dist.all_gather
+
+    def spy(outputs, tensor, *a, **kw):
+        handed[-1] += tensor.numel() * tensor.element_size()
+        return real(outputs, tensor, *a, **kw)
+
+    dist.all_gather = spy
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(300, 400)), torch.nn.Parameter(torch.randn(50_000)),
+              torch.nn.Parameter(torch.randn(64))]
+    torch.manual_seed(10 + rank)
+    sbc = SBC(params, p=0.01, delay=2)
+    exchanges = []
+    for step in range(6):  # three exchanges
+        with torch.no_grad():
+            for q in params:
+                q.add_(torch.randn_like(q) * 0.01)
+        handed.append(0)
+        if sbc.after_step():
+            exchanges.append({"handed": handed[-1], "reported": sbc.step_bytes[-1],
+                              "positions": sum(len(i) for _, i in sbc.last["parts"]),
+                              "lengths": [len(m) for m in sbc.last["messages"]]})
+        else:
+            assert handed[-1] == 0 and sbc.step_bytes[-1] == 0  # local steps hand nothing over
+    dist.all_gather = real
+    return {"exchanges": exchanges, "step_bytes": sbc.step_bytes, "tensors": len(params)}
+
+
+def test_sbc_bytes_handed_per_exchange_within_10pct_of_formula():
+    """2 ranks, p = 1 %: the bytes each rank hands to the collectives per exchange (the int64
+    length word and the message padded to the longest, counted at ``dist.all_gather``) are
+    within 10 % of positions x Golomb bits per position + one float32 mean per tensor."""
+    results = run_world(_sbc_handed_rank, 2)
+    bits = golomb.expected_bits_per_position(0.01)
+    for r in results:
+        assert len(r["exchanges"]) == 3
+        for x in r["exchanges"]:
+            assert x["positions"] == 1200 + 500 + 1  # ceil(p numel) per tensor
+            formula = x["positions"] * bits / 8 + 4 * r["tensors"]
+            assert x["handed"] == x["reported"]  # what SBC reports is what the collectives got
+            assert x["handed"] >= 8 + max(x["lengths"])  # length word + padded message, nothing left out
+            assert abs(x["handed"] - formula) / formula < 0.10, (x, formula)
+        # bytes per step as hhook-profile train reports them: one exchange in `delay` = 2 steps
+        assert sum(r["step_bytes"]) / len(r["step_bytes"]) == pytest.approx(
+            sum(x["handed"] for x in r["exchanges"]) / 6)
+    # padded to the longest: both ranks hand the same number of bytes in each exchange
+    assert [x["handed"] for x in results[0]["exchanges"]] == [x["handed"] for x in results[1]["exchanges"]]
+
+
 # -- LGC-RAR -----------------------------------------------------------------------------------
 def _lgc_rank(rank, world):
     import torch.distributed as dist
@@ -260,6 +315,29 @@ def test_two_rank_smoke_run(tmp_path):
     for r in (sbc, lgc):
         assert r["steps"] == 12 and r["final_accuracy"] is not None and math.isfinite(r["median_ms"])
     assert "sbc:delay=2" in proc.stdout and "lgc:dense=2:topk=2:ae=2" in proc.stdout
+    # LGC's phases are printed, not only in the JSON
+    assert re.search(r"^# lgc:dense=2:topk=2:ae=2: steps per phase: dense warm-up 2, top-k 2, autoencoder "
+                     r"training 2 \([0-9.]+ s inside the steps, held-out error [0-9.]+\), latent 6$",
+                     proc.stdout, re.M), proc.stdout
+
+
+def test_lgc_phase_footer_line():
+    from hhook.baselines.harness import phase_line
+    from hhook.profile.commands.train import footer
+
+    st = {"phase_steps": {"dense": 10, "topk": 10, "ae": 10, "compressed": 170}, "ae_train_s": 1.25,
+          "ae_rel_error": 0.587}
+    lgc = {"method": "lgc:k=0.001", "kind": "lgc", "status": "ok", "time_to_target_s": None,
+           "baseline_stats": [st, dict(st, ae_rel_error=None)]}
+    sbc = {"method": "sbc", "kind": "sbc", "status": "ok", "time_to_target_s": 1.0, "baseline_stats": [{"exchanges": 3}]}
+    hung = dict(lgc, method="lgc", status="hung", baseline_stats=None)
+    args = type("A", (), {"warmup": 5, "target_accuracy": 0.95, "eval_every": 10, "steps": 200})()
+    lines = footer([sbc, lgc, hung], args)
+    want = ("# lgc:k=0.001: steps per phase: dense warm-up 10, top-k 10, autoencoder training 10 (1.25 s inside "
+            "the steps, held-out error 0.59), latent 170")
+    assert want in lines
+    assert sum("steps per phase" in line for line in lines) == 1  # not for sbc, nor for a method that did not run
+    assert phase_line(sbc) is None and phase_line(hung) is None
 
 
 def test_traffic_model_sbc_grows_with_n_thc_and_lgc_do_not_grow_linearly():

@@ -450,3 +450,40 @@ def test_the_core_imports_no_profiler_dependency():
             "bad = [m for m in ('tqdm', 'matplotlib', 'sklearn', 'mpi4py') if m in sys.modules and m not in before];"
             "print(bad); sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_model_predicts_baseline_traffic_against_workers(tmp_path, capsys, monkeypatch):
+    """`model` predicts SBC's and LGC-RAR's traffic per rank and step as M grows, from
+    hhook.baselines.traffic: SBC's all-gather grows linearly with M, LGC's allreduce and THC's
+    stay bounded (THC only by its lane width); bad baseline options are usage errors."""
+    from hhook.baselines import traffic
+
+    for var in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "model.json"
+    W = 4 * 1_000_000
+    rc = cli.main(["model", "--alpha-us", "0", "--beta", "1gbit", "--model-bytes", str(W), "--workers", "1,2,16,256",
+                   "--baselines", "sbc:p=0.01:delay=4,lgc:k=0.01", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    assert "Traffic per rank and step against M" in text and "grows with M" in text
+    assert max(len(line) for line in text.splitlines()) <= 120
+    rows = [r for r in _load(out)["results"] if r["op"] == "traffic"]
+    by = {(r["method"], r["workers"]): r for r in rows}
+    assert {m for m, _ in by} == {"fp32", "thc:4", "sbc:p=0.01:delay=4", "lgc:k=0.01"}
+    sbc = {M: by[("sbc:p=0.01:delay=4", M)]["recv_bytes"] for M in (1, 2, 16, 256)}
+    lgc = {M: by[("lgc:k=0.01", M)]["recv_bytes"] for M in (1, 2, 16, 256)}
+    thc = {M: by[("thc:4", M)]["recv_bytes"] for M in (2, 256)}
+    message = 1_000_000 * 0.01 * 8.108 / 8 + 8  # positions x bits per position + header
+    assert sbc[1] == 0 and sbc[2] == pytest.approx(message / 4, rel=1e-3)
+    assert sbc[256] == pytest.approx(255 * sbc[2])  # all-gather: linear in M
+    assert lgc[256] < 1.25 * lgc[2] and thc[256] < 6 * thc[2]  # bounded (THC: lane width only)
+    assert sbc[256] > lgc[256]  # where all-gather loses to an allreduce
+    ref = {r["n"]: r for r in traffic.rows(1_000_000, [16])}
+    assert by[("sbc:p=0.01:delay=4", 16)]["recv_bytes"] == ref[16]["sbc"]  # the same formula, not a copy
+    assert by[("thc:4", 16)]["recv_bytes"] == ref[16]["thc:4"]
+    # communication time: alpha = 0, so bytes / beta; SBC's two all-gathers once per 4 steps
+    assert by[("sbc:p=0.01:delay=4", 16)]["comm_us"] == pytest.approx(15 * (8 + message) / 4 / 125e6 * 1e6, rel=1e-3)
+    assert cli.main(["model", "--baselines", "sbc:p=2"]) == cli.EXIT_USAGE
+    assert "--baselines" in capsys.readouterr().err
+    assert cli.main(["model", "--baselines", "thc"]) == cli.EXIT_USAGE

@@ -79,3 +79,18 @@ class Runner:
         if self.phases:
             st["phase_per_step"] = self.phases
         return st
+
+
+def phase_line(row: dict) -> str | None:
+    """The footer line ``hhook-profile train`` prints for an LGC row (rank 0's stats): steps per
+    phase (dense warm-up, top-k, autoencoder training, latent), the autoencoder's training time
+    inside those steps and its held-out error; None for any other row."""
+    stats = row.get("baseline_stats") or [None]
+    st = stats[0]
+    if row.get("kind") != "lgc" or row.get("status") != "ok" or not st or "phase_steps" not in st:
+        return None
+    n = st["phase_steps"]
+    err = st.get("ae_rel_error")
+    return (f"# {row['method']}: steps per phase: dense warm-up {n['dense']}, top-k {n['topk']}, autoencoder "
+            f"training {n['ae']} ({st.get('ae_train_s', 0.0):.2f} s inside the steps, held-out error "
+            f"{'-' if err is None else f'{err:.2f}'}), latent {n['compressed']}")

@@ -29,20 +29,34 @@ def ring_allreduce_bytes(n: int, nbytes: float) -> float:
     return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes
 
 
-def rows(params: int, ns, p: float = 0.01, delay: int = 4, k: float = 0.01, bits: int = 4) -> list[dict]:
+def sbc_message_bytes(params: int, p: float = 0.01, tensors: int = 1) -> float:
+    """One rank's SBC message (formula): ``params p`` positions at the Golomb rate of ``p``,
+    plus a float32 mean and an int32 count per tensor."""
+    return params * p * golomb.expected_bits_per_position(p) / 8 + 8 * tensors
+
+
+def lgc_sizes(params: int, k: float = 0.01) -> tuple[int, int]:
+    """LGC-RAR's compressed phase: ``(mask bytes, latent floats)``: ``k params`` int32
+    indices broadcast by the leader, and the latent of the values padded to a multiple
+    of 16 (``L / 4`` floats), summed by an allreduce (plus one float scale)."""
+    kk = math.ceil(k * params)
+    return 4 * kk, 4 * (16 * math.ceil(kk / 16)) // 16
+
+
+def rows(params: int, ns, p: float = 0.01, delay: int = 4, k: float = 0.01, bits: int = 4,
+         block_size: int = 1024) -> list[dict]:
     from ..codec import THCCodec
 
-    message = params * p * golomb.expected_bits_per_position(p) / 8 + 8
-    kk = math.ceil(k * params)
-    latent = 4 * (16 * math.ceil(kk / 16)) // 16
+    message = sbc_message_bytes(params, p)
+    mask, latent = lgc_sizes(params, k)
     out = []
     for n in ns:
         out.append({
             "n": n,
             "fp32": ring_allreduce_bytes(n, 4 * params),
-            f"thc:{bits}": ring_allreduce_bytes(n, THCCodec(bits, 1024, 0, n).wire_bytes(params)),
+            f"thc:{bits}": ring_allreduce_bytes(n, THCCodec(bits, block_size, 0, n).wire_bytes(params)),
             "sbc": (n - 1) * message / delay,
-            "lgc": (4 * kk if n > 1 else 0) + ring_allreduce_bytes(n, 4 * latent + 4),
+            "lgc": (mask if n > 1 else 0) + ring_allreduce_bytes(n, 4 * latent + 4),
         })
     return out
 

@@ -133,6 +133,84 @@ def predict(methods, workers, C: float, W: float, alpha: float, beta: float, fix
     return rows
 
 
+def broadcast_s(n: int, nbytes: float, alpha: float, beta: float) -> float:
+    """Pipelined broadcast of ``nbytes`` from one rank: ``(n - 1) alpha + nbytes / beta``."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * alpha + nbytes / beta
+
+
+def baseline_traffic(baselines, workers, W: float, alpha: float, beta: float, bits: int = 4,
+                     block_size: int = 1024) -> list[dict]:
+    r"""Traffic per rank and step against ``M`` for fp32, THC (``bits``) and the benchmark
+    baselines SBC and LGC-RAR (``baselines``: :class:`hhook.profile.methods.Method` of kind
+    ``sbc``/``lgc``, options as in ``train --methods``), for ``W`` bytes of float32 gradients.
+
+    Bytes are those one rank **receives** per step under ring collectives, from
+    :func:`hhook.baselines.traffic.rows` (SBC's all-gather grows with ``M``; THC's and
+    LGC-RAR's allreduce do not, beyond THC's lane width). Communication time per step
+    (alpha-beta, as the ring table; codec time not modelled)::
+
+        fp32, thc: ring allreduce of 4 N bytes or of THC's wire bytes at M
+        sbc: (allgather(8 B lengths) + allgather(message)) / delay
+        lgc: broadcast(mask) + ring allreduce(one float, MAX) + ring allreduce(latents)
+    """
+    from ..baselines import traffic
+
+    params = max(1, int(W) // 4)
+    thc = f"thc:{bits}"
+    opts = {b.name: dict(b.options) for b in baselines}
+    out = []
+    for M in workers:
+        words = THCCodec(bits, block_size, 0, M).wire_bytes(params)
+        comm = {"fp32": ring_allreduce_s(M, 4 * params, alpha, beta), thc: ring_allreduce_s(M, words, alpha, beta)}
+        sent = {"fp32": 4 * params, thc: words}  # payload a rank hands to the collectives per step
+        recv = {}
+        base = traffic.rows(params, [M], bits=bits, block_size=block_size)[0]
+        recv["fp32"], recv[thc] = base["fp32"], base[thc]
+        for b in baselines:
+            o = b.options
+            if b.kind == "sbc":
+                recv[b.name] = traffic.rows(params, [M], p=o["p"], delay=o["delay"], bits=bits,
+                                            block_size=block_size)[0]["sbc"]
+                msg = traffic.sbc_message_bytes(params, o["p"])
+                comm[b.name] = (allgather_s(M, 8, alpha, beta) + allgather_s(M, msg, alpha, beta)) / o["delay"]
+                sent[b.name] = (8 + msg) / o["delay"]
+            elif b.kind == "lgc":
+                recv[b.name] = traffic.rows(params, [M], k=o["k"], bits=bits, block_size=block_size)[0]["lgc"]
+                mask, latent = traffic.lgc_sizes(params, o["k"])
+                comm[b.name] = (broadcast_s(M, mask, alpha, beta) + ring_allreduce_s(M, 4, alpha, beta)
+                                + ring_allreduce_s(M, 4 * latent, alpha, beta))
+                sent[b.name] = mask + 4 + 4 * latent
+            else:
+                raise ValueError(f"not a baseline: {b.name!r} (sbc or lgc)")
+        for name in comm:
+            kind = name.split(":")[0]
+            out.append({"op": "traffic", "model": "traffic", "method": name, "workers": M, "bytes": W,
+                        "recv_bytes": recv[name], "comm_us": comm[name] * 1e6, "time_us": comm[name] * 1e6,
+                        "wire_bytes": sent[name], "ratio": 4 * params / sent[name], "codec_us": None,
+                        "algbw_GBps": None, "busbw_GBps": None, "vnmse": None,
+                        "collective": {"sbc": "allgather", "lgc": "broadcast+allreduce"}.get(kind, "allreduce"),
+                        "options": opts.get(name)})
+    return out
+
+
+def traffic_table(rows: list[dict]) -> str:
+    """:func:`baseline_traffic`'s rows as text: per ``M``, MB received per rank and step and
+    the communication ms per step of each method."""
+    from .report import Column, fnum, sig, table
+
+    rows = [r for r in rows if r["op"] == "traffic"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by = {(r["workers"], r["method"]): r for r in rows}
+    cols = [Column("", "M", 5, lambda r: str(r["M"]))]
+    for m in methods:
+        w = max(8, len(m))
+        cols.append(Column(m, "MB/step", w, lambda r, m=m: sig(by[(r["M"], m)]["recv_bytes"] / 1e6, 4)))
+        cols.append(Column(m, "comm ms", w, lambda r, m=m: fnum(by[(r["M"], m)]["comm_us"] / 1e3, ".2f")))
+    return table(cols, [{"M": M} for M in dict.fromkeys(r["workers"] for r in rows)])
+
+
 def methods_from_allreduce(doc: dict, W: float) -> list[ModelMethod]:
     """Model methods from an ``allreduce --json`` document: for each method the row whose
     size is nearest ``W`` (log scale), with its codec time scaled linearly to ``W``."""

@@ -44,6 +44,10 @@ def add_parser(sub) -> None:
                     "and two-level THC; docs/topology.md)")
     md.add_argument("--scale-inputs", metavar="PATH",
                     help="measured inputs of the scale model (JSON, docs/topology-inputs.json); with --layouts")
+    md.add_argument("--baselines", default="sbc,lgc", metavar="LIST",
+                    help="benchmark baselines whose traffic per rank and step against M is predicted next to "
+                    "fp32 and THC: sbc[:p=P][:delay=H], lgc[:k=K] (as in train --methods; docs/baselines.md); "
+                    "'' for none (default sbc,lgc)")
     md.add_argument("--plot-models", choices=("ring", "paper", "both"), default="ring",
                     help="models drawn in the speedup panel (default ring: the one that applies to "
                     "allreduce, hence to hhook; both tables are printed and in --json either way)")
@@ -103,8 +107,16 @@ def check(args, env) -> dict:
                 methods[name] = dataclasses.replace(methods[name], encode_s=value * 1e-3, decode_s=0.0)
             else:
                 methods[name] = dataclasses.replace(methods[name], h=value)
+    baselines = []
+    if args.baselines.strip():
+        from .. import methods as method_kinds
+
+        try:
+            baselines = method_kinds.parse(args.baselines, (method_kinds.SBC, method_kinds.LGC))
+        except ValueError as e:
+            raise UsageError(f"--baselines: {e}") from None
     return {"alpha": alpha, "beta": beta, "W": W, "C": args.compute_ms * 1e-3, "methods": list(methods.values()),
-            "link_doc": link_doc, "ar_doc": ar_doc, "rank0": env.rank == 0}
+            "link_doc": link_doc, "ar_doc": ar_doc, "rank0": env.rank == 0, "baselines": baselines}
 
 
 def run(args, cfg) -> int:
@@ -133,6 +145,25 @@ def _predict(args, cfg) -> tuple[dict, list[dict]]:
     say("# Paper model: T = h C/M + rho M W/chi, rho = 1/ratio, chi = beta (no latency, no codec time)")
     say(report.model_table(rows, "paper"))
     say(report.model_disagreement(rows))
+    if cfg.get("baselines"):
+        traffic = models.baseline_traffic(cfg["baselines"], sorted(set(args.workers)), W, alpha, beta, args.bits,
+                                          args.block_size)
+        say("#")
+        say(f"# Traffic per rank and step against M, {int(W) // 4} float32 gradients (hhook.baselines.traffic):")
+        say("# MB one rank receives (ring collectives) and communication ms (alpha-beta; codec time not modelled)")
+        for b in cfg["baselines"]:
+            o = b.options
+            if b.kind == "sbc":
+                from ...baselines.golomb import expected_bits_per_position
+
+                say(f"#   {b.name}: all-gather every {o['delay']} steps, Golomb-coded positions at "
+                    f"{expected_bits_per_position(o['p']):.2f} bits (p = {o['p']:g}): grows with M")
+            else:
+                say(f"#   {b.name}: LGC-RAR compressed phase (k = {o['k']:g}): mask broadcast + allreduce "
+                    "of k/4 latents: bounded (patented)")
+        say(f"#   thc:{args.bits}: allreduce of the lane words (lane width grows with log2 M only)")
+        say(models.traffic_table(traffic))
+        rows = rows + traffic
     if args.plot:
         panels = []
         link_doc, ar_doc = cfg["link_doc"], cfg["ar_doc"]

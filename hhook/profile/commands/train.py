@@ -208,6 +208,9 @@ def footer(rows: list[dict], args) -> list[str]:
     for r in rows:
         if r.get("bytes_mismatch"):
             lines.append(f"# WARNING {r['method']}: bytes counted disagree with THC's stats: {r['bytes_mismatch'][0]}")
+    from ...baselines.harness import phase_line  # LGC's phases (steps per phase), not only in --json
+
+    lines += [line for line in map(phase_line, rows) if line]
     missed = [r["method"] for r in rows if r["status"] == "ok" and r["time_to_target_s"] is None]
     if missed:
         lines.append(f"# target accuracy {args.target_accuracy:g} not reached in {args.steps} steps by: "
