@@ -43,6 +43,11 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     if isinstance(bucket, tuple):
         return _per_parameter(state, *bucket)
     buffer = bucket.buffer()
+    if not state._hook_checked:
+        # Before anything else, so that ranks with different options (start_iter above
+        # all: its plain iterations would pair one rank's SUM with another's MAX) fail
+        # on every rank rather than mis-pair collectives.
+        state.check_hook_options(buffer.device)
     if state.iter < state.start_iter or buffer.is_sparse:
         fut = dense_allreduce(state, buffer)
     else:
@@ -95,8 +100,8 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", **options) 
     """
     options.setdefault("process_group", getattr(ddp_model, "process_group", None))
     state = THCState(**options)
-    if state.topology != "flat":
-        state.node_layout()
+    if dist.is_initialized():
+        state.node_layout()  # on every rank, here: a layout that cannot hold raises now
     ddp_model.register_comm_hook(state, thc_hook)
     for param in ddp_model.parameters():
         warm_up(param.device)  # compile the fused codec now, not in the first backward pass

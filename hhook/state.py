@@ -18,7 +18,7 @@ from .errors import ConfigMismatchError
 from .scales import ScalePolicy
 from .sequencer import Sequencer
 from .stats import Counters, two_level_stats
-from .topology import Topology, TopologyError, auto_bits, detect_topology, flat_topology
+from .topology import Topology, TopologyError, auto_bits, detect_topology
 
 #: The scale policies (:mod:`hhook.scales`): agree on each step's maxima (two
 #: collectives; never clips; the default), or predict them from the previous step (one
@@ -115,6 +115,7 @@ class THCState:
         "_pending",
         "_defer_on_cpu",
         "_topo",
+        "_hook_checked",
     ]
 
     _PICKLED = (
@@ -184,6 +185,7 @@ class THCState:
         self._pending = []
         self._defer_on_cpu = False  # tests: run the GPU's deferred checks on CPU tensors
         self._topo = None
+        self._hook_checked = False
 
     def __getstate__(self):
         # Like PowerSGDState: a process group cannot be pickled; the default one is used after loading.
@@ -246,9 +248,9 @@ class THCState:
     def node_layout(self) -> Topology:
         """The node layout of ``process_group`` under the ``topology`` option, found once.
 
-        ``"flat"`` needs no communication. Otherwise, the first call (on every rank, at
-        the same point of the program: it creates process groups) runs
-        :func:`~hhook.topology.detect_topology`, checks it against the layout a
+        The first call (on every rank, at the same point of the program: it may create
+        process groups) runs :func:`~hhook.topology.detect_topology` (one small
+        all-gather, also for ``"flat"``, so ranks that disagree fail together), checks it against the layout a
         checkpoint was saved with, and for two-level builds :attr:`inter`, the THC state
         of this rank's shard between nodes (same options; ``bits="auto"`` sized for the
         node count). Raises :class:`~hhook.topology.TopologyError` on every rank alike.
@@ -256,10 +258,10 @@ class THCState:
         if self._topo is None:
             if not dist.is_initialized():
                 raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")
-            if self.topology == "flat":
-                topo = flat_topology(self.world_size, self.rank, group=self.process_group)
-            else:
-                topo = detect_topology(self.process_group, ranks_per_node=self.topology)
+            # One small all-gather even for "flat": ranks that disagree on the layout then
+            # raise TopologyError together instead of one rank waiting in a collective
+            # the others never start.
+            topo = detect_topology(self.process_group, ranks_per_node=self.topology)
             topo.check_record(self._saved_layout)
             if topo.two_level:
                 if self.inter is None:
@@ -347,6 +349,18 @@ class THCState:
                 f"{self.describe()} (codec {codec.describe()}). Every rank must build THCState "
                 "with the same options."
             )
+
+    def check_hook_options(self, device: torch.device) -> None:
+        """The DDP hook's first call, on every rank, before its first collective: the node
+        layout, then the options handshake over the whole group (its plain iterations
+        before ``start_iter`` depend on the options as much as the compressed ones)."""
+        if self.world_size == 1:
+            pass  # nothing is sent, nothing can mismatch
+        elif self.node_layout().two_level:
+            self.check_options(self.process_group, device)
+        else:
+            self.handshake(device)
+        self._hook_checked = True
 
     def second_group(self, device: torch.device) -> SecondGroup:
         return self._second[device.type]

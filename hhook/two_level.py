@@ -278,10 +278,15 @@ def two_level_allreduce_async(
 
         inter_seq.launch(inter_ticket, launch)
 
-    if shm:  # a barrier: every rank of the node has written its row
-        work = dist.all_reduce(torch.zeros(1), group=topo.intra_group, async_op=True)
-    else:
-        work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
+    try:
+        if shm:  # a barrier: every rank of the node has written its row
+            work = dist.all_reduce(torch.zeros(1), group=topo.intra_group, async_op=True)
+        else:
+            work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
+    except BaseException:
+        inter_seq.launch(inter_ticket, None)  # later tensors must not wait for this one's turn
+        gather_seq.launch(gather_ticket, None)
+        raise
     work.get_future().then(after_scatter)
     return result
 

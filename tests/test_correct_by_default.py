@@ -61,7 +61,7 @@ def test_mean_of_many_compressed_results_is_the_exact_mean(world, case, scales):
     sigma = float(per_draw.std())
     bound = 3 * sigma / math.sqrt(DRAWS) + 1e-6 * exact
     assert abs(float(per_draw.mean()) - exact) <= bound, (float(per_draw.mean()), exact, bound)
-    assert sigma > 0 or scales == "agreed"  # compressed, not sent exact
+    assert sigma > 0  # compressed (random rounding), not sent exact
 
 
 class MLP(torch.nn.Module):
@@ -256,6 +256,71 @@ def test_schedule_options_are_part_of_the_handshake(option, values):
         assert message is not None and "different THC options" in message
 
 
+def _ddp_mismatch_worker(rank, world, option, values):
+    """The same through DDP's hook: the check comes before the plain iterations (a rank
+    with another start_iter would pair its plain SUM with a peer's MAX)."""
+    from hhook.topology import TopologyError
+
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(20, 20))
+    try:
+        hhook.register(ddp, **{"bits": 4, option: values[rank]})
+        for _ in range(4):
+            ddp(torch.randn(8, 20)).sum().backward()
+    except (hhook.ConfigMismatchError, TopologyError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.parametrize(
+    "option,values",
+    [("scales", ("agreed", "predicted")), ("chunk_mb", (0, 1)), ("start_iter", (2, 3)),
+     ("error_feedback", (False, True)), ("bits", (4, 3)), ("topology", ("flat", "auto"))],
+)
+def test_ranks_with_different_options_fail_together_under_ddp(option, values):
+    for message in run_world(_ddp_mismatch_worker, 2, option, values, timeout=90):
+        assert message is not None, option
+        assert ("different THC options" in message) if option != "topology" else ("disagree" in message), message
+
+
+def _max_launch_raises_worker(rank, world):
+    """A MAX whose launch raises on the caller's thread: its ticket must be skipped, or
+    every later tensor waits for it forever."""
+    import time
+
+    state = hhook.THCState(bits=4)
+    hhook.thc_allreduce(torch.randn(3000), state, key="a")  # handshake and second communicator built
+    real = dist.all_reduce
+    armed = [True]
+
+    def flaky(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if armed[0] and op == dist.ReduceOp.MAX:
+            armed[0] = False
+            raise RuntimeError("simulated launch failure")
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = flaky
+    try:
+        try:
+            hhook.thc_allreduce(torch.randn(3000), state, key="a")
+            first = "ok"
+        except RuntimeError as e:
+            first = str(e)
+        fut = hhook.thc_allreduce_async(torch.randn(3000), state, key="a")
+        start = time.time()
+        while not fut.done() and time.time() - start < 20:
+            time.sleep(0.05)
+        second = "done" if fut.done() else "stuck after 20 s"
+    finally:
+        dist.all_reduce = real
+    return first, second
+
+
+def test_a_max_launch_that_raises_does_not_hold_back_later_tensors():
+    for first, second in run_world(_max_launch_raises_worker, 2, timeout=90):
+        assert first == "simulated launch failure" and second == "done", (first, second)
+
+
 def _mismatch_worker(rank, world, option, values):
     state = hhook.THCState(**{option: values[rank]})
     try:
@@ -303,6 +368,83 @@ def _failure_worker(rank, world, scales, when):
 def test_a_rank_local_failure_raises_on_every_rank(scales, when):
     results = run_world(_failure_worker, 3, scales, when, timeout=60)
     assert results == [["peer", "ok"], ["own", "ok"], ["peer", "ok"]]
+
+
+def _deferred_failure_worker(rank, world):
+    """The GPU path (agreed scales read nothing on the host; emulated on CPU): a peer's
+    failure decodes to NaN and surfaces as ConfigMismatchError at the synchronising point."""
+    from hhook import codec as codec_module
+
+    state = hhook.THCState(bits=4)
+    state._defer_on_cpu = True
+    original = codec_module.THCCodec.quantize
+
+    def boom(self, *args, **kwargs):
+        raise _Boom("simulated out of memory")
+
+    outcome = []
+    for attempt in range(2):
+        if rank == 1 and attempt == 0:
+            codec_module.THCCodec.quantize = boom
+        t = torch.randn(4000)
+        try:
+            hhook.thc_allreduce(t, state, key="w")
+            outcome.append("ok" if bool(torch.isfinite(t).all()) else "nan")
+        except _Boom:
+            outcome.append("own")
+        except hhook.ConfigMismatchError as e:
+            outcome.append("peer: " + ("failed while encoding" in str(e)) * "named")
+        finally:
+            codec_module.THCCodec.quantize = original
+    return outcome
+
+
+def test_a_rank_local_failure_on_the_deferred_path_raises_on_every_rank():
+    assert run_world(_deferred_failure_worker, 2, timeout=60) == [["peer: named", "ok"], ["own", "ok"]]
+
+
+class _Bucket:
+    """What thc_hook reads of DDP's GradBucket."""
+
+    def __init__(self, buffer, params, index=0):
+        self._buffer, self._params, self._index = buffer, params, index
+
+    def buffer(self):
+        return self._buffer
+
+    def parameters(self):
+        return self._params
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return True
+
+
+def _hook_layout_worker(rank, world):
+    """DDP's rebuilt buckets: the same index and length holding other parameters must not
+    inherit the old ones' residual (the hook passes the bucket's parameter layout)."""
+    state = hhook.THCState(bits=4, error_feedback=True, start_iter=2)
+    state.iter = 2  # past the plain iterations
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hhook.scales").addHandler(handler)
+    logging.getLogger("hhook.scales").setLevel(logging.INFO)
+    first = [torch.zeros(30, 100), torch.zeros(1000)]  # 4000 coordinates either way
+    second = [torch.zeros(40, 100)]
+    hhook.thc_hook(state, _Bucket(torch.randn(4000), first)).wait()
+    hhook.thc_hook(state, _Bucket(torch.randn(4000), first)).wait()
+    kept = len(records)
+    hhook.thc_hook(state, _Bucket(torch.randn(4000), second)).wait()
+    key = state.policy("agreed").keys[0]
+    return kept, len(records), key.layout == (((40, 100), "torch.float32"),)
+
+
+def test_the_hook_resets_a_bucket_whose_parameters_changed():
+    for kept, after, layout in run_world(_hook_layout_worker, 2, timeout=60):
+        assert (kept, after, layout) == (0, 1, True)
 
 
 def _layout_worker(rank, world, scales):
