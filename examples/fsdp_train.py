@@ -5,10 +5,11 @@
     torchrun --nproc-per-node 2 examples/fsdp_train.py --mode bf16     # plain FSDP2, bf16 reduce
 
 Runs on CPU with Gloo. Trains an MLP on a synthetic teacher task and prints the final
-loss, the mean step time (after warm-up) and the bytes this rank handed to the gradient
-reduce-scatter (THC: codes + scales from ``state.stats()``; plain: the padded dense
-buffer FSDP reduces, counted from the parameter shapes, NCCL's semantics: one
-reduce-scatter input per call).
+loss, the mean step time (after warm-up) and the bytes this rank handed per step to the
+gradient reduce-scatters (their input: FSDP's padded buffer, or hhook's messages; plus
+hhook's MAX round of the scales) and to the parameter all-gathers (their output), counted
+at the collectives (:func:`hhook.profile.counting.collective_bytes`, NCCL's semantics:
+Gloo's emulated reduce-scatter moves about twice as much).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import hhook
 import hhook.fsdp
+from hhook.profile.counting import collective_bytes
 
 
 def main() -> None:
@@ -42,21 +44,21 @@ def main() -> None:
         torch.nn.Linear(args.width, args.width), torch.nn.ReLU(),
         torch.nn.Linear(args.width, 10),
     )
-    dense_rs_bytes = 0
     mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if args.mode == "bf16" else MixedPrecisionPolicy()
     for layer in model:
         if any(True for _ in layer.parameters()):
             fully_shard(layer, mp_policy=mp)
-            for p in layer.parameters():
-                rows = -(-p.shape[0] // world) * world
-                dense_rs_bytes += rows * (p.numel() // p.shape[0]) * (2 if args.mode == "bf16" else 4)
     fully_shard(model, mp_policy=mp)
     state = hhook.fsdp.register(model, bits=args.bits) if args.mode == "thc" else None
 
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1 + rank)
     times = []
+    counter = {"bytes": 0, "reduce_scatter": 0, "all_gather": 0}
+    counting = collective_bytes(counter)
     for step in range(args.steps):
+        if step == args.warmup:
+            counting.__enter__()  # count the timed steps only
         x = torch.randn(64, 256, generator=g)
         y = teacher(x).detach()
         t0 = time.perf_counter()
@@ -65,20 +67,18 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-        if step == args.warmup - 1 and state is not None:
-            state.reset_stats()
+    counting.__exit__(None, None, None)
     x = torch.randn(1024, 256, generator=torch.Generator().manual_seed(99))
     with torch.no_grad():
         final = torch.nn.functional.mse_loss(model(x), teacher(x)).item()
     measured = args.steps - args.warmup
-    if state is not None:
-        rs_bytes = state.stats()["wire_bytes"] / measured
-    else:
-        rs_bytes = dense_rs_bytes
+    rs_bytes = (counter["bytes"] - counter["all_gather"]) / measured  # reduce-scatters + hhook's MAX rounds
+    ag_bytes = counter["all_gather"] / measured
     step_ms = 1000 * sum(times[args.warmup:]) / measured
     if rank == 0:
         print(f"mode={args.mode} world={world} steps={args.steps} final_loss={final:.5f} "
-              f"step_ms={step_ms:.1f} reduce_scatter_bytes_per_step={rs_bytes:.0f}")
+              f"step_ms={step_ms:.1f} reduce_scatter_bytes_per_step={rs_bytes:.0f} "
+              f"all_gather_bytes_per_step={ag_bytes:.0f}")
     dist.barrier()  # plain FSDP2 on Gloo sometimes aborts at exit without it (torch 2.13)
     dist.destroy_process_group()
 

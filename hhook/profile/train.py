@@ -32,6 +32,14 @@ gradients, 4 bytes per parameter per step. THC's count is checked against its
 
 The methods train can run are :data:`KINDS` (their grammar, :mod:`hhook.profile.methods`)
 and :data:`ATTACH` (how the child attaches each kind to DDP).
+
+``--parallel fsdp`` trains with FSDP2 instead of DDP (:func:`attach_fsdp`: ``fully_shard``
+on every top-level child with parameters and on the root, one 1-D mesh of every rank):
+fp32 is plain FSDP2, bf16 FSDP2 with ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``,
+thc ``hhook.fsdp.register``. Every collective then runs in Python and is counted: the
+reduce-scatters' input (hhook's: its messages) and the all-gathers' output separately
+(:mod:`hhook.profile.counting`), besides the total; every rank takes part in the
+evaluation's forward (its all-gathers), outside the clock and the step's bytes.
 """
 
 from __future__ import annotations
@@ -238,6 +246,48 @@ ATTACH = {"fp32": _nothing, "fp16": _fp16, "bf16": _bf16, "powersgd": _powersgd,
           "sbc": _nothing, "lgc": _nothing}
 
 
+#: Methods ``--parallel fsdp`` runs: plain FSDP2 (fp32 reduce), FSDP2 with a bfloat16 reduce
+#: (``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``) and hhook.fsdp (agreed scales, flat).
+FSDP_KINDS = ("fp32", "bf16", "thc")
+
+
+def check_fsdp_method(method) -> None:
+    """ValueError (one line) for a method ``--parallel fsdp`` cannot run."""
+    if method.kind not in FSDP_KINDS:
+        raise ValueError(f"--parallel fsdp runs {', '.join(FSDP_KINDS)} (plain FSDP2, FSDP2 with a bf16 reduce, "
+                         f"hhook.fsdp), not {method.name!r}")
+    if method.kind == "thc" and method.scales == "predicted":
+        raise ValueError(f"{method.name}: hhook.fsdp supports agreed scales only (a reduce-scatter leaves chunk j's "
+                         "sums on rank j alone, so predicted scales would need an extra round; see docs/fsdp.md)")
+    if method.kind == "thc" and method.topology not in (None, "flat"):
+        raise ValueError(f"{method.name}: hhook.fsdp has no two-level reduce-scatter (topology=flat only)")
+
+
+def attach_fsdp(method: dict, model, seed: int, device):
+    """Shard ``model`` with FSDP2 (``fully_shard`` on every top-level child that holds
+    parameters, then the root) with the method's reduce, on a 1-D mesh of every rank;
+    returns the THC state or None."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if method["kind"] == "bf16" else MixedPrecisionPolicy()
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    if method["kind"] != "thc":
+        return None
+    import hhook.fsdp
+
+    options = {"bits": method["bits"], "seed": seed}
+    if method["chunk_mb"] is not None:
+        options["chunk_mb"] = method["chunk_mb"]
+    return hhook.fsdp.register(model, **options)
+
+
 def _split_bytes(state) -> tuple[int, int] | None:
     """A THC state's bytes so far inside and between nodes (0 until it is two-level); None without one."""
     if state is None:
@@ -306,9 +356,14 @@ def worker(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     model = task.build().to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     method = spec["method"]
-    state = ATTACH[method["kind"]](method, ddp, spec["seed"])
+    fsdp = spec.get("parallel", "ddp") == "fsdp"
+    if fsdp:  # the FSDPModule is the model itself: its forward all-gathers, its backward reduce-scatters
+        state = attach_fsdp(method, model, spec["seed"], device)
+        ddp = model
+    else:
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        state = ATTACH[method["kind"]](method, ddp, spec["seed"])
     beat("model")
     opt = torch.optim.SGD(ddp.parameters(), lr=spec["lr"], momentum=0.9)
     baseline = None
@@ -323,12 +378,14 @@ def worker(spec: dict) -> dict:
 
     step_s, step_bytes, evals = [], [], []
     split = {"intra": [], "inter": []}  # two-level THC: each step's bytes inside and between nodes (its stats)
-    counter = {"bytes": 0}
+    kinds = {"reduce_scatter": [], "all_gather": []}  # FSDP2: each step's reduce-scatter and all-gather bytes
+    counter = {"bytes": 0, "reduce_scatter": 0, "all_gather": 0}
     clock = 0.0
     beat("step 0")
     with collective_bytes(counter):
         for step, idx in enumerate(batches(mine, spec["batch_size"], None), start=1):
             before = counter["bytes"]
+            kinds_before = {k: counter[k] for k in kinds}
             split_before = _split_bytes(state)
             sync()
             t0 = time.perf_counter()
@@ -344,21 +401,29 @@ def worker(spec: dict) -> dict:
             clock += dt
             step_s.append(dt)
             step_bytes.append(counter["bytes"] - before)
+            for k in kinds:
+                kinds[k].append(counter[k] - kinds_before[k])
             if state is not None:
                 for where, after, then in zip(("intra", "inter"), _split_bytes(state), split_before):
                     split[where].append(after - then)
             beat(f"step {step}")
             if step % spec["eval_every"] == 0 or step == spec["steps"]:
-                if rank == 0:
+                if fsdp:  # every rank takes part in the forward's all-gathers; rank 0 records
+                    accuracy = evaluate()
+                    if rank == 0:
+                        evals.append({"step": step, "time_s": clock, "accuracy": accuracy, "loss": loss.item()})
+                elif rank == 0:
                     evals.append({"step": step, "time_s": clock, "accuracy": evaluate(), "loss": loss.item()})
                 dist.barrier()
             if step == spec["steps"]:
                 break
-    if method["kind"] == "fp32":
+    if method["kind"] == "fp32" and not fsdp:
         step_bytes = [4 * n_params] * len(step_s)  # DDP reduces in C++, past the Python collectives
     result = {"status": "ok", "rank": rank, "params": n_params, "step_s": step_s, "step_bytes": step_bytes,
-              "bytes_counted": method["kind"] != "fp32", "evals": evals, "train_s": clock,
+              "bytes_counted": fsdp or method["kind"] != "fp32", "evals": evals, "train_s": clock,
               "final_accuracy": evals[-1]["accuracy"] if evals else None, "final_loss": loss.item()}
+    if fsdp:
+        result["step_rs_bytes"], result["step_ag_bytes"] = kinds["reduce_scatter"], kinds["all_gather"]
     if baseline is not None:
         result["baseline_stats"] = baseline.stats()
         if baseline.step_bytes != step_bytes:  # the counter misses broadcasts (LGC's mask): the method's own count
@@ -372,6 +437,10 @@ def worker(spec: dict) -> dict:
             if stats["inter_wire_bytes"] > sum(step_bytes):
                 result["bytes_mismatch"] = (f"counted {sum(step_bytes)} B, fewer than the {stats['inter_wire_bytes']} B "
                                             "THC stats say crossed nodes")
+        elif fsdp:  # THC's stats: its reduce-scatters, MAX rounds and handshakes; not FSDP's all-gathers
+            counted = sum(step_bytes) - sum(kinds["all_gather"])
+            if stats["wire_bytes"] != counted:
+                result["bytes_mismatch"] = f"counted {counted} B besides all-gathers, THC stats say {stats['wire_bytes']} B"
         elif stats["wire_bytes"] != sum(step_bytes):
             result["bytes_mismatch"] = f"counted {sum(step_bytes)} B, THC stats say {stats['wire_bytes']} B"
     dist.barrier()  # destroying the group under a peer still talking aborts Gloo at random

@@ -80,6 +80,10 @@ def add_parser(sub) -> None:
                     "(default 120)")
     tr.add_argument("--strict", action="store_true",
                     help="exit 1 if a method hung or failed, or missed the target accuracy")
+    tr.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                    help="data parallelism: ddp (DistributedDataParallel, default) or fsdp (FSDP2 fully_shard per "
+                    "top-level layer and the root; methods fp32 = plain FSDP2, bf16 = bfloat16 reduce, "
+                    "thc[:BITS] = hhook.fsdp; reduce-scatter and all-gather bytes reported separately)")
     add_output_options(tr)
 
 
@@ -93,6 +97,12 @@ def check(args, env) -> dict:
         methods = train.parse_methods(args.methods, args.powersgd_rank)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if getattr(args, "parallel", "ddp") == "fsdp":
+        for method in methods:
+            try:
+                train.check_fsdp_method(method)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
     if args.warmup >= args.steps:
         raise UsageError(f"--warmup must be in 0..steps-1 (steps {args.steps}), got {args.warmup}")
     batch = task.batch_size if args.batch_size is None else args.batch_size
@@ -130,6 +140,7 @@ def summarize(method: Method, status: str, message: str, results: list[dict], wa
         return [sum(r[key][warmup:]) / len(r[key][warmup:]) for r in results] if key in r0 else None
 
     per_rank_bytes = per_step("step_bytes")
+    rs, ag = per_step("step_rs_bytes"), per_step("step_ag_bytes")  # --parallel fsdp
     intra, inter = per_step("step_intra_bytes"), per_step("step_inter_bytes")
     row.update(
         params=r0["params"], steps=len(r0["step_s"]), warmup=warmup,
@@ -145,6 +156,8 @@ def summarize(method: Method, status: str, message: str, results: list[dict], wa
         evals=r0["evals"], thc_stats=[r.get("thc_stats") for r in results] if "thc_stats" in r0 else None,
         baseline_stats=[r.get("baseline_stats") for r in results] if "baseline_stats" in r0 else None,
         bytes_mismatch=[r["bytes_mismatch"] for r in results if "bytes_mismatch" in r] or None,
+        rs_bytes_per_step=rs[0] if rs else None, ag_bytes_per_step=ag[0] if ag else None,
+        rs_bytes_per_step_per_rank=rs, ag_bytes_per_step_per_rank=ag,
     )
     return row
 
@@ -199,12 +212,21 @@ def footer(rows: list[dict], args) -> list[str]:
     lines = [f"# step = forward + backward + optimizer step on rank 0, median and p90 after {args.warmup} "
              f"warm-up steps; s to {args.target_accuracy * 100:g}% = training time (eval excluded) until the "
              f"first evaluation (every {args.eval_every} steps) reaching it"]
-    lines.append("# MB/rank/step: tensors handed to torch.distributed collectives (fp32: 4 B per parameter, "
-                 "reduced in C++)")
+    if getattr(args, "parallel", "ddp") == "fsdp":
+        lines.append("# MB/rank/step: tensors handed to torch.distributed collectives (FSDP2: every one counted; "
+                     "reduce-scatter input and all-gather output, NCCL's semantics: Gloo's emulated reduce-scatter "
+                     "moves about twice that)")
+    else:
+        lines.append("# MB/rank/step: tensors handed to torch.distributed collectives (fp32: 4 B per parameter, "
+                     "reduced in C++)")
     for r in rows:
         if r.get("inter_bytes_per_step") is not None:
             lines.append(f"# {r['method']}: two-level, per rank and step {sig(r['intra_bytes_per_step'] / 1e6, 4)} MB "
                          f"inside the node, {sig(r['inter_bytes_per_step'] / 1e6, 4)} MB between nodes (THC's stats)")
+    for r in rows:
+        if r.get("rs_bytes_per_step") is not None:
+            lines.append(f"# {r['method']}: FSDP2, per rank and step {sig(r['rs_bytes_per_step'] / 1e6, 4)} MB "
+                         f"reduce-scatter input, {sig(r['ag_bytes_per_step'] / 1e6, 4)} MB all-gather output")
     for r in rows:
         if r.get("bytes_mismatch"):
             lines.append(f"# WARNING {r['method']}: bytes counted disagree with THC's stats: {r['bytes_mismatch'][0]}")
@@ -278,7 +300,8 @@ def run(args, cfg) -> int:
             say(report.header(m))
             say(f"# command: hhook-profile {' '.join(sys.argv[1:])}")
             say(f"# model {task.name}: {task.summary}; digits, batch {cfg['batch_size']} per rank, SGD lr "
-                f"{cfg['lr']:g} momentum 0.9, {args.steps} steps, {args.backend}, {args.threads} thread(s) per rank")
+                f"{cfg['lr']:g} momentum 0.9, {args.steps} steps, {args.backend}, {args.threads} thread(s) per rank, "
+                f"{'FSDP2' if args.parallel == 'fsdp' else 'DDP'}")
             say(f"# methods run one at a time in child processes (rendezvous {master_addr}); "
                 f"a method without progress for {args.timeout:g} s is killed")
         rows = []
@@ -289,7 +312,7 @@ def run(args, cfg) -> int:
                     "master_addr": master_addr, "port": port, "backend": args.backend,
                     "threads": args.threads, "seed": args.seed, "task": task.name, "lr": cfg["lr"],
                     "batch_size": cfg["batch_size"], "steps": args.steps, "eval_every": args.eval_every,
-                    "pg_timeout_s": args.timeout, "data_path": data_path}
+                    "pg_timeout_s": args.timeout, "data_path": data_path, "parallel": args.parallel}
             mine = train.run_child(spec, workdir, args.timeout)
             train.quiet_barrier(control)
             results = control.allgather_object(mine)
