@@ -287,3 +287,32 @@ def test_fsdp_reports_reduce_scatter_and_all_gather_bytes(tmp_path):
         assert len(r["rs_bytes_per_step_per_rank"]) == 2 and r["final_accuracy"] > 0.3
     assert thc["bytes_mismatch"] is None and thc["thc_stats"][0]["compressed_calls"] > 0
     assert sum(ln.startswith("# thc:4: FSDP2, per rank and step") for ln in proc.stdout.splitlines()) == 1
+
+
+def test_hsdp_trains_native_and_hhook_on_2_nodes_of_2(tmp_path):
+    """--parallel hsdp at 4 ranks as 2 nodes x 2 (LOCAL_WORLD_SIZE=2, torchrun's placement):
+    native 2-D HSDP for fp32, hhook.fsdp.register_hsdp (THC inside and across nodes) for
+    thc; both train, and THC's reduce-scatter moves fewer bytes."""
+    out = tmp_path / "train.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4", "--master-port",
+           str(free_port()), "-m", "hhook.profile", "train", "--parallel", "hsdp", "--ranks-per-node", "2", "--model", "mlp",
+           "--methods", "fp32,thc:4", "--steps", "8", "--warmup", "2", "--eval-every", "8",
+           "--target-accuracy", "0.2", "--json", str(out)]
+    env = subprocess_env()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["fp32"]["status"] == rows["thc:4"]["status"] == "ok", rows
+    assert rows["thc:4"]["rs_bytes_per_step"] * 3 < rows["fp32"]["rs_bytes_per_step"]
+    assert rows["thc:4"]["final_accuracy"] > 0.2 and rows["fp32"]["final_accuracy"] > 0.2
+
+
+def test_hsdp_needs_nodes_of_several_ranks(monkeypatch):
+    from hhook.profile.train import hsdp_mesh
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="several nodes of several ranks"):
+        import torch.distributed as dist
+
+        monkeypatch.setattr(dist, "get_world_size", lambda *a: 4)
+        hsdp_mesh("cpu")

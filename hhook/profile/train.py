@@ -263,16 +263,39 @@ def check_fsdp_method(method) -> None:
         raise ValueError(f"{method.name}: hhook.fsdp has no two-level reduce-scatter (topology=flat only)")
 
 
-def attach_fsdp(method: dict, model, seed: int, device):
+def hsdp_mesh(device_type: str, ranks_per_node: int | None = None):
+    """The ``(replicate, shard)`` mesh of ``--parallel hsdp``: nodes of ``ranks_per_node``
+    (default ``LOCAL_WORLD_SIZE``) ranks placed node by node (torchrun, ci/netcluster.sh);
+    ValueError where that leaves one node or one rank per node."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    k = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if k < 2 or world % k or world == k:
+        raise ValueError(f"--parallel hsdp needs several nodes of several ranks (LOCAL_WORLD_SIZE={k}, "
+                         f"world {world})")
+    return init_device_mesh(device_type, (world // k, k), mesh_dim_names=("replicate", "shard"))
+
+
+def attach_fsdp(method: dict, model, seed: int, device, hsdp: bool = False, ranks_per_node: int | None = None):
     """Shard ``model`` with FSDP2 (``fully_shard`` on every top-level child that holds
-    parameters, then the root) with the method's reduce, on a 1-D mesh of every rank;
-    returns the THC state or None."""
+    parameters, then the root) with the method's reduce, on a 1-D mesh of every rank, or
+    with ``hsdp`` on the nodes (:func:`hsdp_mesh`): fp32 and bf16 as native 2-D HSDP, THC
+    as 1-D FSDP inside the node plus :func:`hhook.fsdp.register_hsdp` across nodes.
+    Returns the THC state or None."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if hsdp:
+        mesh2d = hsdp_mesh(device.type, ranks_per_node)
+        mesh = mesh2d["shard"] if method["kind"] == "thc" else mesh2d
+    else:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if method["kind"] == "bf16" else MixedPrecisionPolicy()
     for child in model.children():
         if any(True for _ in child.parameters()):
@@ -285,6 +308,8 @@ def attach_fsdp(method: dict, model, seed: int, device):
     options = {"bits": method["bits"], "seed": seed}
     if method["chunk_mb"] is not None:
         options["chunk_mb"] = method["chunk_mb"]
+    if hsdp:
+        return hhook.fsdp.register_hsdp(model, mesh2d["replicate"].get_group(), **options)[0]
     return hhook.fsdp.register(model, **options)
 
 
@@ -357,9 +382,10 @@ def worker(spec: dict) -> dict:
     model = task.build().to(device)
     n_params = sum(p.numel() for p in model.parameters())
     method = spec["method"]
-    fsdp = spec.get("parallel", "ddp") == "fsdp"
+    fsdp = spec.get("parallel", "ddp") in ("fsdp", "hsdp")
     if fsdp:  # the FSDPModule is the model itself: its forward all-gathers, its backward reduce-scatters
-        state = attach_fsdp(method, model, spec["seed"], device)
+        state = attach_fsdp(method, model, spec["seed"], device, hsdp=spec.get("parallel") == "hsdp",
+                            ranks_per_node=spec.get("ranks_per_node"))
         ddp = model
     else:
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -437,6 +463,8 @@ def worker(spec: dict) -> dict:
             if stats["inter_wire_bytes"] > sum(step_bytes):
                 result["bytes_mismatch"] = (f"counted {sum(step_bytes)} B, fewer than the {stats['inter_wire_bytes']} B "
                                             "THC stats say crossed nodes")
+        elif spec.get("parallel") == "hsdp":
+            pass  # the replica allreduce's bytes are in the second state's stats: no single count to compare
         elif fsdp:  # THC's stats: its reduce-scatters, MAX rounds and handshakes; not FSDP's all-gathers
             counted = sum(step_bytes) - sum(kinds["all_gather"])
             if stats["wire_bytes"] != counted:

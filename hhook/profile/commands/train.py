@@ -80,10 +80,14 @@ def add_parser(sub) -> None:
                     "(default 120)")
     tr.add_argument("--strict", action="store_true",
                     help="exit 1 if a method hung or failed, or missed the target accuracy")
-    tr.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
-                    help="data parallelism: ddp (DistributedDataParallel, default) or fsdp (FSDP2 fully_shard per "
+    tr.add_argument("--parallel", choices=("ddp", "fsdp", "hsdp"), default="ddp",
+                    help="data parallelism: ddp (DistributedDataParallel, default), fsdp (FSDP2 fully_shard per "
                     "top-level layer and the root; methods fp32 = plain FSDP2, bf16 = bfloat16 reduce, "
-                    "thc[:BITS] = hhook.fsdp; reduce-scatter and all-gather bytes reported separately)")
+                    "thc[:BITS] = hhook.fsdp; reduce-scatter and all-gather bytes reported separately) or hsdp "
+                    "(shard inside each node, replicate across nodes, nodes from LOCAL_WORLD_SIZE as torchrun "
+                    "places ranks: fp32/bf16 = native 2-D HSDP, thc = hhook.fsdp.register_hsdp, THC on both)")
+    tr.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                    help="--parallel hsdp: ranks per node (default: the launcher's LOCAL_WORLD_SIZE)")
     add_output_options(tr)
 
 
@@ -97,7 +101,7 @@ def check(args, env) -> dict:
         methods = train.parse_methods(args.methods, args.powersgd_rank)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if getattr(args, "parallel", "ddp") == "fsdp":
+    if getattr(args, "parallel", "ddp") in ("fsdp", "hsdp"):
         for method in methods:
             try:
                 train.check_fsdp_method(method)
@@ -212,7 +216,7 @@ def footer(rows: list[dict], args) -> list[str]:
     lines = [f"# step = forward + backward + optimizer step on rank 0, median and p90 after {args.warmup} "
              f"warm-up steps; s to {args.target_accuracy * 100:g}% = training time (eval excluded) until the "
              f"first evaluation (every {args.eval_every} steps) reaching it"]
-    if getattr(args, "parallel", "ddp") == "fsdp":
+    if getattr(args, "parallel", "ddp") in ("fsdp", "hsdp"):
         lines.append("# MB/rank/step: tensors handed to torch.distributed collectives (FSDP2: every one counted; "
                      "reduce-scatter input and all-gather output, NCCL's semantics: Gloo's emulated reduce-scatter "
                      "moves about twice that)")
@@ -301,7 +305,7 @@ def run(args, cfg) -> int:
             say(f"# command: hhook-profile {' '.join(sys.argv[1:])}")
             say(f"# model {task.name}: {task.summary}; digits, batch {cfg['batch_size']} per rank, SGD lr "
                 f"{cfg['lr']:g} momentum 0.9, {args.steps} steps, {args.backend}, {args.threads} thread(s) per rank, "
-                f"{'FSDP2' if args.parallel == 'fsdp' else 'DDP'}")
+                f"{ {'fsdp': 'FSDP2', 'hsdp': 'HSDP (FSDP2)'}.get(args.parallel, 'DDP') }")
             say(f"# methods run one at a time in child processes (rendezvous {master_addr}); "
                 f"a method without progress for {args.timeout:g} s is killed")
         rows = []
@@ -312,7 +316,8 @@ def run(args, cfg) -> int:
                     "master_addr": master_addr, "port": port, "backend": args.backend,
                     "threads": args.threads, "seed": args.seed, "task": task.name, "lr": cfg["lr"],
                     "batch_size": cfg["batch_size"], "steps": args.steps, "eval_every": args.eval_every,
-                    "pg_timeout_s": args.timeout, "data_path": data_path, "parallel": args.parallel}
+                    "pg_timeout_s": args.timeout, "data_path": data_path, "parallel": args.parallel,
+                    "ranks_per_node": args.ranks_per_node}
             mine = train.run_child(spec, workdir, args.timeout)
             train.quiet_barrier(control)
             results = control.allgather_object(mine)
