@@ -73,14 +73,21 @@ class MLP(torch.nn.Module):
         return self.net(x)
 
 
-def _compile_worker(rank, world, scales, static_graph):
+def _wide_mlp():
+    """About 4.2 MB of parameters: several buckets of 1 MB (DDP puts 3 here)."""
+    return torch.nn.Sequential(torch.nn.Linear(10, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1024), torch.nn.ReLU(),
+                               torch.nn.Linear(1024, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+
+
+def _compile_worker(rank, world, scales, static_graph, bucket_cap_mb=25):
     torch.manual_seed(0)
-    model = MLP()
-    reference = MLP()
+    build = MLP if bucket_cap_mb >= 25 else _wide_mlp
+    model = build()
+    reference = build()
     reference.load_state_dict(model.state_dict())
-    ddp = DDP(model, static_graph=static_graph)
-    plain = DDP(reference, static_graph=static_graph)
-    hhook.register(ddp, bits=8, scales=scales)
+    ddp = DDP(model, static_graph=static_graph, bucket_cap_mb=bucket_cap_mb)
+    plain = DDP(reference, static_graph=static_graph, bucket_cap_mb=bucket_cap_mb)
+    state = hhook.register(ddp, bits=8, scales=scales)
     compiled = torch.compile(ddp)
     errors = []
     for step in range(5):
@@ -93,15 +100,26 @@ def _compile_worker(rank, world, scales, static_graph):
         got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         want = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
         errors.append(float((got - want).norm() / want.norm()))
-    return errors
+    return errors, state.stats()["compressed_calls"]
 
 
 @pytest.mark.parametrize("scales", MODES)
 @pytest.mark.parametrize("static_graph", [False, True])
 def test_torch_compile_ddp_matches_plain_ddp(scales, static_graph):
-    for errors in run_world(_compile_worker, 2, scales, static_graph, timeout=400):
+    for errors, _ in run_world(_compile_worker, 2, scales, static_graph, timeout=400):
         assert errors[0] == errors[1] == 0.0  # start_iter=2: exact
         assert max(errors[2:]) < 0.05, errors  # 8 bits
+
+
+@pytest.mark.parametrize("scales", MODES)
+def test_torch_compile_ddp_with_several_buckets(scales):
+    """A 4.2 MB model in 1 MB buckets: dynamo's DDPOptimizer splits the compiled graph at
+    their boundaries and the C++ reducer hands the hook several buckets per step (the MLP
+    above fits in one bucket, so the test above never splits the graph)."""
+    for errors, calls in run_world(_compile_worker, 2, scales, False, 1, timeout=400):
+        assert calls >= 3 * 3, calls  # 3 compressed steps of 3 buckets (one per graph piece)
+        assert errors[0] == errors[1] == 0.0
+        assert max(errors[2:]) < 0.05, errors
 
 
 def _per_parameter_worker(rank, world, scales):
@@ -240,6 +258,41 @@ def _deferred_worker(rank, world):
     except hhook.ConfigMismatchError as e:
         return nan, str(e)
     return nan, None
+
+
+def _deferred_next_call_worker(rank, world):
+    state = hhook.THCState(bits=4, scales="agreed")
+    state._defer_on_cpu = True
+    t = torch.randn(1000 + rank)  # equally long messages, different fingerprints
+    hhook.thc_allreduce_async(t, state, key="w").wait()
+    try:
+        hhook.thc_allreduce_async(torch.randn(3000), state, key="v").wait()
+    except hhook.ConfigMismatchError:
+        return bool(t.isnan().all()), "next call raised"
+    return bool(t.isnan().all()), "no raise"
+
+
+def test_deferred_mismatch_raises_at_the_next_call():
+    assert run_world(_deferred_next_call_worker, 2, timeout=60) == [(True, "next call raised")] * 2
+
+
+def _deferred_nonfinite_worker(rank, world, scales):
+    state = hhook.THCState(bits=4, scales=scales)
+    state._defer_on_cpu = True  # the GPU's path: the flag is read from a copy, later
+    out = []
+    for step in range(3):
+        t = torch.randn(5000)
+        if step == 1 and rank == 1:
+            t[3] = float("inf")
+        hhook.thc_allreduce(t, state, key="w")
+        out.append((state.stats()["nonfinite_calls"], bool(t.isnan().all())))
+    return out
+
+
+@pytest.mark.parametrize("scales", MODES)
+def test_nonfinite_results_are_counted_on_the_deferred_path(scales):
+    for out in run_world(_deferred_nonfinite_worker, 2, scales, timeout=60):
+        assert out == [(0, False), (1, True), (1, False)], out
 
 
 def test_deferred_mismatch_raises_at_the_next_synchronising_point():
