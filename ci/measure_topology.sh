@@ -12,9 +12,9 @@
 #   1x2, 1x4  one node (one network namespace, its ranks on its loopback, unshaped)
 #   2x1, 2x2  two nodes joined by 1 Gbit/s links (ci/netcluster.sh)
 #
-# At 2x2 also the fp16 hook and two-level THC (topology=auto) in both scale modes: the
-# figures of docs/topology.md. Needs root, ip netns and tc (as ci/netcluster.sh); takes
-# 6-9 minutes on 2 cores. Usage: bash ci/measure_topology.sh [OUTDIR] (default docs);
+# At 2x2 also the fp16 hook and two-level THC (topology=auto) in both scale modes, and
+# hhook-profile allreduce alone: the figures of docs/topology.md. Needs root, ip netns
+# and tc (as ci/netcluster.sh); takes 7-10 minutes on 2 cores. Usage: bash ci/measure_topology.sh [OUTDIR] (default docs);
 # STEPS=N sets the steps per method (default 35, 5 of them warm-up).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +38,10 @@ run 1x2 1 2 none fp32,bf16,thc:4
 run 1x4 1 4 none fp32,bf16,thc:4
 run 2x1 2 1 1gbit fp32,bf16,thc:4
 run 2x2 2 2 1gbit fp32,fp16,bf16,thc:4,thc:4:topology=auto,thc:4:predicted:topology=auto
+# The allreduce alone on the same 2x2 cluster: the codec, flat thc_allreduce, two-level.
+bash ci/netcluster.sh launch 2 "$PY" -m hhook.profile allreduce --backend gloo --threads 1 --quiet \
+    --methods fp32,thc,thc:4:topology=flat,thc:4:topology=auto --sizes 4M,21M -n 5 -w 2 \
+    --json "$OUT/topology-allreduce-2x2.json"
 
 "$PY" - "$OUT" <<'EOF'
 """The inputs and the median step times of the runs above into docs/topology-inputs*.json."""

@@ -128,6 +128,27 @@ def test_gloo_backend_through_torch_distributed(tmp_path):
 
 
 @needs_mpi
+def test_allreduce_times_thc_allreduce_with_a_topology(tmp_path):
+    """thc:BITS:topology=K: hhook.thc_allreduce timed whole; at 2 nodes of 2 the bytes
+    between nodes are the shard's (lanes for 2 nodes), the node's copies counted apart."""
+    out = tmp_path / "topology.json"
+    proc = mpirun(4, "allreduce", "--backend", "gloo", "--sizes", "64K,256K", "-n", "2", "-w", "1", "--threads", "1",
+                  "--methods", "fp32,thc:4:topology=flat,thc:4:topology=2", "--json", str(out),
+                  "--plot", str(tmp_path / "topology.png"), timeout=180,
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
+    _ok(proc)
+    assert "B between nodes" in proc.stdout and (tmp_path / "topology.png").stat().st_size > 0
+    rows = _load(out)["results"]
+    for size in (64 << 10, 256 << 10):
+        flat, two = (next(r for r in rows if r["bytes"] == size and r["method"] == f"thc:4:topology={t}")
+                     for t in ("flat", "2"))
+        assert flat["codec_us"] is None and flat["wire_us"] is None and flat["time_us"] > 0
+        assert flat["intra_wire_bytes"] == 0 and two["intra_wire_bytes"] > 0
+        assert two["wire_bytes"] < flat["wire_bytes"] / 2, (two["wire_bytes"], flat["wire_bytes"])
+        assert flat["vnmse"] < 0.05 and two["vnmse"] < 0.05
+
+
+@needs_mpi
 @pytest.mark.parametrize(
     "np_,args,message",
     [
@@ -156,6 +177,8 @@ def test_bad_arguments_end_every_rank_with_a_message(np_, args, message):
         (["allreduce", "--bits", "0"], "bits must be an integer in 1..8"),
         (["allreduce", "--block-size", "1000"], "power of two"),
         (["allreduce", "--iters", "0"], "--iters: must be at least 1, got 0"),
+        (["allreduce", "--methods", "thc:4:topology=2"], "needs a torch.distributed backend"),
+        (["allreduce", "--methods", "thc:4:topology=0"], "topology"),
         (["link"], "link needs at least 2 ranks"),
         (["link", "--sizes", "0"], "sizes must be positive"),
         (["model", "--workers", "0,4"], "--workers: must be at least 1, got 0"),

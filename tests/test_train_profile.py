@@ -99,10 +99,11 @@ def test_one_method_grammar_for_allreduce_and_train():
     assert [(m.name, m.bits) for m in ms] == [("fp32", None), ("thc", 2), ("thc:8", 8), ("fp16", None), ("zlib", None)]
     # keyword options in any order, named in one canonical order
     assert [m.name for m in parse_methods("sbc:delay=2:p=0.1,thc:chunk=2")] == ["sbc:p=0.1:delay=2", "thc:4:chunk=2"]
-    # allreduce runs the codec alone: hhook's hook options and train's kinds are refused there, by entry
-    for bad, msg in (("thc:4:predicted", "method 'thc:4:predicted': expected thc[:BITS]"),
-                     ("fp32,thc:chunk=1", "method 'thc:chunk=1': expected thc[:BITS]"),
-                     ("bf16", "unknown method 'bf16' (known: fp32, thc[:BITS], fp16, zlib)"),
+    # allreduce runs the codec alone (or thc_allreduce with topology=): the hook's other options and
+    # train's kinds are refused there, by entry
+    for bad, msg in (("thc:4:predicted", "method 'thc:4:predicted': expected thc[:BITS][:topology=flat|auto|K]"),
+                     ("fp32,thc:chunk=1", "method 'thc:chunk=1': expected thc[:BITS][:topology=flat|auto|K]"),
+                     ("bf16", "unknown method 'bf16' (known: fp32, thc[:BITS][:topology=flat|auto|K], fp16, zlib)"),
                      ("fp32,FP32", "method 'fp32' is listed twice")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             allreduce_methods(bad, 4)
@@ -115,7 +116,7 @@ def test_one_method_grammar_for_allreduce_and_train():
         assert str(got.value) == f"method {entry!r}: {want.value}"
     with pytest.raises(ValueError, match=re.escape("method 'thc:9': bits must be an integer in 1..8")):
         allreduce_methods("thc:9", 4)
-    # topology= (THCState's): flat, auto or K ranks per node, beside chunk= in any order; not for the codec alone
+    # topology= (THCState's): flat, auto or K ranks per node, beside chunk= in any order
     ms = parse_methods("thc:4:topology=auto,thc:topology=2:chunk=1,thc:2:agreed:topology=flat")
     assert [(m.name, m.topology) for m in ms] == [("thc:4:topology=auto", "auto"), ("thc:4:chunk=1:topology=2", 2),
                                                   ("thc:2:agreed:topology=flat", "flat")]
@@ -126,8 +127,11 @@ def test_one_method_grammar_for_allreduce_and_train():
     with pytest.raises(ValueError) as got:
         parse_methods("thc:topology=0")
     assert str(got.value) == f"method 'thc:topology=0': {want.value}"
-    with pytest.raises(ValueError, match=re.escape("method 'thc:topology=auto': expected thc[:BITS]")):
-        allreduce_methods("thc:topology=auto", 4)
+    assert [(m.name, m.topology) for m in allreduce_methods("thc:topology=auto,thc:8:topology=2", 4)] == \
+        [("thc:topology=auto", "auto"), ("thc:8:topology=2", 2)]  # a bare thc keeps its name (--bits)
+    with pytest.raises(ValueError) as got:
+        allreduce_methods("thc:topology=0", 4)
+    assert str(got.value) == f"method 'thc:topology=0': {want.value}"
     # every error names the bad entry, not its neighbours
     for bad in ("fp32,thc:x", "thc:4:agreed:1", "fp16,thc:chunk=1:4", "powersgd:r", "sbc:3", "fp32,lgc:k=2", "zlib"):
         with pytest.raises(ValueError) as e:

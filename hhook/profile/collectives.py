@@ -10,6 +10,13 @@ Methods (every one produces the mean over ranks of a float32 buffer of ``S`` byt
     hhook's codec: ``prepare`` (rotate, block maxima), MAX allreduce of the float32
     scales, ``quantize`` (stochastic rounding, lane packing), SUM allreduce of the
     packed integer words, ``decode``. No rank ever decompresses a partial sum.
+``thc:BITS:topology=T`` (T flat, auto or K ranks per node; torch.distributed backends)
+    :func:`hhook.thc_allreduce` on a ``THCState(topology=T)``, keyed per size as DDP keys
+    its buckets, timed as one call (its
+    phases are not split, so codec and wire show ``-``): with several nodes, the
+    two-level schedule of :mod:`hhook.two_level`. ``wire_bytes`` is what one rank hands
+    to collectives between nodes, ``intra_wire_bytes`` what stays inside its node (the
+    state's ``stats()``), per call.
 ``fp16``
     Cast to float16, SUM allreduce in float16, cast back and divide (Horovod's
     ``Compression.fp16``).
@@ -123,7 +130,8 @@ class _Timer:
 class Runner:
     """Buffers and one timed iteration of a method at one size."""
 
-    def __init__(self, comm, method: Method, numel: int, seed: int, block_size: int, zlib_level: int, barrier: bool):
+    def __init__(self, comm, method: Method, numel: int, seed: int, block_size: int, zlib_level: int, barrier: bool,
+                 states: dict | None = None):
         self.comm, self.method, self.numel = comm, method, numel
         self.barrier = barrier
         self.seed = seed
@@ -134,8 +142,19 @@ class Runner:
         self.out = torch.empty(numel, dtype=torch.float32, device=dev)
         self.wire_bytes = 4 * numel
         self.codec = None
+        self.state = None
+        self.intra_bytes = None
         self.calls = 0
-        if method.kind == "thc":
+        if method.kind == "thc" and method.topology is not None:
+            from ..state import THCState
+
+            states = {} if states is None else states
+            if method.name not in states:  # one per method for the whole sweep: its sub-groups are made once
+                states[method.name] = THCState(bits=method.bits, block_size=block_size, seed=seed,
+                                               topology=method.topology)
+                states[method.name].node_layout()  # one all-gather, the same on every rank
+            self.state = states[method.name]
+        elif method.kind == "thc":
             self.codec = THCCodec(method.bits, block_size, seed, comm.size)
             vector = self.codec.handshake_vector(dev)
             comm.allreduce(vector, "max")
@@ -159,6 +178,20 @@ class Runner:
             timer.collective("allreduce", lambda: comm.allreduce(half, "sum"), self.barrier)
             torch.div(half.to(torch.float32), comm.size, out=self.out)
             timer.lap("decode")
+        elif self.state is not None:
+            from ..allreduce import thc_allreduce
+
+            self.out.copy_(self.x)
+            comm.sync()
+            timer = _Timer(comm)
+            before = self.state.stats()
+            # Keyed per size, as DDP keys its buckets: two-level CPU calls then reuse their
+            # node-shared memory (key=None maps fresh memory every call; docs/topology.md).
+            call = lambda: thc_allreduce(self.out, self.state, key=("allreduce", self.numel))  # noqa: E731
+            timer.collective("call", call, self.barrier)
+            after = self.state.stats()
+            self.wire_bytes = after["wire_bytes"] - before["wire_bytes"]
+            self.intra_bytes = after.get("intra_wire_bytes", 0) - before.get("intra_wire_bytes", 0)
         elif kind == "thc":
             codec = self.codec
             prepared = codec.prepare(self.x)
@@ -200,13 +233,14 @@ def measure(comm, methods, sizes, *, iters, warmup, fixed, seed=0, block_size=10
     """
     rows = []
     n = comm.size
+    states: dict = {}  # thc:...:topology= methods' THCStates, by name
     for size in sizes:
         numel = size // 4
         n_iter, n_warm = iterations(size, iters, warmup, fixed)
         refs: dict[bool, Reference] = {}
         size_rows = []
         for method in methods:
-            runner = Runner(comm, method, numel, seed, block_size, zlib_level, barrier)
+            runner = Runner(comm, method, numel, seed, block_size, zlib_level, barrier, states)
             sums: dict[str, float] = {}
             totals, walls, wires = [], [], []
             for it in range(n_warm + n_iter):
@@ -239,6 +273,8 @@ def measure(comm, methods, sizes, *, iters, warmup, fixed, seed=0, block_size=10
                 "wire_us": sum(mean.get(p, 0.0) for p in WIRE_PHASES) * 1e6,
                 "phases_us": {k: v * 1e6 for k, v in mean.items()},
                 "wire_bytes": runner.wire_bytes,
+                "intra_wire_bytes": runner.intra_bytes,
+                "split": runner.state is None,  # codec and wire timed apart
                 "wrong": wrong,
             }
             ranks = comm.allgather_object(mine)
@@ -301,6 +337,9 @@ def _row(method, size, n, n_iter, n_warm, ranks, vnmse, block_size, zlib_level) 
         "wrong": sum(r["wrong"] for r in ranks) if method.exact and ranks[0]["wrong"] is not None else None,
         "ranks": ranks,
     }
+    if not ranks[0]["split"]:  # thc_allreduce as a whole: no codec/wire split
+        row.update(codec_us=None, encode_us=None, decode_us=None, wire_us=None, topology=method.topology,
+                   intra_wire_bytes=_avg([r["intra_wire_bytes"] for r in ranks]))
     if method.kind == "thc":
         row.update(bits=method.bits, block_size=block_size)
     if method.kind == "zlib":
@@ -315,7 +354,8 @@ def _speedups(rows) -> None:
         if base is None:
             r["speedup_wire"] = r["speedup_total"] = r["speedup_wire_median"] = r["speedup_total_median"] = None
             continue
-        r["speedup_wire"] = base["time_us"] / r["wire_us"] if r["wire_us"] > 0 else None
+        split = r["wire_us"] is not None
+        r["speedup_wire"] = base["time_us"] / r["wire_us"] if split and r["wire_us"] > 0 else None
         r["speedup_total"] = base["time_us"] / r["time_us"] if r["time_us"] > 0 else None
-        r["speedup_wire_median"] = base["median_us"] / r["wire_median_us"] if r["wire_median_us"] > 0 else None
+        r["speedup_wire_median"] = base["median_us"] / r["wire_median_us"] if split and r["wire_median_us"] > 0 else None
         r["speedup_total_median"] = base["median_us"] / r["median_us"] if r["median_us"] > 0 else None

@@ -10,8 +10,8 @@ The kinds and their options::
     sbc[:p=P][:delay=H], lgc[:k=K][:dense=N][:topk=N][:ae=N]   (hhook.baselines)
 
 A subcommand passes the :class:`Kind` objects it accepts (its measurement knows how to
-run them): ``allreduce`` runs the codec directly, so its THC takes BITS only
-(:data:`THC_BITS`); ``train`` registers hhook's DDP hook and takes every THC option
+run them): ``allreduce`` runs the codec directly, so its THC takes BITS, and topology=
+to time :func:`hhook.thc_allreduce` as a whole (:data:`THC_BITS`); ``train`` registers hhook's DDP hook and takes every THC option
 (:data:`THC`). THC's options are :class:`hhook.THCState`'s (``bits``, ``scales``,
 ``chunk_mb``, ``topology``: flat, auto or K ranks per node) and are checked by it. A bad
 entry raises ValueError naming it.
@@ -199,6 +199,7 @@ FP32, FP16, BF16, ZLIB = plain("fp32"), plain("fp16"), plain("bf16"), plain("zli
 POWERSGD = Kind("powersgd", positional=("rank",), build=_powersgd, usage="powersgd[:RANK]")
 THC = Kind("thc", positional=("bits", "scales"), keywords=("chunk", "topology"), build=_thc,
            usage="thc[:BITS[:agreed|predicted]][:chunk=MB][:topology=flat|auto|K]")
-THC_BITS = Kind("thc", positional=("bits",), build=_thc, usage="thc[:BITS]")  # the codec alone
+THC_BITS = Kind("thc", positional=("bits",), keywords=("topology",), build=_thc,
+                usage="thc[:BITS][:topology=flat|auto|K]")  # allreduce: the codec, or thc_allreduce with topology=
 SBC, LGC = (Kind(name, keywords=tuple(BASELINE_OPTIONS[name]), build=_baseline, usage=BASELINE_USAGE[name])
             for name in ("sbc", "lgc"))

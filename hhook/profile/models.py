@@ -213,8 +213,9 @@ def traffic_table(rows: list[dict]) -> str:
 
 def methods_from_allreduce(doc: dict, W: float) -> list[ModelMethod]:
     """Model methods from an ``allreduce --json`` document: for each method the row whose
-    size is nearest ``W`` (log scale), with its codec time scaled linearly to ``W``."""
-    rows = [r for r in doc.get("results", []) if r.get("op") == "allreduce"]
+    size is nearest ``W`` (log scale), with its codec time scaled linearly to ``W``. Rows
+    of ``thc:...:topology=`` (timed whole, no codec time apart) are not flat methods: skipped."""
+    rows = [r for r in doc.get("results", []) if r.get("op") == "allreduce" and r.get("topology") is None]
     if not rows:
         raise ValueError("the allreduce JSON holds no allreduce results")
     n_ref = int(doc.get("meta", {}).get("world_size") or rows[0].get("world_size") or 1)

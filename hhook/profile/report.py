@@ -214,6 +214,13 @@ def allreduce_footer(rows: list[dict]) -> str:
                 lines.append(f"#   {r['method']} wire = scales MAX-allreduce {p.get('scales', 0) / 1e3:.2f} ms + words "
                              f"SUM-allreduce {p['words'] / 1e3:.2f} ms; codec = encode {r['encode_us'] / 1e3:.2f} ms "
                              f"+ decode {r['decode_us'] / 1e3:.2f} ms")
+    for r in rows:
+        if r["bytes"] == largest and r.get("topology") is not None:
+            intra = r.get("intra_wire_bytes") or 0
+            where = (f"{fnum(r['wire_bytes'], '.0f')} B between nodes, {intra:.0f} B inside the node" if intra
+                     else f"{fnum(r['wire_bytes'], '.0f')} B (flat: one node, one rank per node, or topology=flat)")
+            lines.append(f"#   {r['method']}: hhook.thc_allreduce timed whole (no codec/wire split); per rank and "
+                         f"call {where}")
     lines.append("# time = codec (encode + decode) + wire (collectives, each after a barrier), averaged over ranks; "
                  "algbw = S/time,\n# busbw = algbw*2(n-1)/n with S the fp32 bytes; speedup = fp32 time / time; "
                  "min/max over ranks: --wide or --json")

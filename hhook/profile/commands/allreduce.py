@@ -15,7 +15,9 @@ def add_parser(sub) -> None:
                         "codec and wire, algbw/busbw, wire bytes, ratio and error.")
     add_sweep_options(sp, "4K", "16M", 4.0, 20, 3)
     sp.add_argument("--methods", default=DEFAULT_METHODS,
-                    help="comma-separated: fp32, thc, thc:BITS, fp16, zlib (default all, thc with --bits)")
+                    help="comma-separated: fp32, thc, thc:BITS, fp16, zlib (default all, thc with --bits); "
+                    "thc:BITS:topology=flat|auto|K times hhook.thc_allreduce whole, two-level across nodes "
+                    "(with --backend gloo/nccl)")
     sp.add_argument("--bits", type=int, default=4, help="THC bits per coordinate, 1..8 (default 4)")
     sp.add_argument("--block-size", type=int, default=1024,
                     help="THC rotation block, a power of two (default 1024)")
@@ -39,9 +41,14 @@ def check(args, env) -> dict:
     sizes = check_sweep(args, float32=True)
     try:
         THCCodec(args.bits, args.block_size, args.seed)  # hhook's checks of --bits, --block-size, --seed
-        return {"sizes": sizes, "methods": parse_methods(args.methods, args.bits)}
+        methods = parse_methods(args.methods, args.bits)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
+    with_topology = [m.name for m in methods if m.topology is not None]
+    if with_topology and args.backend == "mpi":
+        raise UsageError(f"{', '.join(with_topology)}: topology= runs hhook.thc_allreduce, which needs a "
+                         "torch.distributed backend: add --backend gloo (or nccl)")
+    return {"sizes": sizes, "methods": methods}
 
 
 def run(args, cfg) -> int:
@@ -63,6 +70,10 @@ def _measure(args, cfg, comm) -> tuple[dict, list[dict]]:
             from ...codec import THCCodec
 
             for m in thc:
+                if m.topology is not None:
+                    say(f"# {m.name}: hhook.thc_allreduce on THCState(bits={m.bits}, topology={m.topology!r}): "
+                        "two-level on several nodes of several ranks (lanes for the nodes), else flat")
+                    continue
                 c = THCCodec(m.bits, args.block_size, args.seed, comm.size)
                 say(f"# {m.name}: {c!r}, {c.layout.bits_per_code:.2f} bits/coordinate on the wire")
         say(f"# inputs: fp32 multiples of 1/128 (exact sums); others 0.01*N(0,1)*exp(0.5*N(0,1)) per rank, "
