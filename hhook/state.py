@@ -60,9 +60,10 @@ class THCState:
             (:mod:`hhook.scales`); a bucket's first compressed call takes one agreed
             round. Clips only blocks that grew since the previous step.
             ``"agreed"`` (default): a MAX allreduce of this step's block maxima first,
-            then the SUM; two rounds, but scales that never clip (unbiased), about 1.5x (2-4 bits) to 6x (8 bits)
-            less error than predicted ones, and no host read anywhere. Predicted scales
-            saved about 10% of the step time on the emulated 1 Gbit/s cluster (README).
+            then the SUM; two rounds, but scales that never clip (unbiased), about 1.5x
+            (2-4 bits) to 6x (8 bits) less error than predicted ones, and no host read
+            anywhere. Predicted scales saved about 10% of the step time on the emulated
+            1 Gbit/s cluster (README).
         chunk_mb: split a tensor larger than this many MB of float32 into pieces of at
             most this size, each compressed and reduced on its own, so one piece is on
             the wire while the next is encoded and the previous decoded: part of the
@@ -250,8 +251,8 @@ class THCState:
 
         The first call (on every rank, at the same point of the program: it may create
         process groups) runs :func:`~hhook.topology.detect_topology` (one small
-        all-gather, also for ``"flat"``, so ranks that disagree fail together), checks it against the layout a
-        checkpoint was saved with, and for two-level builds :attr:`inter`, the THC state
+        all-gather, also for ``"flat"``, so ranks that disagree fail together), checks it
+        against the layout a checkpoint was saved with, and for two-level builds :attr:`inter`, the THC state
         of this rank's shard between nodes (same options; ``bits="auto"`` sized for the
         node count). Raises :class:`~hhook.topology.TopologyError` on every rank alike.
         """
@@ -354,12 +355,11 @@ class THCState:
         """The DDP hook's first call, on every rank, before its first collective: the node
         layout, then the options handshake over the whole group (its plain iterations
         before ``start_iter`` depend on the options as much as the compressed ones)."""
-        if self.world_size == 1:
-            pass  # nothing is sent, nothing can mismatch
-        elif self.node_layout().two_level:
-            self.check_options(self.process_group, device)
-        else:
-            self.handshake(device)
+        if self.world_size > 1:  # in a world of one nothing is sent, nothing can mismatch
+            if self.node_layout().two_level:
+                self.check_options(self.process_group, device)
+            else:
+                self.handshake(device)
         self._hook_checked = True
 
     def second_group(self, device: torch.device) -> SecondGroup:
@@ -428,7 +428,7 @@ class THCState:
         handed to collectives that cross nodes (the shards' codes and scales, handshakes,
         exact allreduces), ``intra_wire_bytes`` what stayed inside the node, ``ratio``
         dense over inter-node bytes, ``inter_calls`` the shards' THC calls
-        (:func:`hhook.two_level.two_level_stats`).
+        (:func:`hhook.stats.two_level_stats`).
         """
         self.check_deferred()
         if self.inter is not None:

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from .flat import check_tensor, flat_allreduce_async, payload_bytes, plain_allreduce
 from .futures import completed, new_future
 from .layout import SUPPORTED_DTYPES
-from .stats import Counters, two_level_stats  # noqa: F401 - two_level_stats: part of this module's API
+from .stats import Counters
 from .topology import Topology, unlink_quietly
 
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

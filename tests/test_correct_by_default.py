@@ -227,8 +227,9 @@ def test_one_call_is_compressed_and_keys_do_not_collide():
         assert keys == 0
 
 
-def _nonfinite_worker(rank, world, scales):
+def _nonfinite_worker(rank, world, scales, deferred=False):
     state = hhook.THCState(bits=4, scales=scales)
+    state._defer_on_cpu = deferred  # True: the GPU's path, the flag is read from a copy, later
     counts = []
     for step in range(4):
         t = torch.randn(5000)
@@ -276,23 +277,10 @@ def test_deferred_mismatch_raises_at_the_next_call():
     assert run_world(_deferred_next_call_worker, 2, timeout=60) == [(True, "next call raised")] * 2
 
 
-def _deferred_nonfinite_worker(rank, world, scales):
-    state = hhook.THCState(bits=4, scales=scales)
-    state._defer_on_cpu = True  # the GPU's path: the flag is read from a copy, later
-    out = []
-    for step in range(3):
-        t = torch.randn(5000)
-        if step == 1 and rank == 1:
-            t[3] = float("inf")
-        hhook.thc_allreduce(t, state, key="w")
-        out.append((state.stats()["nonfinite_calls"], bool(t.isnan().all())))
-    return out
-
-
 @pytest.mark.parametrize("scales", MODES)
 def test_nonfinite_results_are_counted_on_the_deferred_path(scales):
-    for out in run_world(_deferred_nonfinite_worker, 2, scales, timeout=60):
-        assert out == [(0, False), (1, True), (1, False)], out
+    for counts in run_world(_nonfinite_worker, 2, scales, True, timeout=60):
+        assert counts == [(0, False), (1, True), (1, False), (2, True)], counts
 
 
 def test_deferred_mismatch_raises_at_the_next_synchronising_point():

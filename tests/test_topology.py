@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import hhook
 from hhook.simulation import heavy_tailed, simulate_allreduce, simulate_two_level, vnmse
-from hhook.stats import Counters
+from hhook.stats import Counters, two_level_stats
 from hhook.topology import (
     TopologyError,
     auto_bits,
@@ -20,7 +20,7 @@ from hhook.topology import (
     predicted_vnmse,
     wire_bits_per_coord,
 )
-from hhook.two_level import two_level_allreduce, two_level_allreduce_async, two_level_stats
+from hhook.two_level import two_level_allreduce, two_level_allreduce_async
 
 from distributed import run_world
 

@@ -12,9 +12,8 @@ Methods (every one produces the mean over ranks of a float32 buffer of ``S`` byt
     packed integer words, ``decode``. No rank ever decompresses a partial sum.
 ``thc:BITS:topology=T`` (T flat, auto or K ranks per node; torch.distributed backends)
     :func:`hhook.thc_allreduce` on a ``THCState(topology=T)``, keyed per size as DDP keys
-    its buckets, timed as one call (its
-    phases are not split, so codec and wire show ``-``): with several nodes, the
-    two-level schedule of :mod:`hhook.two_level`. ``wire_bytes`` is what one rank hands
+    its buckets, timed as one call (its phases are not split, so codec and wire show
+    ``-``): with several nodes, the two-level schedule of :mod:`hhook.two_level`. ``wire_bytes`` is what one rank hands
     to collectives between nodes, ``intra_wire_bytes`` what stays inside its node (the
     state's ``stats()``), per call.
 ``fp16``
@@ -131,7 +130,8 @@ class Runner:
     """Buffers and one timed iteration of a method at one size."""
 
     def __init__(self, comm, method: Method, numel: int, seed: int, block_size: int, zlib_level: int, barrier: bool,
-                 states: dict | None = None):
+                 states: dict):
+        """``states``: the sweep's THCStates of ``topology=`` methods, by name (made once)."""
         self.comm, self.method, self.numel = comm, method, numel
         self.barrier = barrier
         self.seed = seed
@@ -148,7 +148,6 @@ class Runner:
         if method.kind == "thc" and method.topology is not None:
             from ..state import THCState
 
-            states = {} if states is None else states
             if method.name not in states:  # one per method for the whole sweep: its sub-groups are made once
                 states[method.name] = THCState(bits=method.bits, block_size=block_size, seed=seed,
                                                topology=method.topology)
@@ -274,7 +273,6 @@ def measure(comm, methods, sizes, *, iters, warmup, fixed, seed=0, block_size=10
                 "phases_us": {k: v * 1e6 for k, v in mean.items()},
                 "wire_bytes": runner.wire_bytes,
                 "intra_wire_bytes": runner.intra_bytes,
-                "split": runner.state is None,  # codec and wire timed apart
                 "wrong": wrong,
             }
             ranks = comm.allgather_object(mine)
@@ -337,7 +335,7 @@ def _row(method, size, n, n_iter, n_warm, ranks, vnmse, block_size, zlib_level) 
         "wrong": sum(r["wrong"] for r in ranks) if method.exact and ranks[0]["wrong"] is not None else None,
         "ranks": ranks,
     }
-    if not ranks[0]["split"]:  # thc_allreduce as a whole: no codec/wire split
+    if method.topology is not None:  # thc_allreduce as a whole: no codec/wire split
         row.update(codec_us=None, encode_us=None, decode_us=None, wire_us=None, topology=method.topology,
                    intra_wire_bytes=_avg([r["intra_wire_bytes"] for r in ranks]))
     if method.kind == "thc":

@@ -11,10 +11,10 @@ The kinds and their options::
 
 A subcommand passes the :class:`Kind` objects it accepts (its measurement knows how to
 run them): ``allreduce`` runs the codec directly, so its THC takes BITS, and topology=
-to time :func:`hhook.thc_allreduce` as a whole (:data:`THC_BITS`); ``train`` registers hhook's DDP hook and takes every THC option
-(:data:`THC`). THC's options are :class:`hhook.THCState`'s (``bits``, ``scales``,
-``chunk_mb``, ``topology``: flat, auto or K ranks per node) and are checked by it. A bad
-entry raises ValueError naming it.
+to time :func:`hhook.thc_allreduce` as a whole (:data:`THC_BITS`); ``train`` registers
+hhook's DDP hook and takes every THC option (:data:`THC`). THC's options are
+:class:`hhook.THCState`'s (``bits``, ``scales``, ``chunk_mb``, ``topology``: flat, auto or
+K ranks per node) and are checked by it. A bad entry raises ValueError naming it.
 """
 
 from __future__ import annotations
