@@ -104,10 +104,13 @@ def dense_allreduce(state: THCState, tensor: torch.Tensor) -> torch.futures.Futu
     return plain_allreduce(tensor, state.process_group, state.world_size)
 
 
-def flat_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=None) -> torch.futures.Future:
+def flat_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=None,
+                         failed: BaseException | None = None) -> torch.futures.Future:
     r""":func:`hhook.thc_allreduce_async` over one process group, every rank a peer (its
     contract, documented there). Pieces of a tensor above ``state.chunk_mb`` travel under
-    the keys ``(key, 0)``, ``(key, 1)``, ...
+    the keys ``(key, 0)``, ``(key, 1)``, ... ``failed``: this rank failed before the
+    tensor could be encoded; it takes part with filler, every other rank's future raises
+    :class:`~hhook.errors.RankFailedError` and this rank's raises ``failed``.
     """
     check_tensor(tensor)
     state.check_deferred()
@@ -123,11 +126,11 @@ def flat_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
     pieces = state.chunks(target.numel(), target.device)
     if len(pieces) == 1:
-        fut = _reduce(state, policy, target, key, layout)
+        fut = _reduce(state, policy, target, key, layout, failed)
     else:
         flat = target.view(-1)
         futures = [
-            _reduce(state, policy, flat[start:stop], None if key is None else (key, i), layout)
+            _reduce(state, policy, flat[start:stop], None if key is None else (key, i), layout, failed)
             for i, (start, stop) in enumerate(pieces)
         ]
         fut = _all(futures, target, [start for start, _ in pieces])
@@ -136,12 +139,13 @@ def flat_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout
     return then(fut, tensor.copy_, tensor)
 
 
-def _reduce(state: THCState, policy, target: torch.Tensor, key, layout) -> torch.futures.Future:
+def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=None) -> torch.futures.Future:
     """One tensor (or piece) through the policy: one SUM round when its scales are
     predicted, else a MAX round whose continuation launches the SUM on the second
     communicator, in hook order. Nothing waits; the returned future completes in the
     SUM's continuation."""
-    plan = policy.begin(target, key, state.rank, state.world_size, state.next_call(), state.config_id(), layout)
+    plan = policy.begin(target, key, state.rank, state.world_size, state.next_call(), state.config_id(), layout,
+                        failed)
     defer = state.defer if target.is_cuda or state._defer_on_cpu else None
 
     def decode(sums: torch.Tensor) -> torch.Tensor:

@@ -205,11 +205,15 @@ class ScalePolicy:
         return PREFIX + n_meta + codec.words_numel(numel)
 
     # -- stage 1 -------------------------------------------------------------------
-    def begin(self, tensor, key, rank: int, world_size: int, call: int, config: int = 0, layout=None) -> Plan:
+    def begin(self, tensor, key, rank: int, world_size: int, call: int, config: int = 0, layout=None,
+              error: BaseException | None = None) -> Plan:
         """Prepare ``tensor``; ``plan.max_vector`` is set when it needs a MAX round.
 
         ``call`` must differ between calls of this rank (it selects the rounding stream);
-        ``key`` None carries nothing between calls (an agreed round each time).
+        ``key`` None carries nothing between calls (an agreed round each time). ``error``:
+        this rank already failed before encoding (e.g. a two-level node mean): it sends
+        filler, every other rank raises :class:`~hhook.errors.RankFailedError` and this
+        one raises ``error`` at :meth:`decode`.
         """
         codec = self.codec(world_size)
         numel = tensor.numel()
@@ -220,10 +224,12 @@ class ScalePolicy:
             plan.n_meta = self.meta_layout(codec).n_words(codec.n_blocks(numel) * len(THRESHOLDS))
         digest = state.digest if plan.kind == _PREDICTED else 0
         plan.fps = message.fingerprints(codec.fingerprint(numel), config, plan.kind, digest)
+        plan.error = error
         try:
-            plan.prepared = codec.prepare(tensor.detach())
-            # This rank's flag and digest, for the prefix: the MAX round overwrites the scales.
-            plan.header = plan.prepared.scales[:HEADER].clone()
+            if error is None:
+                plan.prepared = codec.prepare(tensor.detach())
+                # This rank's flag and digest, for the prefix: the MAX round overwrites the scales.
+                plan.header = plan.prepared.scales[:HEADER].clone()
         except Exception as exc:  # noqa: BLE001 - sent on as filler, raised on every rank
             plan.error = exc
         if plan.kind == _AGREED:

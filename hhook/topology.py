@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from . import rng
 from .launch import launcher_layout
+from .node_memory import SHM_DIR, NodeMemory, budget_bytes, free_bytes, sweep_stale, unlink_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,6 @@ TOPOLOGY_VERSION = 1
 # The request each rank makes, as one integer of its record.
 _AUTO, _FLAT, _INVALID = -1, -2, -3
 _RECORD = 9  # [request, local_rank, local_size, node_rank, host_hi, host_lo, rank, version, token]
-#: Where node-local shared memory lives (the intra-node path of CPU tensors).
-SHM_DIR = "/dev/shm"
 
 
 class TopologyError(ValueError):
@@ -267,12 +266,15 @@ class Topology:
         self.inter_group = groups.get("inter")
         self.fingerprint = layout_fingerprint(world_size, plan.nodes)
         self.token = token  # the same on every rank of this node, random per job
-        #: CPU tensors meet inside the node in shared memory (probed at detection), else
-        #: through collectives on ``intra_group``/``gather_group``.
-        self.shared_memory = False
+        #: CPU tensors meet inside the node in shared memory (probed at detection; a
+        #: :class:`~hhook.node_memory.NodeMemory`), else through collectives on
+        #: ``intra_group``/``gather_group``.
+        self.node_memory: NodeMemory | None = None
         self._sequencers: dict = {}
-        self._regions: dict = {}
-        self._region_count = 0
+
+    @property
+    def shared_memory(self) -> bool:
+        return self.node_memory is not None
 
     def describe(self) -> str:
         if self.two_level:
@@ -311,45 +313,26 @@ class Topology:
             seq = self._sequencers[name] = Sequencer()
         return seq
 
-    def shm_path(self, name) -> str:
-        """A file of this job's node in :data:`SHM_DIR` (the same name on every rank of the node)."""
-        return os.path.join(SHM_DIR, f"hhook-{self.token:016x}-node{self.node}-{name}")
-
-    def region(self, key, numel: int, dtype: torch.dtype):
-        """``(rows, result, path_or_None)``: node-shared ``[k, numel]`` rows and a
-        ``[numel]`` result for ``key``, made at the key's first call (every rank of the
-        node makes its regions in the same order, so the same name), then reused: a key
-        is never in flight twice. ``path`` is returned once, for unlinking after every
-        rank of the node has mapped it. ``key=None`` gets a fresh region each call."""
-        found = self._regions.get(key) if key is not None else None
-        if found is not None and found[0] == (numel, dtype):
-            return found[1], found[2], None
-        self._region_count += 1
-        path = self.shm_path(f"r{self._region_count}")
-        k = self.ranks_per_node
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        storage = torch.UntypedStorage.from_file(path, True, (k + 1) * numel * itemsize)
-        flat = torch.empty(0, dtype=dtype).set_(storage.untyped(), 0, ((k + 1) * numel,), (1,))
-        rows, result = flat[: k * numel].view(k, numel), flat[k * numel:]
-        if key is not None:
-            self._regions[key] = ((numel, dtype), rows, result)
-        return rows, result, path
-
     def __getstate__(self):
         raise TypeError("a Topology holds process groups and cannot be pickled; save Topology.record() instead")
 
 
-def _probe_shared_memory(topo: Topology) -> bool:
+def _probe_shared_memory(topo: Topology) -> NodeMemory | None:
     """Do the ranks of every node see one another's writes in one file of
-    :data:`SHM_DIR`? (Not where "nodes" given by an integer span hosts.) Blocking, at
-    detection: every rank writes its rank into its slot, a barrier inside the node, every
-    rank reads all slots; then every rank of the parent group agrees (MIN). Gloo only:
-    the probe's collectives are on CPU tensors."""
+    :data:`~hhook.node_memory.SHM_DIR`? (Not where "nodes" given by an integer span
+    hosts.) Blocking, at detection: first the files of dead jobs go
+    (:func:`~hhook.node_memory.sweep_stale`), every rank writes its rank into its slot, a
+    barrier inside the node, every rank reads all slots; then every rank of the parent
+    group agrees (MIN) on the verdict and on the byte budget. Gloo only: the probe's
+    collectives are on CPU tensors. None where shared memory cannot be used."""
     if "gloo" not in str(dist.get_backend(topo.group)):
-        return False
-    path = topo.shm_path("probe")
+        return None
+    memory = NodeMemory(f"hhook-{topo.token:016x}-node{topo.node}-", topo.ranks_per_node, 0)
+    sweep_stale(memory.directory)
+    path = memory.path("probe")
     ok = 1
     try:
+        memory.hold()
         storage = torch.UntypedStorage.from_file(path, True, 8 * topo.ranks_per_node)
         slots = torch.empty(0, dtype=torch.int64).set_(storage.untyped(), 0, (topo.ranks_per_node,), (1,))
         slots[topo.local_rank] = topo.rank + 1
@@ -358,18 +341,14 @@ def _probe_shared_memory(topo: Topology) -> bool:
     dist.all_reduce(torch.zeros(1), group=topo.intra_group)  # every rank of the node has written
     if slots is not None and slots.tolist() != [r + 1 for r in topo.nodes[topo.node]]:
         ok = 0
-    flag = torch.tensor([ok], dtype=torch.int32)
-    dist.all_reduce(flag, dist.ReduceOp.MIN, group=topo.group)  # every rank has read
+    verdict = torch.tensor([ok, budget_bytes(free_bytes(memory.directory))], dtype=torch.int64)
+    dist.all_reduce(verdict, dist.ReduceOp.MIN, group=topo.group)  # every rank has read
     unlink_quietly(path)
-    return bool(flag.item())
-
-
-def unlink_quietly(path: str) -> None:
-    """Remove a node-shared file; another rank of the node may have removed it already."""
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+    ok, memory.budget = verdict.tolist()
+    if not ok:
+        memory.release()
+        return None
+    return memory
 
 
 def layout_fingerprint(world_size: int, nodes) -> int:
@@ -441,7 +420,7 @@ def detect_topology(group=None, ranks_per_node="auto", environ=None, hostname: s
     first = plan.nodes[next(i for i, n in enumerate(plan.nodes) if rank in n)][0]
     topo = Topology(group, world, rank, plan, mine, token=records[first][8])
     if intra == "shm" or (intra == "auto" and os.environ.get("HHOOK_SHM", "1") != "0"):
-        topo.shared_memory = _probe_shared_memory(topo)
+        topo.node_memory = _probe_shared_memory(topo)
         if intra == "shm" and not topo.shared_memory:
             raise TopologyError("hhook: intra='shm' but the ranks of a node do not share memory in " + SHM_DIR)
     if rank == 0:

@@ -27,7 +27,11 @@ Guarantees (as the flat path's): the result is the mean over every rank of the p
 group, the same bits on every rank; inf or NaN on any rank makes the whole tensor NaN on
 every rank (no exception); identical tensors on every rank come back exactly; a
 configuration mismatch between nodes raises on every rank through the future (and the
-node's other ranks still complete their all-gather, so nobody hangs). float64 and sparse
+node's other ranks still complete their all-gather, so nobody hangs); a rank that fails
+(its node mean, its encoding) raises its own exception, its ring peers raise
+:class:`~hhook.errors.RankFailedError` from the flat schedule, and every rank of those
+nodes does too (each shard travels in the all-gather with its owner's status). A key
+whose tensor changes shape or dtype starts its shard's state afresh, as the flat path's. float64 and sparse
 tensors take one exact allreduce over the parent group.
 
 Bytes: the ``inter_state`` counts what crosses nodes (the shard's codes and scales,
@@ -44,10 +48,12 @@ import torch
 import torch.distributed as dist
 
 from .flat import check_tensor, flat_allreduce_async, payload_bytes, plain_allreduce
+from .errors import RankFailedError
 from .futures import completed, new_future
 from .layout import SUPPORTED_DTYPES
 from .stats import Counters
-from .topology import Topology, unlink_quietly
+from .node_memory import unlink_quietly
+from .topology import Topology
 
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -161,13 +167,19 @@ def two_level_allreduce_async(
         return _dense_world(tensor, topo, inter_state, intra_stats)
     ensure_handshake(inter_state, tensor.device, topo.sequencer("inter"))
 
+    if layout is None:  # what the key holds is the whole tensor, not the shard (whose length may not change)
+        layout = (tuple(tensor.shape), str(tensor.dtype))
     k = topo.ranks_per_node
     d = tensor.numel()
     s = shard_numel(d, k)
     dtype = tensor.dtype
     j = topo.local_rank
     flat = tensor.view(-1) if tensor.is_contiguous() else None
-    shm = topo.shared_memory and tensor.device.type == "cpu"
+    # Shared memory where the node has it and the region fits its budget, else collectives
+    # (every rank of the node asks for the same regions in the same order: the same answer).
+    region = topo.node_memory.region(key, k * s, dtype) \
+        if topo.node_memory is not None and tensor.device.type == "cpu" else None
+    shm = region is not None
     inter_seq, gather_seq = topo.sequencer("inter"), topo.sequencer("gather")
     result = new_future(tensor)
     failure: list = []  # this rank's first exception, set on the result once the gather is done
@@ -176,12 +188,12 @@ def two_level_allreduce_async(
     # (the tensor copied in once), the node's result row. Collectives: the tensor itself
     # (when it needs no padding) and a receive buffer.
     if shm:
-        rows, shared_result, new_file = topo.region(key, k * s, dtype)
-        rows[j, :d].copy_(flat if flat is not None else tensor.reshape(-1))  # the padding stays zero
-        direct, send, recv = False, None, None
+        rows, shared_result, new_file = region
+        rows[j, :d].copy_(flat if flat is not None else tensor.reshape(-1))
+        rows[j, d:].zero_()  # the padding: a reused region holds the previous call's tail
+        send, recv = None, None
     else:
-        direct = flat is not None and d == k * s  # the tensor itself can be sent and gathered into
-        if direct:
+        if flat is not None and d == k * s:  # the tensor itself can be sent
             send = flat
         else:
             send = torch.zeros(k * s, dtype=dtype, device=tensor.device)
@@ -191,51 +203,80 @@ def two_level_allreduce_async(
         intra_stats.add("compressed_calls", 4 * d, (k * s + s) * tensor.element_size())
     inter_ticket, gather_ticket = inter_seq.ticket(), gather_seq.ticket()
 
-    def finish(h: torch.futures.Future | None, out: torch.Tensor) -> None:
+    def finish(h: torch.futures.Future | None, out: torch.Tensor, status: torch.Tensor | None) -> None:
+        """``out``: the gathered shards (``k s``, or ``k`` rows of ``s + 1`` whose last
+        entry is the shard owner's status); ``status``: the node's summed status (shared
+        memory). A status above zero: some rank of the node failed, so every rank of it
+        raises (that rank its own exception)."""
         try:
             if h is not None:
                 h.value()
             if failure:
                 raise failure[0]
+            if status is None:  # statuses travelled with the shards
+                rows = out.view(k, s + 1)
+                status, out = rows[:, s].sum(), rows[:, :s]
+            failed_peer = status > 0
             # A non-finite shard travels as all NaN (see gather), so its first element
             # tells: k reads, the same on every rank of every node.
-            bad = out[::s].isnan().any()
-            if out.is_cuda:
-                out.masked_fill_(bad, float("nan"))
+            bad = out[:, 0].isnan().any() if out.dim() == 2 else out[::s].isnan().any()
+            if out.is_cuda:  # no host read: NaN now, the error at the next check (as flat's)
+                out.masked_fill_(bad | failed_peer, float("nan"))
+                inter_state.defer(failed_peer, bad, f"two-level tensor of {d} elements")
+            elif failed_peer:
+                raise RankFailedError(
+                    "hhook: another rank of this node failed while reducing this tensor (two-level THC); "
+                    "that rank raises its own exception"
+                )
             elif bad:
-                out = torch.full_like(out, float("nan")) if shm else out.fill_(float("nan"))
+                out = torch.full((k * s,), float("nan"), dtype=dtype, device=out.device)
                 if intra_stats is not None:
                     intra_stats.add("nonfinite_calls")
-            if not direct:
+            if out.dim() == 2:  # row by row: one pass over the tensor
+                flat_out = tensor.view(-1) if flat is not None else torch.empty(d, dtype=dtype, device=out.device)
+                for i in range(k):
+                    stop = min((i + 1) * s, d)
+                    if stop > i * s:
+                        flat_out[i * s:stop].copy_(out[i, :stop - i * s])
+                if flat is None:
+                    tensor.copy_(flat_out.view(tensor.shape))
+            elif out.data_ptr() != tensor.data_ptr():
                 tensor.copy_(out[:d].view(tensor.shape))
             result.set_result(tensor)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
             result.set_exception(exc)
 
     def gather(mean_shard: torch.Tensor) -> None:
-        """Stage 3, in ticket order: every local rank launches it whatever happened before."""
+        """Stage 3, in ticket order: every local rank launches it whatever happened before,
+        with its status (1 if it failed), so that a failure anywhere in the node raises on
+        every rank of it."""
         piece = mean_shard.to(dtype)
         bad = _nonfinite(piece)  # THC writes NaN over whole pieces; make sure of whole shards
         if piece.is_cuda:
             piece.masked_fill_(bad, float("nan"))
         elif bad:
             piece.fill_(float("nan"))
+        failed = 1.0 if failure else 0.0
         if shm:
             shared_result[j * s:(j + 1) * s].copy_(piece)
-            out = shared_result
+            out, send = shared_result, torch.tensor([failed])
         else:
-            out = flat if direct else torch.empty(k * s, dtype=dtype, device=tensor.device)
+            send = torch.empty(s + 1, dtype=dtype, device=tensor.device)
+            send[:s].copy_(piece)
+            send[s] = failed
+            out = torch.empty(k * (s + 1), dtype=dtype, device=tensor.device)
 
         def launch() -> None:
             try:
-                if shm:  # a barrier: every rank of the node has written its shard
-                    work = dist.all_reduce(torch.zeros(1), group=topo.gather_group, async_op=True)
+                if shm:  # a barrier (every rank of the node has written its shard) and the statuses
+                    work = dist.all_reduce(send, group=topo.gather_group, async_op=True)
+                    work.get_future().then(lambda h: finish(h, out, send[0]))
                 else:
-                    work = _all_gather(out, piece, topo.gather_group, k)
-                work.get_future().then(lambda h: finish(h, out))
+                    work = _all_gather(out, send, topo.gather_group, k)
+                    work.get_future().then(lambda h: finish(h, out, None))
             except BaseException as exc:  # noqa: BLE001
                 failure.append(exc)
-                finish(None, out)
+                finish(None, out, None)
 
         gather_seq.launch(gather_ticket, launch)
 
@@ -251,6 +292,8 @@ def two_level_allreduce_async(
         try:
             f.value()
         except BaseException as exc:  # noqa: BLE001 - the node's collective failed on every member
+            if shm and new_file is not None:
+                unlink_quietly(new_file)  # not every rank may have mapped it: nobody will now
             inter_seq.launch(inter_ticket, None)
             gather_seq.launch(gather_ticket, None)
             result.set_exception(exc)
@@ -262,13 +305,13 @@ def two_level_allreduce_async(
                 shard = _node_mean(rows[:, j * s:(j + 1) * s], k, in_place=False)
             else:
                 shard = _node_mean(recv.view(k, s), k)
-        except BaseException as exc:  # noqa: BLE001 - a local failure: NaN to every rank, raised here
+        except BaseException as exc:  # noqa: BLE001 - a local failure: raised on every rank (filler between nodes)
             failure.append(exc)
-            shard = torch.full((s,), float("nan"), dtype=torch.float32, device=tensor.device)
+            shard = torch.zeros(s, dtype=torch.float32, device=tensor.device)
 
         def launch() -> None:
             try:
-                fut = flat_allreduce_async(shard, inter_state, key, layout)
+                fut = flat_allreduce_async(shard, inter_state, key, layout, failure[0] if failure else None)
             except BaseException as exc:  # noqa: BLE001
                 failure.append(exc)
                 shard.fill_(float("nan"))
@@ -284,6 +327,8 @@ def two_level_allreduce_async(
         else:
             work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
     except BaseException:
+        if shm and new_file is not None:
+            unlink_quietly(new_file)
         inter_seq.launch(inter_ticket, None)  # later tensors must not wait for this one's turn
         gather_seq.launch(gather_ticket, None)
         raise

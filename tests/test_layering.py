@@ -91,7 +91,8 @@ LAYERS = (
     ("codec", {"errors", "rng", "layout", "lanes", "rotation", "quantization", "backend", "cpu_kernels",
                "cuda_kernels", "codec"}),
     ("message and scale policy", {"message", "scales"}),
-    ("schedule", {"futures", "stats", "sequencer", "groups", "launch", "topology", "state", "flat", "two_level",
+    ("schedule", {"futures", "stats", "sequencer", "groups", "launch", "node_memory", "topology", "state", "flat",
+                  "two_level",
                   "allreduce"}),
     ("integrations", {"ddp_hook", "horovod", "fsdp", ""}),  # "": the package's front, hhook/__init__.py
     ("benchmarks", {"simulation", "baselines", "profile"}),
