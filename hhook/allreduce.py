@@ -28,6 +28,7 @@ def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=
     averaged two-level (:mod:`hhook.two_level`), with the same guarantees.
     """
     check_tensor(tensor)
+    state.ensure_checked(tensor.device)
     topo = state.node_layout()
     if not topo.two_level:
         return flat_allreduce_async(tensor, state, key, layout)

@@ -43,11 +43,10 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     if isinstance(bucket, tuple):
         return _per_parameter(state, *bucket)
     buffer = bucket.buffer()
-    if not state._hook_checked:
-        # Before anything else, so that ranks with different options (start_iter above
-        # all: its plain iterations would pair one rank's SUM with another's MAX) fail
-        # on every rank rather than mis-pair collectives.
-        state.check_hook_options(buffer.device)
+    # Before anything else, so that ranks with different options (start_iter above all:
+    # its plain iterations would pair one rank's SUM with another's MAX) fail on every
+    # rank rather than mis-pair collectives.
+    state.ensure_checked(buffer.device)
     if state.iter < state.start_iter or buffer.is_sparse:
         fut = dense_allreduce(state, buffer)
     else:

@@ -116,7 +116,7 @@ class THCState:
         "_pending",
         "_defer_on_cpu",
         "_topo",
-        "_hook_checked",
+        "_checked",
     ]
 
     _PICKLED = (
@@ -186,7 +186,7 @@ class THCState:
         self._pending = []
         self._defer_on_cpu = False  # tests: run the GPU's deferred checks on CPU tensors
         self._topo = None
-        self._hook_checked = False
+        self._checked = set()  # device types whose options were checked over the whole group
 
     def __getstate__(self):
         # Like PowerSGDState: a process group cannot be pickled; the default one is used after loading.
@@ -351,16 +351,21 @@ class THCState:
                 "with the same options."
             )
 
-    def check_hook_options(self, device: torch.device) -> None:
-        """The DDP hook's first call, on every rank, before its first collective: the node
-        layout, then the options handshake over the whole group (its plain iterations
-        before ``start_iter`` depend on the options as much as the compressed ones)."""
+    def ensure_checked(self, device: torch.device) -> None:
+        """Once per device type, blocking, on every rank, before the first collective of
+        the DDP hook or :func:`hhook.thc_allreduce`: the node layout, then the options
+        handshake over the whole group. Two-level states check the parent group too (the
+        inter-node rings alone miss a rank whose options differ from its node's, or a
+        difference mirrored on every node), and DDP's plain iterations before
+        ``start_iter`` depend on the options as much as the compressed ones."""
+        if device.type in self._checked:
+            return
         if self.world_size > 1:  # in a world of one nothing is sent, nothing can mismatch
             if self.node_layout().two_level:
                 self.check_options(self.process_group, device)
             else:
                 self.handshake(device)
-        self._hook_checked = True
+        self._checked.add(device.type)
 
     def second_group(self, device: torch.device) -> SecondGroup:
         return self._second[device.type]
