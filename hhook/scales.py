@@ -21,9 +21,13 @@ collectives and hands the results to :meth:`~ScalePolicy.finish` (the words to S
   ranks above each threshold; the highest threshold any rank passed bounds the maximum
   from below, the next one from above, and the next scale is that upper bound. So a
   key whose blocks do not grow by more than the rounding (up to 19%) between two steps
-  never clips, and repeated identical inputs average to the exact mean. A block that
-  grows faster clips on that step (with error feedback the clipped mass is carried into
-  the next one) and its scale follows the growth, up to 8x per step.
+  never clips, and repeated identical inputs average to the exact mean. One more bit
+  per block says "my block is not all zero": a block that is zero on every rank decodes
+  to exactly zero and keeps its scale (a gradient that pauses comes back on the scale
+  it had). A block that grew past the thermometer's top, or shrank below its bottom
+  while non-zero, is clipped (with error feedback the clipped mass is carried into the
+  next call) or rounded coarsely on that step, and the key's next call takes an agreed
+  round, which measures the new maxima exactly.
 
 Horovod's ``compress`` may not communicate, so there the first call of a key cannot take
 an agreed round: :meth:`PredictedScales.encode` sends it dense (float32 behind a small
@@ -53,11 +57,13 @@ THERMO_PER_OCTAVE = 4
 THERMO_OCTAVES = 2
 THRESHOLDS = tuple(2.0 ** (i / THERMO_PER_OCTAVE) for i in range(-THERMO_OCTAVES * THERMO_PER_OCTAVE,
                                                                THERMO_OCTAVES * THERMO_PER_OCTAVE + 1))
+#: Thermometer bits per block: "my block is not all zero", then one per threshold.
+THERMO_BITS = 1 + len(THRESHOLDS)
 #: Blocks whose scale is below this fraction of the tensor's largest one are measured
 #: against that floor (a block whose scale was zero would otherwise stay zero forever).
 _FLOOR = 2.0**-12
 #: Step kinds, folded into the fingerprint: ranks on different kinds of step fail loudly.
-_AGREED, _PREDICTED, _DENSE = 0x41, 0x50, 0x44
+_AGREED, _PREDICTED, _DENSE = 0x41, 0x51, 0x44  # _PREDICTED 0x50 before the thermometer's zero bit
 #: Words (floats) at the front of a dense (Horovod warm-up) message: count, flag, two fingerprint halves.
 DENSE_HEADER = 4
 #: Dense warm-up steps code block maxima as ceil(_LOG_STEPS * log2(max)), clamped to +-_LOG_RANGE.
@@ -201,7 +207,7 @@ class ScalePolicy:
 
     def message_numel(self, codec: THCCodec, numel: int, predicted: bool) -> int:
         """Words of a message for a tensor of ``numel`` (one round or agreed)."""
-        n_meta = self.meta_layout(codec).n_words(codec.n_blocks(numel) * len(THRESHOLDS)) if predicted else 0
+        n_meta = self.meta_layout(codec).n_words(codec.n_blocks(numel) * THERMO_BITS) if predicted else 0
         return PREFIX + n_meta + codec.words_numel(numel)
 
     # -- stage 1 -------------------------------------------------------------------
@@ -221,7 +227,7 @@ class ScalePolicy:
         plan = Plan(tensor, world_size, codec, rng.stream_key(self.seed, rank, call), config, state)
         if self.predict and state is not None and state.scales is not None:
             plan.kind, plan.scales = _PREDICTED, state.scales
-            plan.n_meta = self.meta_layout(codec).n_words(codec.n_blocks(numel) * len(THRESHOLDS))
+            plan.n_meta = self.meta_layout(codec).n_words(codec.n_blocks(numel) * THERMO_BITS)
         digest = state.digest if plan.kind == _PREDICTED else 0
         plan.fps = message.fingerprints(codec.fingerprint(numel), config, plan.kind, digest)
         plan.error = error
@@ -267,11 +273,11 @@ class ScalePolicy:
             agreed = torch.cat([codec.header(numel, prepared.scales[0], device=plan.scales.device), plan.scales])
             ref = self._ref(plan.scales)
             ratio = prepared.scales[HEADER:] / ref
-            thresholds = torch.tensor(THRESHOLDS, dtype=torch.float32, device=ratio.device)
+            thresholds = torch.tensor((0.0, *THRESHOLDS), dtype=torch.float32, device=ratio.device)
             meta_layout = self.meta_layout(codec)
-            codes = lanes.code_buffer(ratio.numel() * len(THRESHOLDS), meta_layout, ratio.device)
+            codes = lanes.code_buffer(ratio.numel() * THERMO_BITS, meta_layout, ratio.device)
             # A NaN ratio (this rank is non-finite: the step is skipped anyway) counts as below.
-            torch.gt(ratio[:, None], thresholds[None, :], out=codes[: ratio.numel() * len(THRESHOLDS)].view(ratio.numel(), -1))
+            torch.gt(ratio[:, None], thresholds[None, :], out=codes[: ratio.numel() * THERMO_BITS].view(ratio.numel(), -1))
             words[PREFIX : PREFIX + plan.n_meta] = lanes.pack(codes, meta_layout)
         plan.agreed = agreed
         codec.quantize(prepared, agreed, plan.stream, residual, plan.new_residual, out=words[PREFIX + plan.n_meta :])
@@ -311,22 +317,37 @@ class ScalePolicy:
         if verdict.nonfinite:
             # Scales and residual stay as they were, as a skipped GradScaler step expects.
             return out.fill_(float("nan")), True
+        zero = None
+        if plan.kind == _PREDICTED:
+            meta = sums[PREFIX : PREFIX + plan.n_meta]
+            n_blocks = plan.scales.numel()
+            counts = lanes.unpack(meta, self.meta_layout(codec), n_blocks * THERMO_BITS).view(n_blocks, -1)
+            zero = counts[:, 0] == 0  # every rank's block is all zero: it decodes to exactly zero
+            passed = (counts[:, 1:] > 0).sum(dim=1)  # thermometer: counts never rise
+            if zero.any():
+                plan.agreed[HEADER:].masked_fill_(zero, 0.0)  # a zero scale decodes to 0
         if verdict.identical:  # every rank sent these bits: they are the mean
             out.copy_(plan.prepared.source.view(out.shape))
         else:
             codec.decode(plan.prepared, plan.agreed, body, out)
         if plan.new_residual is not None:  # quantize kept the old one where the step carried nothing
+            if zero is not None and state.residual is not None:  # nothing of a zero block was sent
+                plan.new_residual[zero] = state.residual[zero]
             state.residual = plan.new_residual
         if plan.kind == _AGREED:
             self._seed(plan)
         else:
-            meta = sums[PREFIX : PREFIX + plan.n_meta]
-            n_blocks = plan.scales.numel()
-            counts = lanes.unpack(meta, self.meta_layout(codec), n_blocks * len(THRESHOLDS))
-            passed = (counts.view(n_blocks, -1) > 0).sum(dim=1)  # thermometer: counts never rise
-            bounds = torch.tensor((*THRESHOLDS, 2 * THRESHOLDS[-1]), dtype=torch.float32, device=passed.device)
-            # Elementwise float32 operations on identical integers: identical on every rank.
-            self._advance(state, bounds[passed].mul_(self.headroom).mul_(self._ref(plan.scales)))
+            top = len(THRESHOLDS)
+            if bool(((passed == 0) & ~zero).any() | (passed == top).any()):
+                # A block left the thermometer's range: its maximum is unknown, so measure
+                # it with an agreed round at the next call rather than creep towards it.
+                state.scales, state.digest = None, 0
+                state.steps += 1
+            else:
+                bounds = torch.tensor((*THRESHOLDS, 2 * THRESHOLDS[-1]), dtype=torch.float32, device=passed.device)
+                # Elementwise float32 operations on identical integers: identical on every rank.
+                scales = bounds[passed].mul_(self.headroom).mul_(self._ref(plan.scales))
+                self._advance(state, torch.where(zero, plan.scales, scales))
         return out, False
 
     def _seed(self, plan: Plan, sync: bool = True) -> None:
