@@ -140,7 +140,7 @@ class THCReduceScatter(ReduceScatter):
             return None
         device = input_tensor.device
         self._handshake(group, device)
-        policy = state.policy("agreed")
+        policy = state.policy("agreed", world)  # bits="auto": sized for this group, not the state's
         config = state.config_id()
         chunks = input_tensor.view(world, n)
         # 1. Scale vectors of every chunk; only this rank's chunk keeps its rotated blocks.
@@ -297,6 +297,24 @@ def _check_replica_layout(shard_group, replica_group, device) -> None:
         )
 
 
+def _adopt_replica_group(replica_state: THCState, replica_group: dist.ProcessGroup) -> None:
+    """A ``replica_state`` averages over its own process group: it must be
+    ``replica_group`` (averaging over WORLD instead gave relative errors near 1). A state
+    built without a group (``THCState(bits=8)``) and not used yet takes ``replica_group``."""
+    group = replica_state.process_group
+    if group is None and replica_state.calls == 0 and replica_state._topo is None:
+        replica_state.process_group = replica_group
+        replica_state._reset_derived()
+        return
+    mine = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    if mine != dist.get_process_group_ranks(replica_group):
+        raise ValueError(
+            f"hhook.fsdp.register_hsdp: replica_state reduces over ranks {mine}, not over replica_group "
+            f"(ranks {dist.get_process_group_ranks(replica_group)}): build it with "
+            "THCState(process_group=replica_group, ...) or leave its process_group unset"
+        )
+
+
 def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | None = None,
                   replica_state: THCState | None = None, **options) -> tuple[THCState, THCState]:
     """Custom HSDP: THC reduce-scatter inside the shard group (``fully_shard``'s 1-D mesh)
@@ -308,7 +326,9 @@ def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | No
     run its own replica all-reduce as well) or if the members of ``replica_group`` do not
     all hold the same shard (e.g. ``WORLD`` passed as the replica group). A gradient
     divide factor set before the call is respected (the result is the sum over all ranks
-    divided by it, as plain FSDP2's).
+    divided by it, as plain FSDP2's). A ``replica_state`` must reduce over
+    ``replica_group`` (``ValueError`` on every rank otherwise); one built without a
+    process group takes ``replica_group``.
     """
     from .allreduce import thc_allreduce
 
@@ -337,6 +357,8 @@ def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | No
         modules.append((name, m, group.gradient_divide_factor))
     if shard_group is not None:
         _check_replica_layout(shard_group, replica_group, device)
+    if replica_state is not None:
+        _adopt_replica_group(replica_state, replica_group)
     state = register(module, state, **options)
     if replica_state is None:
         replica_state = THCState(process_group=replica_group, bits=state.bits, block_size=state.block_size,

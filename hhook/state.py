@@ -215,12 +215,16 @@ class THCState:
         for name, value in saved.items():
             setattr(self, name, value)
 
-    def policy(self, mode: str) -> ScalePolicy:
-        """The scale policy of ``mode`` ("agreed" or "predicted"), with its per-key state."""
-        policy = self.policies.get(mode)
+    def policy(self, mode: str, world_size: int | None = None) -> ScalePolicy:
+        """The scale policy of ``mode`` ("agreed" or "predicted"), with its per-key state,
+        for messages summed over ``world_size`` ranks (default: this state's group; FSDP's
+        reduce-scatter passes its own group's, which ``bits="auto"`` sizes for)."""
+        bits = self.codec_bits(world_size)
+        name = mode if bits == self.codec_bits() else f"{mode}@{bits}bits"
+        policy = self.policies.get(name)
         if policy is None:
-            policy = self.policies[mode] = ScalePolicy(
-                self.codec_bits(), self.block_size, self.seed, self.error_feedback, predict=mode == "predicted"
+            policy = self.policies[name] = ScalePolicy(
+                bits, self.block_size, self.seed, self.error_feedback, predict=mode == "predicted"
             )
         return policy
 
@@ -240,11 +244,14 @@ class THCState:
                 f"chunk_mb={self.chunk_mb} start_iter={self.start_iter} error_feedback={self.error_feedback} "
                 f"topology={self.topology}")
 
-    def codec_bits(self) -> int:
+    def codec_bits(self, world_size: int | None = None) -> int:
         """The bits the codec uses: ``bits``, or for ``"auto"`` the rule of
-        :func:`~hhook.topology.auto_bits` at this group's world size (a two-level state's
-        shards use the inter-node state's, sized for the number of nodes)."""
-        return auto_bits(self.world_size) if self.bits == "auto" else self.bits
+        :func:`~hhook.topology.auto_bits` at ``world_size`` ranks (default: this group's;
+        a two-level state's shards use the inter-node state's, sized for the number of
+        nodes)."""
+        if self.bits != "auto":
+            return self.bits
+        return auto_bits(self.world_size if world_size is None else world_size)
 
     def node_layout(self) -> Topology:
         """The node layout of ``process_group`` under the ``topology`` option, found once.
@@ -338,7 +345,8 @@ class THCState:
         ``device`` (a first compile belongs here, not in a later stage)."""
         from .codec import warm_up
 
-        codec = THCCodec(self.codec_bits(), self.block_size, self.seed, dist.get_world_size(group))
+        world = dist.get_world_size(group)
+        codec = THCCodec(self.codec_bits(world), self.block_size, self.seed, world)
         warm_up(device)
         f = float(rng.mix32(codec.fingerprint() ^ self.config_id()) >> 8)  # 24 bits: exact in float32
         vector = torch.tensor([f, -f], dtype=torch.float32, device=device)

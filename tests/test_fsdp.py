@@ -357,6 +357,49 @@ def test_native_hsdp_matches_plain_hsdp(factor):
         assert calls == 2 and max(errs) < 0.05, errs
 
 
+def _hsdp_states(rank, world):
+    """register_hsdp with a replica_state built by the user, and bits="auto" sized for the
+    groups the messages cross (2 ranks each on a 2 x 2 grid), not for the WORLD of 4."""
+    import hhook.fsdp
+    from hhook.topology import auto_bits
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    torch.manual_seed(100 + rank)
+    x, y = torch.randn(32, 6), torch.randn(32, 5) * (10.0 if rank == 1 else 0.0 if rank == 2 else 1.0)
+    ref = _model()
+    _step(ref, x, y)
+    full = [p.grad.clone() for p in ref.parameters()]
+    for g in full:
+        dist.all_reduce(g)
+        g.div_(world)
+    for bits in (8, "auto"):
+        model = _shard(_model(), mesh=mesh["shard"])
+        state, replica = hhook.fsdp.register_hsdp(model, mesh["replicate"].get_group(), bits=bits,
+                                                  replica_state=hhook.THCState(bits=bits))
+        _step(model, x, y)
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        out[f"errors_{bits}"] = [((a - b).norm() / b.norm()).item() for a, b in zip(grads, full)]
+        out[f"bits_{bits}"] = sorted({p.bits for p in state.policies.values()} | {p.bits for p in replica.policies.values()})
+        out["auto_bits_2"] = auto_bits(2)
+    try:
+        hhook.fsdp.register_hsdp(_shard(_model(), mesh=mesh["shard"]), mesh["replicate"].get_group(), bits=8,
+                                 replica_state=hhook.THCState(process_group=dist.group.WORLD, bits=8))
+        out["world_replica_state"] = "accepted"
+    except ValueError as e:
+        out["world_replica_state"] = str(e)
+    return out
+
+
+def test_register_hsdp_replica_state_and_auto_bits_follow_their_groups():
+    for r in run_world(_hsdp_states, 4):
+        assert max(r["errors_8"]) < 0.05, r["errors_8"]  # 0.78-1.0 when the replica state averaged over WORLD
+        assert max(r["errors_auto"]) < 0.15, r["errors_auto"]
+        assert r["bits_8"] == [8] and r["bits_auto"] == [r["auto_bits_2"]] == [5], r
+        assert "replica_state reduces over ranks [0, 1, 2, 3], not over replica_group" in r["world_replica_state"]
+
+
 def _bad_hsdp_layout(rank, world):
     import hhook.fsdp
     from torch.distributed.device_mesh import init_device_mesh
