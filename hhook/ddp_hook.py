@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from .allreduce import thc_allreduce_async
 from .flat import dense_allreduce
-from .futures import completed
+from .futures import completed, then
 from .codec import warm_up
 from .state import THCState
 
@@ -53,10 +53,77 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
         # The key's state is checked against the bucket's parameter layout: when DDP
         # rebuilds its buckets an index may name other parameters, whose residual and
         # scales must start afresh.
-        layout = tuple((tuple(p.shape), str(p.dtype)) for p in bucket.parameters())
-        fut = thc_allreduce_async(buffer, state, key=bucket.index(), layout=layout)
+        layout = _bucket_layout(state, bucket)
+        fut = None
+        if state._ddp_iterations == 0:  # this DDP's first iteration: its buckets are not rebuilt yet
+            fut = _before_rebuild(state, bucket, layout)
+        if fut is None:
+            fut = thc_allreduce_async(buffer, state, key=bucket.index(), layout=layout)
     state.maybe_increase_iter(bucket)
+    if bucket.is_last() and state._ddp_iterations is not None:
+        state._ddp_iterations += 1
     return fut
+
+
+def _bucket_layout(state: THCState, bucket: dist.GradBucket) -> tuple:
+    """What a bucket holds: its parameters' shapes and dtypes, and their names where
+    :func:`register` knows the model (a resumed run can then find them again)."""
+    names = state._param_names
+    if names is None:
+        return tuple((tuple(p.shape), str(p.dtype)) for p in bucket.parameters())
+    return tuple((names.get(id(p)), tuple(p.shape), str(p.dtype)) for p in bucket.parameters())
+
+
+def _before_rebuild(state: THCState, bucket: dist.GradBucket, layout: tuple):
+    """A resumed run's first iteration: DDP reduces its initial buckets (in torch 2.13 one
+    bucket of every parameter) before rebuilding the ones the checkpoint's keys hold.
+
+    When this bucket holds exactly the parameters of several saved keys, each key's
+    parameters are reduced as that key, in key order, as the uninterrupted run reduced
+    them: the same bits, residuals and scales (resume is bit for bit). Otherwise the
+    bucket goes keyless, so the saved keys' state waits for the rebuilt buckets instead
+    of being reset. None: the bucket is a saved key's own (the usual path applies)."""
+    if state._param_names is None:
+        return None
+    keys = state.policy(state.mode(bucket.buffer().device)).keys
+    saved: dict = {}
+    for key, key_state in keys.items():
+        top = key[0] if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int) else key
+        if isinstance(top, int) and not isinstance(top, bool):
+            saved.setdefault(top, key_state.layout)
+    if saved.get(bucket.index(), layout) == layout:
+        return None
+    buffer = bucket.buffer()
+    offsets, start = {}, 0
+    for item, p in zip(layout, bucket.parameters()):
+        offsets[item] = (start, p.numel())
+        start += p.numel()
+    mine = set(layout)
+    plan = [(key, saved_layout) for key, saved_layout in sorted(saved.items())
+            if saved_layout is not None and set(saved_layout) <= mine]
+    covered = [item for _, saved_layout in plan for item in saved_layout]
+    if len(covered) != len(layout) or set(covered) != mine:
+        logger.info("hhook: bucket %d of a resumed run's first iteration matches no saved bucket; it is reduced "
+                    "without carried state (the saved state waits for the rebuilt buckets)", bucket.index())
+        return thc_allreduce_async(buffer, state, key=None, layout=layout)
+    futures, moves = [], []
+    for key, saved_layout in plan:
+        parts = [buffer[o:o + n] for o, n in (offsets[item] for item in saved_layout)]
+        joined = torch.cat(parts)
+        futures.append(thc_allreduce_async(joined, state, key=key, layout=saved_layout))
+        moves.append((joined, parts))
+
+    def scatter(done: list) -> torch.Tensor:
+        for f in done:
+            f.value()  # raises a key's exception
+        for joined, parts in moves:
+            start = 0
+            for part in parts:
+                part.copy_(joined[start:start + part.numel()])
+                start += part.numel()
+        return buffer
+
+    return then(torch.futures.collect_all(futures), scatter, buffer)
 
 
 _warned_traced = False
@@ -87,20 +154,32 @@ def _per_parameter(state: THCState, grad: torch.Tensor, param: torch.Tensor) -> 
     return completed(grad)
 
 
-def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", **options) -> THCState:
-    r"""Register :func:`thc_hook` on ``ddp_model``; ``options`` go to :class:`THCState`.
+def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCState | None = None,
+             **options) -> THCState:
+    r"""Register :func:`thc_hook` on ``ddp_model``; ``options`` go to :class:`THCState`,
+    or pass ``state`` (e.g. one loaded from a checkpoint) instead.
 
     The process group defaults to the model's own. With ``topology="auto"`` (or a
     number of ranks per node) the node layout is found here, on every rank, so a bad
-    layout raises :class:`~hhook.topology.TopologyError` at registration.
+    layout raises :class:`~hhook.topology.TopologyError` at registration. The state
+    learns the model's parameter names, so that a run resumed from a checkpoint of the
+    state continues bit for bit through DDP's first iteration, whose buckets are not
+    yet the rebuilt ones the saved state describes.
 
     Example::
         >>> state = hhook.register(ddp_model, bits=4)
+        >>> state = hhook.register(new_ddp_model, state=torch.load(path)["hook"])  # resume
     """
-    options.setdefault("process_group", getattr(ddp_model, "process_group", None))
-    state = THCState(**options)
+    if state is None:
+        options.setdefault("process_group", getattr(ddp_model, "process_group", None))
+        state = THCState(**options)
+    elif options:
+        raise TypeError("hhook.register: pass either state or options, not both")
     if dist.is_initialized():
         state.node_layout()  # on every rank, here: a layout that cannot hold raises now
+    module = getattr(ddp_model, "module", ddp_model)
+    state._param_names = {id(p): name for name, p in module.named_parameters()}
+    state._ddp_iterations = 0
     ddp_model.register_comm_hook(state, thc_hook)
     for param in ddp_model.parameters():
         warm_up(param.device)  # compile the fused codec now, not in the first backward pass

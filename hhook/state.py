@@ -117,6 +117,8 @@ class THCState:
         "_defer_on_cpu",
         "_topo",
         "_checked",
+        "_param_names",
+        "_ddp_iterations",
     ]
 
     _PICKLED = (
@@ -187,6 +189,8 @@ class THCState:
         self._defer_on_cpu = False  # tests: run the GPU's deferred checks on CPU tensors
         self._topo = None
         self._checked = set()  # device types whose options were checked over the whole group
+        self._param_names = None  # id(parameter) -> name, set by hhook.register (DDP)
+        self._ddp_iterations = None  # iterations of the DDP registered on, counted by the hook
 
     def __getstate__(self):
         # Like PowerSGDState: a process group cannot be pickled; the default one is used after loading.
