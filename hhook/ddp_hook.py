@@ -85,7 +85,8 @@ def _before_rebuild(state: THCState, bucket: dist.GradBucket, layout: tuple):
     of being reset. None: the bucket is a saved key's own (the usual path applies)."""
     if state._param_names is None:
         return None
-    keys = state.policy(state.mode(bucket.buffer().device)).keys
+    holder = state.inter if state.inter is not None else state  # two-level: the shards' state holds the keys
+    keys = holder.policy(holder.mode(bucket.buffer().device)).keys
     saved: dict = {}
     for key, key_state in keys.items():
         top = key[0] if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int) else key
