@@ -11,6 +11,8 @@ from .allreduce import thc_allreduce_async
 from .flat import dense_allreduce
 from .futures import completed
 from .codec import warm_up
+from .decision import build as build_decision
+from .decision import exchange as decided_exchange
 from .state import THCState
 
 logger = logging.getLogger(__name__)
@@ -43,19 +45,24 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     if isinstance(bucket, tuple):
         return _per_parameter(state, *bucket)
     buffer = bucket.buffer()
+    deciding = state.bits == "auto" and state.world_size > 1
+    if deciding and state.decision is None:
+        state.decision = build_decision(state)  # before the handshake, which checks its options
     if not state._hook_checked:
         # Before anything else, so that ranks with different options (start_iter above
         # all: its plain iterations would pair one rank's SUM with another's MAX) fail
         # on every rank rather than mis-pair collectives.
         state.check_hook_options(buffer.device)
-    if state.iter < state.start_iter or buffer.is_sparse:
+    # The key's state is checked against the bucket's parameter layout: when DDP rebuilds
+    # its buckets an index may name other parameters, whose residual and scales must
+    # start afresh.
+    layout = lambda: tuple((tuple(p.shape), str(p.dtype)) for p in bucket.parameters())  # noqa: E731
+    if deciding:  # bits="auto": the exchange this iteration's decision says (hhook.decision)
+        fut = decided_exchange(state, bucket, layout())
+    elif state.iter < state.start_iter or buffer.is_sparse:
         fut = dense_allreduce(state, buffer)
     else:
-        # The key's state is checked against the bucket's parameter layout: when DDP
-        # rebuilds its buckets an index may name other parameters, whose residual and
-        # scales must start afresh.
-        layout = tuple((tuple(p.shape), str(p.dtype)) for p in bucket.parameters())
-        fut = thc_allreduce_async(buffer, state, key=bucket.index(), layout=layout)
+        fut = thc_allreduce_async(buffer, state, key=bucket.index(), layout=layout())
     state.maybe_increase_iter(bucket)
     return fut
 
@@ -99,9 +106,12 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", **options) 
         >>> state = hhook.register(ddp_model, bits=4)
     """
     options.setdefault("process_group", getattr(ddp_model, "process_group", None))
+    options.setdefault("bits", "auto")
     state = THCState(**options)
     if dist.is_initialized():
         state.node_layout()  # on every rank, here: a layout that cannot hold raises now
+        if state.bits == "auto" and state.world_size > 1:
+            state.decision = build_decision(state)
     ddp_model.register_comm_hook(state, thc_hook)
     for param in ddp_model.parameters():
         warm_up(param.device)  # compile the fused codec now, not in the first backward pass

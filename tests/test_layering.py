@@ -92,7 +92,7 @@ LAYERS = (
                "cuda_kernels", "codec"}),
     ("message and scale policy", {"message", "scales"}),
     ("schedule", {"futures", "stats", "sequencer", "groups", "launch", "topology", "state", "flat", "two_level",
-                  "allreduce"}),
+                  "allreduce", "decision"}),
     ("integrations", {"ddp_hook", "horovod", "fsdp", ""}),  # "": the package's front, hhook/__init__.py
     ("benchmarks", {"simulation", "baselines", "profile"}),
 )
