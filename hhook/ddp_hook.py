@@ -98,12 +98,19 @@ def _per_parameter(state: THCState, grad: torch.Tensor, param: torch.Tensor) -> 
 def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", **options) -> THCState:
     r"""Register :func:`thc_hook` on ``ddp_model``; ``options`` go to :class:`THCState`.
 
+    ``bits`` defaults to ``"auto"``: the hook measures this job's step with THC at the
+    auto rule's width and two narrower ones, a bf16 and the fp32 allreduce, in turns on
+    every rank alike, keeps the fastest and re-decides on a schedule and on drift
+    (:mod:`hhook.decision`; ``state.stats()["decision"]`` says what and why). An integer
+    ``bits`` always compresses at that width.
+
     The process group defaults to the model's own. With ``topology="auto"`` (or a
     number of ranks per node) the node layout is found here, on every rank, so a bad
     layout raises :class:`~hhook.topology.TopologyError` at registration.
 
     Example::
-        >>> state = hhook.register(ddp_model, bits=4)
+        >>> state = hhook.register(ddp_model)          # measured choice
+        >>> state = hhook.register(ddp_model, bits=4)  # always THC at 4 bits
     """
     options.setdefault("process_group", getattr(ddp_model, "process_group", None))
     options.setdefault("bits", "auto")

@@ -44,7 +44,10 @@ class THCState:
             ``"auto"``: the fewest bits whose predicted error of the mean, at this
             world size (or node count, two-level), is no worse than 4 bits at 4 ranks
             (:func:`hhook.topology.auto_bits`: 5 at 2 ranks, 4 at 4-16, 3 at 64, 2 at
-            1024): large jobs average rounding noise away and get narrower lanes.
+            1024): large jobs average rounding noise away and get narrower lanes. In
+            the DDP hook ``"auto"`` (:func:`hhook.register`'s default) goes further:
+            it measures this job's step with THC at that width and narrower ones, a
+            bf16 and the fp32 allreduce, and keeps the fastest (:mod:`hhook.decision`).
         block_size: rotation and scale block, a power of two (at most 65536). 1024 costs
             0.03 bits per coordinate for the scales.
         seed: shared seed of the rotation's random signs; must match on every rank.
