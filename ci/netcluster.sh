@@ -196,6 +196,12 @@ rank_env() {  # rank_env I J N K -> sets RANK_ENV
               NODE_RANK="$i")
 }
 
+burst_for() {  # burst_for RATE -> tbf burst bytes (HH_BURST, else 2 ms of RATE, at least 256 KiB)
+    local bps
+    bps=$(rate_bytes_per_s "$1") || die "cannot parse RATE '$1' (use e.g. 100mbit, 1gbit, 10gbit)"
+    echo "${HH_BURST:-$(( bps / 500 > 262144 ? bps / 500 : 262144 ))}"
+}
+
 shape() {  # shape NS DEV RATE BURST
     ip netns exec "$1" tc qdisc replace dev "$2" root tbf \
         rate "$3" burst "$4" latency "$LATENCY"
@@ -206,10 +212,7 @@ cmd_reshape() {  # reshape RATE: the running cluster's links, in place
     [[ -n $rate ]] || die "usage: reshape RATE"
     [[ $(id -u) == 0 ]] || die "must run as root (needs CAP_NET_ADMIN)"
     [[ -n $(existing_ranks) ]] || die "reshape: no cluster is up"
-    if [[ $rate != none ]]; then
-        bps=$(rate_bytes_per_s "$rate") || die "cannot parse RATE '$rate' (use e.g. 100mbit, 1gbit, 10gbit)"
-        burst=${HH_BURST:-$(( bps / 500 > 262144 ? bps / 500 : 262144 ))}
-    fi
+    [[ $rate == none ]] || burst=$(burst_for "$rate")
     for i in $(existing_ranks); do
         if [[ $rate == none ]]; then
             ip netns exec "hh$i" tc qdisc del dev "$IFACE" root 2>/dev/null || true
@@ -278,10 +281,7 @@ cmd_up() {
         log "existing cluster found; tearing it down first"
         cmd_down
     fi
-    if [[ $rate != none ]]; then
-        bps=$(rate_bytes_per_s "$rate") || die "cannot parse RATE '$rate' (use e.g. 100mbit, 1gbit, 10gbit)"
-        burst=${HH_BURST:-$(( bps / 500 > 262144 ? bps / 500 : 262144 ))}
-    fi
+    [[ $rate == none ]] || burst=$(burst_for "$rate")
     # On any failure half-way (set -e may exit from inside a helper, where an
     # ERR trap would not fire), leave nothing behind.
     UP_DONE=0
