@@ -42,6 +42,9 @@
 #                                    # "none" = unshaped. An existing cluster is
 #                                    # torn down first.
 #   ci/netcluster.sh down            # idempotent, never fails
+#   ci/netcluster.sh reshape RATE    # change every link's rate of the running
+#                                    # cluster (jobs keep running: a link that
+#                                    # slows down mid-run); "none" = unshaped
 #   ci/netcluster.sh exec I CMD...   # run CMD inside namespace hhI
 #   ci/netcluster.sh hosts [N]       # one address per line (MPI hostfile material)
 #   ci/netcluster.sh measure [MB] [--duplex]   # TCP throughput hh0 -> hh1, prints MB/s
@@ -193,9 +196,33 @@ rank_env() {  # rank_env I J N K -> sets RANK_ENV
               NODE_RANK="$i")
 }
 
+burst_for() {  # burst_for RATE -> tbf burst bytes (HH_BURST, else 2 ms of RATE, at least 256 KiB)
+    local bps
+    bps=$(rate_bytes_per_s "$1") || die "cannot parse RATE '$1' (use e.g. 100mbit, 1gbit, 10gbit)"
+    echo "${HH_BURST:-$(( bps / 500 > 262144 ? bps / 500 : 262144 ))}"
+}
+
 shape() {  # shape NS DEV RATE BURST
     ip netns exec "$1" tc qdisc replace dev "$2" root tbf \
         rate "$3" burst "$4" latency "$LATENCY"
+}
+
+cmd_reshape() {  # reshape RATE: the running cluster's links, in place
+    local rate=${1:-} bps burst i
+    [[ -n $rate ]] || die "usage: reshape RATE"
+    [[ $(id -u) == 0 ]] || die "must run as root (needs CAP_NET_ADMIN)"
+    [[ -n $(existing_ranks) ]] || die "reshape: no cluster is up"
+    [[ $rate == none ]] || burst=$(burst_for "$rate")
+    for i in $(existing_ranks); do
+        if [[ $rate == none ]]; then
+            ip netns exec "hh$i" tc qdisc del dev "$IFACE" root 2>/dev/null || true
+            ip netns exec "$BRNS" tc qdisc del dev "hhv$i" root 2>/dev/null || true
+        else
+            shape "hh$i" "$IFACE" "$rate" "$burst"
+            shape "$BRNS" "hhv$i" "$rate" "$burst"
+        fi
+    done
+    log "reshape: every link now ${rate}${burst:+ burst ${burst}b}"
 }
 
 cmd_down() {
@@ -254,10 +281,7 @@ cmd_up() {
         log "existing cluster found; tearing it down first"
         cmd_down
     fi
-    if [[ $rate != none ]]; then
-        bps=$(rate_bytes_per_s "$rate") || die "cannot parse RATE '$rate' (use e.g. 100mbit, 1gbit, 10gbit)"
-        burst=${HH_BURST:-$(( bps / 500 > 262144 ? bps / 500 : 262144 ))}
-    fi
+    [[ $rate == none ]] || burst=$(burst_for "$rate")
     # On any failure half-way (set -e may exit from inside a helper, where an
     # ERR trap would not fire), leave nothing behind.
     UP_DONE=0
@@ -539,6 +563,7 @@ main() {
     case $sub in
         up) cmd_up "$@" ;;
         down) cmd_down ;;
+        reshape) cmd_reshape "$@" ;;
         exec) cmd_exec "$@" ;;
         hosts) cmd_hosts "$@" ;;
         measure) cmd_measure "$@" ;;

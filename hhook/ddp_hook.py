@@ -11,6 +11,8 @@ from .allreduce import thc_allreduce_async
 from .flat import dense_allreduce
 from .futures import completed, then
 from .codec import warm_up
+from .decision import build as build_decision
+from .decision import exchange as decided_exchange
 from .state import THCState
 
 logger = logging.getLogger(__name__)
@@ -43,17 +45,22 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     if isinstance(bucket, tuple):
         return _per_parameter(state, *bucket)
     buffer = bucket.buffer()
+    deciding = state.bits == "auto" and state.world_size > 1
+    if deciding and state.decision is None:
+        state.decision = build_decision(state)  # before the handshake, which checks its options
     # Before anything else, so that ranks with different options (start_iter above all:
     # its plain iterations would pair one rank's SUM with another's MAX) fail on every
     # rank rather than mis-pair collectives.
     state.ensure_checked(buffer.device)
-    if state.iter < state.start_iter or buffer.is_sparse:
+    # The key's state is checked against the bucket's parameter layout: when DDP rebuilds
+    # its buckets an index may name other parameters, whose residual and scales must
+    # start afresh.
+    layout = _bucket_layout(state, bucket)
+    if deciding:  # bits="auto": the exchange this iteration's decision says (hhook.decision)
+        fut = decided_exchange(state, bucket, layout)
+    elif state.iter < state.start_iter or buffer.is_sparse:
         fut = dense_allreduce(state, buffer)
     else:
-        # The key's state is checked against the bucket's parameter layout: when DDP
-        # rebuilds its buckets an index may name other parameters, whose residual and
-        # scales must start afresh.
-        layout = _bucket_layout(state, bucket)
         fut = None
         if state._ddp_iterations == 0:  # this DDP's first iteration: its buckets are not rebuilt yet
             fut = _before_rebuild(state, bucket, layout)
@@ -160,6 +167,12 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
     r"""Register :func:`thc_hook` on ``ddp_model``; ``options`` go to :class:`THCState`,
     or pass ``state`` (e.g. one loaded from a checkpoint) instead.
 
+    ``bits`` defaults to ``"auto"``: the hook measures this job's step with THC at the
+    auto rule's width and two narrower ones, a bf16 and the fp32 allreduce, in turns on
+    every rank alike, keeps the fastest and re-decides on a schedule and on drift
+    (:mod:`hhook.decision`; ``state.stats()["decision"]`` says what and why). An integer
+    ``bits`` always compresses at that width.
+
     The process group defaults to the model's own. With ``topology="auto"`` (or a
     number of ranks per node) the node layout is found here, on every rank, so a bad
     layout raises :class:`~hhook.topology.TopologyError` at registration. The state
@@ -168,16 +181,20 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
     yet the rebuilt ones the saved state describes.
 
     Example::
-        >>> state = hhook.register(ddp_model, bits=4)
+        >>> state = hhook.register(ddp_model)          # measured choice
+        >>> state = hhook.register(ddp_model, bits=4)  # always THC at 4 bits
         >>> state = hhook.register(new_ddp_model, state=torch.load(path)["hook"])  # resume
     """
     if state is None:
         options.setdefault("process_group", getattr(ddp_model, "process_group", None))
+        options.setdefault("bits", "auto")
         state = THCState(**options)
     elif options:
         raise TypeError("hhook.register: pass either state or options, not both")
     if dist.is_initialized():
         state.node_layout()  # on every rank, here: a layout that cannot hold raises now
+        if state.bits == "auto" and state.world_size > 1 and state.decision is None:
+            state.decision = build_decision(state)
     module = getattr(ddp_model, "module", ddp_model)
     state._param_names = {id(p): name for name, p in module.named_parameters()}
     state._ddp_iterations = 0

@@ -104,6 +104,18 @@ def dense_allreduce(state: THCState, tensor: torch.Tensor) -> torch.futures.Futu
     return plain_allreduce(tensor, state.process_group, state.world_size)
 
 
+def cast_allreduce(state: THCState, tensor: torch.Tensor, dtype: torch.dtype) -> torch.futures.Future:
+    """A dense allreduce in ``dtype`` (``bits="auto"``'s bf16 candidate, as PyTorch's
+    bf16 hook): divide, cast, SUM-allreduce, copy back. Round-to-nearest, not exact;
+    inf/NaN on any rank stays non-finite on every rank. Counted as a dense call."""
+    if state.world_size == 1:
+        return dense_allreduce(state, tensor)
+    low = tensor.div(state.world_size).to(dtype)
+    state.count("dense_calls", 4 * tensor.numel(), low.nbytes)
+    fut = dist.all_reduce(low, group=state.process_group, async_op=True).get_future()
+    return then(fut, lambda value: tensor.copy_(value[0]), tensor)
+
+
 def flat_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=None,
                          failed: BaseException | None = None) -> torch.futures.Future:
     r""":func:`hhook.thc_allreduce_async` over one process group, every rank a peer (its

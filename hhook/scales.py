@@ -189,6 +189,20 @@ class ScalePolicy:
         state = self.keys.get(key)
         return None if state is None else state.scales
 
+    def release(self, key, numel: int) -> torch.Tensor | None:
+        """Forget ``key`` (scales, residual, history) and return its error-feedback residual
+        in the tensor's own domain (``numel`` float32 values), or None when it carries none
+        or held a tensor of another length."""
+        state = self.keys.pop(key, None)
+        if state is None or state.residual is None or state.numel != numel:
+            return None
+        return self._unrotated(state.residual, self.codec(state.world_size), numel)
+
+    @staticmethod
+    def _unrotated(residual: torch.Tensor, codec: THCCodec, numel: int) -> torch.Tensor:
+        """A residual (rotated blocks) back in the tensor's domain, cropped to ``numel``."""
+        return rotation.unrotate(residual, codec.seed).reshape(-1)[:numel]
+
     def _residual(self, state: KeyState | None, codec: THCCodec, device) -> torch.Tensor | None:
         if not self.error_feedback or state is None:
             return None
@@ -432,7 +446,7 @@ class PredictedScales(ScalePolicy):
             n_meta = 2 * maxima.numel()
             residual = self._residual(state, codec, tensor.device)
             if residual is not None:  # sent exactly now: hand the carried error over too
-                back = rotation.unrotate(residual, codec.seed).reshape(-1)[:numel]
+                back = self._unrotated(residual, codec, numel)
                 flat = flat + back.to(dtype)
             config = codec.fingerprint(numel)
         else:

@@ -44,7 +44,10 @@ class THCState:
             ``"auto"``: the fewest bits whose predicted error of the mean, at this
             world size (or node count, two-level), is no worse than 4 bits at 4 ranks
             (:func:`hhook.topology.auto_bits`: 5 at 2 ranks, 4 at 4-16, 3 at 64, 2 at
-            1024): large jobs average rounding noise away and get narrower lanes.
+            1024): large jobs average rounding noise away and get narrower lanes. In
+            the DDP hook ``"auto"`` (:func:`hhook.register`'s default) goes further:
+            it measures this job's step with THC at that width and narrower ones, a
+            bf16 and the fp32 allreduce, and keeps the fastest (:mod:`hhook.decision`).
         block_size: rotation and scale block, a power of two (at most 65536). 1024 costs
             0.03 bits per coordinate for the scales.
         seed: shared seed of the rotation's random signs; must match on every rank.
@@ -108,6 +111,10 @@ class THCState:
         "inter",
         "_intra",
         "_saved_layout",
+        # bits="auto" in the DDP hook (hhook.decision): the decision (plain data) and the
+        # THC state of each width it tried (sharing this state's counters and transport)
+        "decision",
+        "variants",
         # derived, rebuilt on demand and never pickled
         "_codec",
         "_verified",
@@ -119,11 +126,12 @@ class THCState:
         "_checked",
         "_param_names",
         "_ddp_iterations",
+        "_prober",
     ]
 
     _PICKLED = (
         "bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "topology", "policies",
-        "iter", "calls", "_stats", "inter", "_intra",
+        "iter", "calls", "_stats", "inter", "_intra", "decision", "variants",
     )
 
     def __init__(
@@ -178,6 +186,8 @@ class THCState:
         self.inter: THCState | None = None
         self._intra = Counters()
         self._saved_layout = None
+        self.decision = None
+        self.variants: dict[int, THCState] = {}
         self._reset_derived()
 
     def _reset_derived(self) -> None:
@@ -191,9 +201,12 @@ class THCState:
         self._checked = set()  # device types whose options were checked over the whole group
         self._param_names = None  # id(parameter) -> name, set by hhook.register (DDP)
         self._ddp_iterations = None  # iterations of the DDP registered on, counted by the hook
+        self._prober = None  # hhook.decision.Prober: the clock and the reduction in flight
 
     def __getstate__(self):
         # Like PowerSGDState: a process group cannot be pickled; the default one is used after loading.
+        if self._prober is not None and self.decision is not None:
+            self._prober.checkpoint(self.decision)  # the reduction in flight is applied, not lost
         saved = {name: getattr(self, name) for name in self._PICKLED}
         saved["layout"] = self._topo.record() if self._topo is not None else self._saved_layout
         return saved
@@ -211,6 +224,8 @@ class THCState:
         saved.setdefault("policies", {})
         saved.setdefault("topology", "flat")  # saved before there were nodes
         saved.setdefault("inter", None)
+        saved.setdefault("decision", None)  # saved before bits="auto" decided
+        saved.setdefault("variants", {})
         self._saved_layout = saved.pop("layout", None)
         intra = saved.pop("_intra", {})
         self._intra = intra if isinstance(intra, Counters) else Counters(intra)
@@ -238,8 +253,10 @@ class THCState:
         h = rng.mix32(0x53434844)
         chunk = -1 if self.chunk_mb == "auto" else int(round(self.chunk_mb * 1024))
         topology = {"flat": 0, "auto": 1}.get(self.topology, 2 + (self.topology if isinstance(self.topology, int) else 0))
+        # bits="auto" decides between exchanges in the DDP hook: its options are in the handshake
+        auto = 0 if self.bits != "auto" else 1 + (self.decision.options_digest() if self.decision is not None else 0)
         for value in (SCALE_MODES.index(self.scales), chunk & rng.MASK32, self.start_iter, int(self.error_feedback),
-                      topology & rng.MASK32):
+                      topology & rng.MASK32, auto & rng.MASK32):
             h = rng.mix32(h ^ value)
         return h
 
@@ -256,6 +273,49 @@ class THCState:
         if self.bits != "auto":
             return self.bits
         return auto_bits(self.world_size if world_size is None else world_size)
+
+    def auto_width(self) -> int:
+        """The auto rule's bits for this layout: :func:`~hhook.topology.auto_bits` of the
+        node count (two-level) or of the world size (flat)."""
+        topo = self.node_layout()
+        return auto_bits(topo.n_nodes, topo.ranks_per_node) if topo.two_level else auto_bits(self.world_size)
+
+    def variant(self, bits: int) -> THCState:
+        """THC at ``bits`` over this state's group (``bits="auto"``'s candidates): its own
+        per-key state and rounding streams; this state's options, counters, node layout,
+        second communicators, sequencer and handshake (the widths follow from the options)."""
+        v = self.variants.get(bits)
+        if v is None:
+            v = self.variants[bits] = THCState(None, bits, self.block_size, self.seed, self.error_feedback,
+                                               self.start_iter, self.scales, self.chunk_mb, self.topology)
+        if v._topo is None:
+            topo = self.node_layout()
+            v.process_group, v._stats, v._intra, v._topo = self.process_group, self._stats, self._intra, topo
+            v._second, v._verified, v._sequencer = self._second, self._verified, self._sequencer
+            v._defer_on_cpu, v._checked = self._defer_on_cpu, self._checked
+            if topo.two_level:
+                if v.inter is None:
+                    v.inter = THCState(topo.inter_group, bits, self.block_size, self.seed, self.error_feedback,
+                                       self.start_iter, self.scales, self.chunk_mb)
+                v.inter.process_group, v.inter._stats = topo.inter_group, self.inter._stats
+                v.inter._second, v.inter._sequencer = self.inter._second, self.inter._sequencer
+        return v
+
+    def release_other_widths(self, key, tensor: torch.Tensor, keep: int | None) -> None:
+        """Before ``key`` goes through another exchange than the variant at ``keep`` bits:
+        every other variant forgets the key (its predicted scales are stale by its next
+        turn) and adds its error-feedback residual into ``tensor``, so no gradient mass
+        is lost on a switch."""
+        for bits, v in self.variants.items():
+            if bits == keep:
+                continue
+            pieces = v.chunks(tensor.numel(), tensor.device)
+            flat = tensor.view(-1)
+            for policy in v.policies.values():
+                for i, (start, stop) in enumerate(pieces):
+                    residual = policy.release(key if len(pieces) == 1 else (key, i), stop - start)
+                    if residual is not None:
+                        flat[start:stop].add_(residual.to(flat.dtype))
 
     def node_layout(self) -> Topology:
         """The node layout of ``process_group`` under the ``topology`` option, found once.
@@ -403,6 +463,8 @@ class THCState:
         at the next hook call, ``stats()`` or ``thc_allreduce``'s return."""
         if self.inter is not None:
             self.inter.check_deferred(wait)
+        for v in self.variants.values():
+            v.check_deferred(wait)
         still, first = [], None
         for event, host, what in self._pending:
             if event is not None and not wait and not event.query():
@@ -453,6 +515,8 @@ class THCState:
         else:
             s = self._stats.snapshot()
         s["iter"] = self.iter
+        if self.decision is not None:
+            s["decision"] = self.decision.summary()
         return s
 
     def reset_stats(self) -> None:

@@ -92,8 +92,7 @@ LAYERS = (
                "cuda_kernels", "codec"}),
     ("message and scale policy", {"message", "scales"}),
     ("schedule", {"futures", "stats", "sequencer", "groups", "launch", "node_memory", "topology", "state", "flat",
-                  "two_level",
-                  "allreduce"}),
+                  "two_level", "allreduce", "decision"}),
     ("integrations", {"ddp_hook", "horovod", "fsdp", ""}),  # "": the package's front, hhook/__init__.py
     ("benchmarks", {"simulation", "baselines", "profile"}),
 )

@@ -6,13 +6,15 @@ The kinds and their options::
 
     fp32, fp16, bf16, zlib                              none
     powersgd[:RANK]
-    thc[:BITS[:MODE]][:chunk=MB][:topology=T]           MODE agreed|predicted, T flat|auto|K
+    thc[:BITS[:MODE]][:chunk=MB][:topology=T]           BITS 1..8 or auto, MODE agreed|predicted, T flat|auto|K
     sbc[:p=P][:delay=H], lgc[:k=K][:dense=N][:topk=N][:ae=N]   (hhook.baselines)
 
 A subcommand passes the :class:`Kind` objects it accepts (its measurement knows how to
 run them): ``allreduce`` runs the codec directly, so its THC takes BITS, and topology=
 to time :func:`hhook.thc_allreduce` as a whole (:data:`THC_BITS`); ``train`` registers
-hhook's DDP hook and takes every THC option (:data:`THC`). THC's options are
+hhook's DDP hook and takes every THC option (:data:`THC`), ``thc:auto`` included
+(``hhook.register``'s default: the hook measures and picks THC's width or a dense
+exchange, :mod:`hhook.decision`). THC's options are
 :class:`hhook.THCState`'s (``bits``, ``scales``, ``chunk_mb``, ``topology``: flat, auto or
 K ranks per node) and are checked by it. A bad entry raises ValueError naming it.
 """
@@ -33,7 +35,7 @@ class Method:
 
     name: str
     kind: str
-    bits: int | None = None  # thc
+    bits: int | str | None = None  # thc: 1..8 or "auto"
     scales: str | None = None  # thc: hhook's scales= (None: its default)
     rank: int | None = None  # powersgd's matrix approximation rank
     chunk_mb: float | None = None  # thc: hhook's chunk_mb= (None: its default)
@@ -68,6 +70,7 @@ class Kind:
     keywords: tuple[str, ...] = ()
     build: Callable[[Entry, "Kind", dict], Method] | None = None  # (entry, kind, defaults); None: no options
     usage: str = ""  # e.g. powersgd[:RANK]; default: the name
+    auto: bool = False  # thc: BITS may be "auto" (the DDP hook decides)
 
     def __post_init__(self):
         if not self.usage:
@@ -151,9 +154,10 @@ def _thc(entry: Entry, kind: Kind, defaults: dict) -> Method:
     from ..state import SCALE_MODES, THCState
 
     given = entry.given
-    if "bits" in given and not given["bits"].isdigit():
-        raise entry.error(f"BITS must be an integer; expected {kind.usage}")
-    bits = int(given["bits"]) if "bits" in given else defaults.get("bits", 4)
+    if "bits" in given and not (given["bits"].isdigit() or (given["bits"] == "auto" and kind.auto)):
+        raise entry.error(f"BITS must be an integer{' or auto' if kind.auto else ''}; expected {kind.usage}")
+    bits = given["bits"] if given.get("bits") == "auto" else int(given["bits"]) if "bits" in given \
+        else defaults.get("bits", 4)
     scales = given.get("scales")
     if scales is not None and scales not in SCALE_MODES:
         raise entry.error(f"unknown scale mode {scales!r} (known: {', '.join(SCALE_MODES)})")
@@ -198,7 +202,7 @@ def _baseline(entry: Entry, kind: Kind, defaults: dict) -> Method:
 FP32, FP16, BF16, ZLIB = plain("fp32"), plain("fp16"), plain("bf16"), plain("zlib")
 POWERSGD = Kind("powersgd", positional=("rank",), build=_powersgd, usage="powersgd[:RANK]")
 THC = Kind("thc", positional=("bits", "scales"), keywords=("chunk", "topology"), build=_thc,
-           usage="thc[:BITS[:agreed|predicted]][:chunk=MB][:topology=flat|auto|K]")
+           usage="thc[:BITS|auto[:agreed|predicted]][:chunk=MB][:topology=flat|auto|K]", auto=True)
 THC_BITS = Kind("thc", positional=("bits",), keywords=("topology",), build=_thc,
                 usage="thc[:BITS][:topology=flat|auto|K]")  # allreduce: the codec, or thc_allreduce with topology=
 SBC, LGC = (Kind(name, keywords=tuple(BASELINE_OPTIONS[name]), build=_baseline, usage=BASELINE_USAGE[name])

@@ -160,6 +160,7 @@ def summarize(method: Method, status: str, message: str, results: list[dict], wa
         evals=r0["evals"], thc_stats=[r.get("thc_stats") for r in results] if "thc_stats" in r0 else None,
         baseline_stats=[r.get("baseline_stats") for r in results] if "baseline_stats" in r0 else None,
         bytes_mismatch=[r["bytes_mismatch"] for r in results if "bytes_mismatch" in r] or None,
+        decision=(r0.get("thc_stats") or {}).get("decision"),
         rs_bytes_per_step=rs[0] if rs else None, ag_bytes_per_step=ag[0] if ag else None,
         rs_bytes_per_step_per_rank=rs, ag_bytes_per_step_per_rank=ag,
     )
@@ -210,6 +211,20 @@ def table(rows: list[dict], target: float) -> str:
     return "\n".join(out)
 
 
+def decision_line(decision: dict) -> str:
+    """``bits="auto"``'s decisions (hhook.decision) in one line: each one's candidates,
+    their median steps, those dropped early, and the choice."""
+    parts = []
+    for d in decision["decisions"]:
+        periods = ", ".join(f"{m} {v:.1f}" for m, v in sorted(d["periods_ms"].items(), key=lambda kv: kv[1]))
+        dropped = ", ".join(f"{m} {v:.1f}" for m, v in d["dropped_ms"].items())
+        parts.append(f"at step {d['iter']} ({d['reason']}) chose {d['choice']}; median step ms {periods}"
+                     + (f"; dropped early {dropped}" if dropped else ""))
+    if not parts:
+        return f"bits='auto' still measuring ({decision['phase']}, running {decision['method']})"
+    return "bits='auto' " + "; then ".join(parts)
+
+
 def footer(rows: list[dict], args) -> list[str]:
     from ..report import sig
 
@@ -231,6 +246,9 @@ def footer(rows: list[dict], args) -> list[str]:
         if r.get("rs_bytes_per_step") is not None:
             lines.append(f"# {r['method']}: FSDP2, per rank and step {sig(r['rs_bytes_per_step'] / 1e6, 4)} MB "
                          f"reduce-scatter input, {sig(r['ag_bytes_per_step'] / 1e6, 4)} MB all-gather output")
+    for r in rows:
+        if r.get("decision"):
+            lines.append(f"# {r['method']}: {decision_line(r['decision'])}")
     for r in rows:
         if r.get("bytes_mismatch"):
             lines.append(f"# WARNING {r['method']}: bytes counted disagree with THC's stats: {r['bytes_mismatch'][0]}")

@@ -1,0 +1,432 @@
+r"""``bits="auto"`` in the DDP hook: measure, per job, which exchange is fastest, and use it.
+
+Compression pays only where the wire is the bottleneck, and nobody can tell in advance
+whether it is (a GPU fabric makes the wire free; CPU ranks sharing cores make the codec
+dear). So the hook measures the job itself:
+
+* **Candidates** (:func:`candidates`): THC at :func:`hhook.topology.auto_bits`'s width for
+  this world (or node count), THC at the :data:`LOWER_WIDTHS` widths below it, a bf16
+  dense allreduce and DDP's plain fp32 allreduce.
+* **Lockstep probing**: the candidates take turns for :data:`WINDOW` iterations each
+  (the first of a turn is not measured: it pays the switch), switching on DDP's iteration
+  counter, which every rank holds alike.
+* **Measured periods**: each rank times the period between the first hook calls of
+  successive iterations (a whole step: forward, backward, exchange, optimizer). At an
+  iteration's first call the previous period is MAX-allreduced, with a fingerprint of
+  the decision's state, *asynchronously*; the result is read one iteration later (it has
+  long completed: every later collective of that step did) and fed to :class:`Decision`.
+  So every rank holds the slowest rank's periods and nothing else: the same numbers, the
+  same decision. A rank whose state differs (another checkpoint, a bug) makes the
+  fingerprint differ and every rank raises :class:`~hhook.errors.ConfigMismatchError`.
+* **Pruning**: DDP's plain iterations before ``start_iter`` are free fp32 samples. A
+  candidate is dropped when its model bound (fp32's sample; bf16 moves half of fp32's
+  bytes, so it takes at least half of fp32's step) or its switching step exceeds twice
+  :data:`DROP_RATIO` times the best so far, or a measured step exceeds :data:`DROP_RATIO`
+  times it (fp32 at 100 Mbit/s, 6x THC's step, never runs).
+* **Re-deciding**: every :data:`REDECIDE_EVERY` iterations, and when the median of the
+  chosen method's last :data:`DRIFT_WINDOW` periods moves by more than
+  :data:`DRIFT` (a shared link slowed down or sped up). The running choice's recent
+  periods stand for it in the new round.
+* **Switching keeps the guarantees**: a THC width that is left hands each key's
+  error-feedback residual to the next exchange of that key (whatever the method) and
+  forgets its predicted scales (they start with an agreed round on return).
+
+:class:`Decision` is plain data (``state_dict``/``load_state_dict``; pickled with the
+:class:`~hhook.state.THCState`); :class:`Prober` holds the clock and the in-flight
+reduction and is rebuilt after loading. Saving waits for the in-flight reduction and
+applies it, and the period that spans the save is not counted, so a resumed run makes
+the decisions an uninterrupted one makes (with the same clock).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .allreduce import thc_allreduce_async
+from .errors import ConfigMismatchError
+from .flat import cast_allreduce, dense_allreduce
+from .state import THCState
+
+logger = logging.getLogger(__name__)
+
+#: THC widths tried below the auto rule's (fewer bytes, more rounding error): 2 means
+#: auto, auto - 1 and auto - 2 (never below 2 bits).
+LOWER_WIDTHS = 2
+#: Iterations per candidate's turn; the first of each turn is not measured.
+WINDOW = 4
+#: A candidate whose measured step exceeds this times the best so far is dropped (its
+#: switching step: twice this).
+DROP_RATIO = 1.5
+#: Re-decide this many iterations after a decision.
+REDECIDE_EVERY = 1000
+#: Re-decide when the median of the running method's last DRIFT_WINDOW periods is more
+#: than 1 + DRIFT times the decision's figure, or less than its 1 / (1 + DRIFT).
+DRIFT = 0.3
+DRIFT_WINDOW = 8
+#: Decisions kept in ``stats()`` (and checkpoints).
+KEPT_DECISIONS = 8
+#: The plain iterations' method and the dense candidates.
+PLAIN, FP32, BF16 = "plain", "fp32", "bf16"
+
+
+def candidates(auto_width: int, lower: int = LOWER_WIDTHS) -> list[str]:
+    """The candidates in probing order: THC at ``auto_width`` and the ``lower`` widths
+    below it (at least 2 bits), bf16, fp32.
+
+    Example::
+        >>> candidates(5)
+        ['thc:5', 'thc:4', 'thc:3', 'bf16', 'fp32']
+    """
+    widths = sorted({max(2, auto_width - k) for k in range(lower + 1)} | {auto_width}, reverse=True)
+    return [f"thc:{b}" for b in widths] + [BF16, FP32]
+
+
+def thc_bits(method: str) -> int | None:
+    """The width of a THC candidate (``"thc:4"`` -> 4), None for a dense one."""
+    return int(method.split(":")[1]) if method.startswith("thc:") else None
+
+
+def _median(values) -> float | None:
+    return statistics.median(values) if values else None
+
+
+class Decision:
+    r"""The decision's logic and state, plain data only, driven by reduced numbers.
+
+    The hook calls :meth:`method_for` once per iteration (at its first bucket) and
+    :meth:`observe` with the slowest rank's period of an earlier iteration; both are pure
+    functions of what was fed before, so ranks fed alike decide alike.
+
+    Args:
+        candidates: names in probing order (:func:`candidates`).
+        window, drop_ratio, redecide_every, drift, drift_window: as the module's constants.
+    """
+
+    def __init__(self, candidates: list[str], window: int = WINDOW, drop_ratio: float = DROP_RATIO,
+                 redecide_every: int = REDECIDE_EVERY, drift: float = DRIFT, drift_window: int = DRIFT_WINDOW):
+        if not candidates or len(set(candidates)) != len(candidates):
+            raise ValueError(f"candidates must be distinct and not empty, got {candidates!r}")
+        if window < 2 or drift_window < 1 or redecide_every < 1 or not drop_ratio > 1 or not drift > 0:
+            raise ValueError("window >= 2, drift_window >= 1, redecide_every >= 1, drop_ratio > 1 and drift > 0 needed")
+        self.options = {"candidates": list(candidates), "window": window, "drop_ratio": drop_ratio,
+                        "redecide_every": redecide_every, "drift": drift, "drift_window": drift_window}
+        self.phase = "explore"
+        self.reason = "start"
+        self.started = 0  # iteration the current exploration began
+        self.queue = list(candidates)
+        self.current = None  # the candidate whose turn it is
+        self.assigned = 0  # iterations given to its turn so far
+        self.samples: dict[str, list[float]] = {}
+        self.dropped: dict[str, float] = {}  # dropped early -> the period (or bound) that dropped it
+        self.plain: list[float] = []  # fp32 periods of DDP's plain iterations
+        self.choice = None
+        self.reference = None  # the choice's period at the decision
+        self.decided_at = None
+        self.recent: list[float] = []
+        self.history: dict[str, list] = {}  # str(iteration) -> [method, measured?]: awaiting their period
+        self.last_probe = -1  # the last iteration given to a turn of this exploration
+        self.observed = -1  # the last iteration whose period came back
+        self.decisions: list[dict] = []
+
+    # -- checkpoints ---------------------------------------------------------------
+    _FIELDS = ("options", "phase", "reason", "started", "queue", "current", "assigned", "samples", "dropped", "plain",
+               "choice", "reference", "decided_at", "recent", "history", "last_probe", "observed", "decisions")
+
+    def state_dict(self) -> dict:
+        """Everything, as numbers, strings, lists and dicts (copies)."""
+        return json.loads(json.dumps({name: getattr(self, name) for name in self._FIELDS}))
+
+    def load_state_dict(self, saved: dict) -> None:
+        missing = [name for name in self._FIELDS if name not in saved]
+        if missing:
+            raise ValueError(f"not a Decision state (missing {missing})")
+        for name in self._FIELDS:
+            setattr(self, name, json.loads(json.dumps(saved[name])))
+
+    def __getstate__(self):
+        return self.state_dict()
+
+    def __setstate__(self, saved):
+        self.load_state_dict(saved)
+
+    @classmethod
+    def from_state_dict(cls, saved: dict) -> "Decision":
+        d = cls(saved["options"]["candidates"])
+        d.load_state_dict(saved)
+        return d
+
+    def fingerprint(self) -> int:
+        """24 bits of the whole state (exact in a float32): equal on ranks fed alike."""
+        return zlib.crc32(json.dumps(self.state_dict(), sort_keys=True).encode()) >> 8
+
+    def options_digest(self) -> int:
+        """24 bits of the options: part of the hook's options handshake."""
+        return zlib.crc32(json.dumps(self.options, sort_keys=True).encode()) >> 8
+
+    # -- the two calls ---------------------------------------------------------------
+    def method_for(self, iteration: int, plain: bool = False) -> str:
+        """The method of ``iteration`` (``plain``: DDP's iterations before ``start_iter``)."""
+        if plain:
+            self.history[str(iteration)] = [PLAIN, iteration > 0]  # the first iteration pays set-up
+            return PLAIN
+        if self.phase == "exploit":
+            self.history[str(iteration)] = [self.choice, True]
+            return self.choice
+        o = self.options
+        while True:
+            if self.current is not None and self.assigned < o["window"] and self.current not in self.dropped:
+                measured = self.assigned > 0
+                self.assigned += 1
+                self.last_probe = iteration
+                self.history[str(iteration)] = [self.current, measured]
+                return self.current
+            if not self.queue:
+                break
+            self.current, self.assigned = self.queue.pop(0), 0
+            bound = self._bound(self.current)
+            best = self._best(exclude=self.current)
+            if bound is not None and best is not None and bound > 2 * o["drop_ratio"] * best:
+                self.dropped[self.current] = bound
+                self._log_drop(self.current, bound, best, "model")
+        self.current = None
+        self._maybe_decide(iteration)
+        method = self.choice if self.phase == "exploit" else self._hold()
+        self.history[str(iteration)] = [method, True]
+        return method
+
+    def observe(self, iteration: int, period: float | None) -> None:
+        """The slowest rank's period of ``iteration`` in seconds (None: not measured)."""
+        entry = self.history.pop(str(iteration), None)
+        if entry is None:
+            return
+        self.observed = max(self.observed, iteration)
+        method, measured = entry
+        if period is not None and not (period >= 0 and math.isfinite(period)):
+            period = None
+        if method == PLAIN:
+            if measured and period is not None:
+                self.plain.append(period)
+            return
+        if period is None:
+            pass
+        elif self.phase == "exploit":
+            if method == self.choice:
+                self.recent = (self.recent + [period])[-self.options["drift_window"]:]
+        elif measured:
+            self.samples.setdefault(method, []).append(period)
+        if self.phase == "explore":
+            if period is not None and method not in self.dropped:
+                best = self._best(exclude=method)
+                limit = self.options["drop_ratio"] * (1 if measured else 2)
+                if best is not None and period > limit * best:
+                    self.dropped[method] = period
+                    self._log_drop(method, period, best, "measured")
+            self._maybe_decide(iteration)
+        else:
+            self._maybe_redecide(iteration)
+
+    # -- inside ----------------------------------------------------------------------
+    def estimates(self) -> dict[str, float]:
+        """This exploration's median period per candidate (seconds)."""
+        return {m: _median(v) for m, v in self.samples.items() if v}
+
+    def _fp32_estimate(self) -> float | None:
+        if self.samples.get(FP32):
+            return _median(self.samples[FP32])
+        return _median(self.plain) if not self.decisions else None  # plain iterations: the job's start only
+
+    def _bound(self, method: str) -> float | None:
+        """A lower bound on ``method``'s period before it runs: fp32's own sample; bf16
+        sends half the bytes of fp32, so it takes at least half its step."""
+        fp32 = self._fp32_estimate()
+        if fp32 is None:
+            return None
+        return {FP32: fp32, BF16: fp32 / 2}.get(method)
+
+    def _best(self, exclude: str | None = None) -> float | None:
+        values = [v for m, v in self.estimates().items() if m != exclude]
+        if exclude != FP32 and not self.samples.get(FP32) and self._fp32_estimate() is not None:
+            values.append(self._fp32_estimate())
+        return min(values) if values else None
+
+    def _ranked(self) -> list[str]:
+        est = self.estimates()
+        order = self.options["candidates"]
+        return sorted(est, key=lambda m: (est[m], order.index(m) if m in order else len(order)))
+
+    def _hold(self) -> str:
+        """While the last turns' periods are in flight: the best so far (or the running choice)."""
+        ranked = self._ranked()
+        return ranked[0] if ranked else (self.choice or self.options["candidates"][0])
+
+    def _maybe_decide(self, iteration: int) -> None:
+        """Decide once every turn has been given and every turn's period has come back."""
+        o = self.options
+        if self.queue or (self.current is not None and self.current not in self.dropped
+                          and self.assigned < o["window"]) or self.observed < self.last_probe:
+            return
+        ranked = self._ranked()
+        est = self.estimates()
+        self.choice = ranked[0] if ranked else self.options["candidates"][0]
+        self.reference = est.get(self.choice)
+        self.decided_at = iteration
+        record = {"iter": iteration, "reason": self.reason, "periods_ms": {m: round(1e3 * v, 3) for m, v in est.items()},
+                  "dropped_ms": {m: round(1e3 * v, 3) for m, v in self.dropped.items()}, "choice": self.choice}
+        self.decisions = (self.decisions + [record])[-KEPT_DECISIONS:]
+        logger.info("hhook: bits='auto' chose %s at iteration %d (%s); median step ms: %s%s", self.choice, iteration,
+                    self.reason, ", ".join(f"{m} {1e3 * v:.1f}" for m, v in sorted(est.items(), key=lambda kv: kv[1])),
+                    f"; dropped early: {', '.join(self.dropped)}" if self.dropped else "")
+        self.phase, self.current, self.recent = "exploit", None, []
+        self.samples, self.dropped = {}, {}
+
+    def _maybe_redecide(self, iteration: int) -> None:
+        o = self.options
+        reason = None
+        if iteration - self.decided_at >= o["redecide_every"]:
+            reason = "schedule"
+        elif len(self.recent) >= o["drift_window"] and self.reference:
+            now = _median(self.recent)
+            if now > (1 + o["drift"]) * self.reference or now < self.reference / (1 + o["drift"]):
+                reason = f"drift {1e3 * self.reference:.1f} -> {1e3 * now:.1f} ms"
+        if reason is not None:
+            self.explore(iteration, reason)
+
+    def explore(self, iteration: int, reason: str) -> None:
+        """Start a new round; the running choice's recent periods stand for it."""
+        self.phase, self.reason, self.started = "explore", reason, iteration
+        newest = self.recent[len(self.recent) // 2:]  # after a drift, the newer half is the new regime
+        self.samples = {self.choice: newest} if newest else {}
+        self.queue = [m for m in self.options["candidates"] if m not in self.samples]
+        self.current, self.assigned, self.dropped, self.recent = None, 0, {}, []
+        self.last_probe = iteration  # periods of the old choice still in flight count for it
+
+    def _log_drop(self, method: str, period: float, best: float, how: str) -> None:
+        logger.info("hhook: bits='auto' drops %s (%s: %.1f ms against the best %.1f ms)", method, how,
+                    1e3 * period, 1e3 * best)
+
+    def summary(self) -> dict:
+        """For ``stats()``: the method in use, the phase and the last decisions."""
+        return {"method": self.choice if self.phase == "exploit" else (self.current or self._hold()),
+                "phase": self.phase, "choice": self.choice, "decisions": [dict(d) for d in self.decisions]}
+
+
+class Prober:
+    r"""The measuring half, rebuilt on every process: the clock, the start of the running
+    iteration, and the reduction in flight (launched at one iteration's first bucket, read
+    at the next one's). ``clock`` (seconds) may be replaced, e.g. by tests."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.first = True  # the next hook call is an iteration's first
+        self.start = None  # (iteration, clock) of the running iteration's first call
+        self.inflight = None  # (iteration, fingerprint, work, vector, host copy, event)
+        self.method = None  # the running iteration's method
+        self.verified = False
+
+    def verify(self, state: THCState, decision: Decision, device: torch.device) -> None:
+        """Once per process, at the hook's first call (a blocking point already): the
+        decision states' fingerprints over the group, so ranks resumed from different
+        checkpoints raise together before they pick different exchanges."""
+        fp = float(decision.fingerprint())
+        vector = torch.tensor([fp, -fp], dtype=torch.float64, device=device)
+        dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group)
+        state.count(None, 0, vector.nbytes)
+        high, low = vector.tolist()
+        if high != -low:
+            raise ConfigMismatchError("hhook: the ranks' bits='auto' decision states differ; every rank must resume "
+                                      "from the same checkpoint (torch.save of the THCState of the same step)")
+        self.verified = True
+
+    def begin(self, state: THCState, decision: Decision, iteration: int, device: torch.device) -> str:
+        """At an iteration's first bucket: read last iteration's reduction, launch this one's
+        (the period that just ended), and return this iteration's method."""
+        now = self.clock()
+        self.settle(decision)
+        period = now - self.start[1] if self.start is not None and self.start[0] == iteration - 1 else -1.0
+        self.start = (iteration, now)
+        if iteration > 0:
+            fp = float(decision.fingerprint())
+            vector = torch.tensor([period, fp, -fp], dtype=torch.float64, device=device)
+            work = dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)
+            state.count(None, 0, vector.nbytes)
+            host = event = None
+            if vector.is_cuda:  # read later from pinned memory: no host read of the stream now
+                work.wait()
+                host = torch.empty(3, dtype=torch.float64, pin_memory=True)
+                host.copy_(vector, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            self.inflight = (iteration - 1, fp, work, vector, host, event)
+        self.method = decision.method_for(iteration, plain=iteration < state.start_iter)
+        return self.method
+
+    def settle(self, decision: Decision) -> None:
+        """Read the reduction in flight (launched one iteration ago: complete by now) and
+        feed the slowest rank's period to ``decision``; raise on every rank if the ranks'
+        decision states differed."""
+        if self.inflight is None:
+            return
+        iteration, fp, work, vector, host, event = self.inflight
+        self.inflight = None
+        if event is not None:
+            event.synchronize()
+            values = host.tolist()
+        else:
+            work.wait()
+            values = vector.tolist()
+        period, high, low = values
+        if high != -low:
+            raise ConfigMismatchError(
+                "hhook: the ranks' bits='auto' decisions differ (their states' fingerprints disagree at iteration "
+                f"{iteration}); every rank must start from the same checkpoint and options"
+            )
+        decision.observe(iteration, period if period >= 0 else None)
+
+    def checkpoint(self, decision: Decision) -> None:
+        """Before pickling: apply the reduction in flight and leave the period spanning the
+        save unmeasured (a resumed run cannot measure it either)."""
+        self.settle(decision)
+        self.start = None
+
+
+def build(state: THCState) -> Decision:
+    """The decision of a ``bits="auto"`` state, its candidates sized by the node layout."""
+    topo = state.node_layout()
+    if topo.two_level and state.error_feedback:
+        raise ValueError("hhook: bits='auto' with error_feedback=True on two-level layouts is not supported yet; "
+                         "pass an integer bits= (THC always) or error_feedback=False")
+    return Decision(candidates(state.auto_width()))
+
+
+def exchange(state: THCState, bucket, layout) -> torch.futures.Future:
+    """The DDP hook's ``bits="auto"`` path: the method of this iteration, timed and decided
+    by :class:`Decision`, for one bucket."""
+    buffer = bucket.buffer()
+    prober = state._prober
+    if prober is None:
+        prober = state._prober = Prober()
+    if not prober.verified:
+        prober.verify(state, state.decision, buffer.device)
+    if prober.first:
+        prober.method = prober.begin(state, state.decision, state.iter, buffer.device)
+    prober.first = bucket.is_last()
+    method = prober.method
+    bits = thc_bits(method)
+    key = bucket.index()
+    if buffer.is_sparse:
+        return dense_allreduce(state, buffer)
+    if method != PLAIN:
+        state.release_other_widths(key, buffer, keep=bits)
+    if bits is not None:
+        return thc_allreduce_async(buffer, state.variant(bits), key=key, layout=layout)
+    if method == BF16 and buffer.dtype == torch.float32:
+        return cast_allreduce(state, buffer, torch.bfloat16)
+    return dense_allreduce(state, buffer)
