@@ -32,6 +32,11 @@ DEFAULT_CHUNK_MB = 12
 #: or an integer number of ranks per node (:mod:`hhook.topology`).
 TOPOLOGIES = ("flat", "auto")
 
+#: Version of :meth:`THCState.state_dict`'s layout (pickles of older hhooks have none).
+STATE_FORMAT = 1
+#: The constructor's options a checkpoint keeps (not the process group).
+_OPTIONS = ("bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "topology")
+
 logger = logging.getLogger(__name__)
 
 
@@ -119,10 +124,8 @@ class THCState:
         "_hook_checked",
     ]
 
-    _PICKLED = (
-        "bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "topology", "policies",
-        "iter", "calls", "_stats", "inter", "_intra",
-    )
+    #: What a checkpoint keeps (:meth:`state_dict`).
+    _PICKLED = (*_OPTIONS, "policies", "iter", "calls", "_stats", "inter", "_intra")
 
     def __init__(
         self,
@@ -188,32 +191,82 @@ class THCState:
         self._topo = None
         self._hook_checked = False
 
-    def __getstate__(self):
-        # Like PowerSGDState: a process group cannot be pickled; the default one is used after loading.
-        saved = {name: getattr(self, name) for name in self._PICKLED}
-        saved["layout"] = self._topo.record() if self._topo is not None else self._saved_layout
+    # -- checkpoints: one plain representation for state_dict() and pickling ----------
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs, as plain data (tensors, numbers, strings, tuples,
+        lists, dicts), so ``torch.load(..., weights_only=True)`` loads it: the options,
+        counters, every key's residual and predicted scales (per scale policy), the
+        two-level ``inter`` state and the node layout. A component held in a
+        :attr:`_PICKLED` slot that has its own ``state_dict()`` is saved through it.
+        ``torch.save(state)`` pickles this same dict. The process group is not saved.
+
+        Example::
+            >>> ckpt = {"model": model.state_dict(), "hhook": state.state_dict()}
+            >>> state.load_state_dict(torch.load(path, weights_only=True)["hhook"])
+        """
+        saved = {"format": STATE_FORMAT,
+                 "layout": self._topo.record() if self._topo is not None else self._saved_layout}
+        for name in self._PICKLED:
+            value = getattr(self, name)
+            if name == "policies":
+                value = {mode: policy.state_dict() for mode, policy in value.items()}
+            elif hasattr(value, "state_dict"):
+                value = value.state_dict()
+            saved[name] = value
         return saved
 
-    def __setstate__(self, saved):
-        self.process_group = None
+    def load_state_dict(self, saved: dict) -> None:
+        """Continue from :meth:`state_dict` (or an older hhook's pickled state): options,
+        counters and per-key state are replaced; this state's process group stays. A node
+        layout already found here is checked against the saved one
+        (:class:`~hhook.topology.TopologyError` on every rank when they differ); else the
+        check runs when the layout is found. A component that has ``load_state_dict``
+        (built by ``__init__``) loads its part in place."""
+        if not isinstance(saved, dict) or "bits" not in saved:
+            raise ValueError(f"hhook: not a THCState.state_dict(): {type(saved).__name__} "
+                             f"with keys {sorted(saved) if isinstance(saved, dict) else '-'}")
+        if saved.get("format", STATE_FORMAT) > STATE_FORMAT:
+            raise ValueError(f"hhook: this THCState was saved by a newer hhook (format {saved['format']}, "
+                             f"this one reads up to {STATE_FORMAT})")
+        options = {name: saved.get(name, getattr(self, name)) for name in _OPTIONS}
+        THCState(**options)  # validates before anything changes
+        topo = self._topo
         self._reset_derived()
-        if saved.get("scales", "auto") == "auto":  # saved before there was a choice, or with "auto"
-            saved["scales"] = "agreed"
-        saved.setdefault("chunk_mb", 0)  # saved before tensors were split
-        if "residuals" in saved or "predicted" in saved:
-            saved.pop("residuals", None)
-            saved.pop("predicted", None)
-            logger.warning("hhook: a THCState saved by an older hhook: its residuals and predicted scales start afresh")
-        saved.setdefault("policies", {})
-        saved.setdefault("topology", "flat")  # saved before there were nodes
-        saved.setdefault("inter", None)
-        self._saved_layout = saved.pop("layout", None)
-        intra = saved.pop("_intra", {})
-        self._intra = intra if isinstance(intra, Counters) else Counters(intra)
-        stats = saved.pop("_stats", {})
-        self._stats = stats if isinstance(stats, Counters) else Counters(stats)  # a dict before Counters
-        for name, value in saved.items():
+        self._saved_layout = saved.get("layout")
+        for name in self._PICKLED:
+            if name not in saved:  # saved before this component existed: it starts afresh
+                continue
+            value, current = saved[name], getattr(self, name)
+            if name == "policies":
+                value = {mode: p if isinstance(p, ScalePolicy) else ScalePolicy.from_state_dict(p)
+                         for mode, p in value.items()}
+            elif name == "inter" and isinstance(value, dict):
+                inter = THCState()
+                inter.load_state_dict(value)
+                value = inter
+            elif hasattr(current, "load_state_dict") and not hasattr(value, "load_state_dict"):
+                current.load_state_dict(value)
+                continue
             setattr(self, name, value)
+        if topo is not None:
+            self._adopt_layout(topo)
+
+    def __getstate__(self):
+        # Like PowerSGDState: a process group cannot be pickled; the default one is used after loading.
+        return self.state_dict()
+
+    def __setstate__(self, saved):
+        THCState.__init__(self)  # every slot at its default; saved values replace them
+        if "format" not in saved:  # pickled by an hhook before state_dict()
+            if saved.get("scales", "auto") == "auto":  # saved before there was a choice, or with "auto"
+                saved["scales"] = "agreed"
+            saved.setdefault("chunk_mb", 0)  # saved before tensors were split
+            if "residuals" in saved or "predicted" in saved:
+                saved.pop("residuals", None)
+                saved.pop("predicted", None)
+                logger.warning("hhook: a THCState saved by an older hhook: its residuals and predicted scales "
+                               "start afresh")
+        self.load_state_dict(saved)
 
     def policy(self, mode: str) -> ScalePolicy:
         """The scale policy of ``mode`` ("agreed" or "predicted"), with its per-key state."""
@@ -262,21 +315,25 @@ class THCState:
             # One small all-gather even for "flat": ranks that disagree on the layout then
             # raise TopologyError together instead of one rank waiting in a collective
             # the others never start.
-            topo = detect_topology(self.process_group, ranks_per_node=self.topology)
-            topo.check_record(self._saved_layout)
-            if topo.two_level:
-                if self.inter is None:
-                    bits = auto_bits(topo.n_nodes, topo.ranks_per_node) if self.bits == "auto" else self.bits
-                    self.inter = THCState(
-                        topo.inter_group, bits, self.block_size, self.seed, self.error_feedback, self.start_iter,
-                        self.scales, self.chunk_mb,
-                    )
-                else:  # restored from a checkpoint of the same layout
-                    self.inter.process_group = topo.inter_group
-            elif self.inter is not None:
-                raise TopologyError("hhook: this THCState holds two-level state but the layout found is flat")
-            self._topo = topo
+            self._adopt_layout(detect_topology(self.process_group, ranks_per_node=self.topology))
         return self._topo
+
+    def _adopt_layout(self, topo: Topology) -> None:
+        """Use ``topo``: check it against a checkpoint's layout, build or reattach
+        :attr:`inter`."""
+        topo.check_record(self._saved_layout)
+        if topo.two_level:
+            if self.inter is None:
+                bits = auto_bits(topo.n_nodes, topo.ranks_per_node) if self.bits == "auto" else self.bits
+                self.inter = THCState(
+                    topo.inter_group, bits, self.block_size, self.seed, self.error_feedback, self.start_iter,
+                    self.scales, self.chunk_mb,
+                )
+            else:  # restored from a checkpoint of the same layout
+                self.inter.process_group = topo.inter_group
+        elif self.inter is not None:
+            raise TopologyError("hhook: this THCState holds two-level state but the layout found is flat")
+        self._topo = topo
 
     def mode(self, device: torch.device) -> str:
         """The scale policy for tensors on ``device`` (the same on every device)."""
