@@ -88,18 +88,43 @@ def _per_parameter(state: THCState, grad: torch.Tensor, param: torch.Tensor) -> 
     return completed(grad)
 
 
-def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", **options) -> THCState:
-    r"""Register :func:`thc_hook` on ``ddp_model``; ``options`` go to :class:`THCState`.
+def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCState | None = None,
+             **options) -> THCState:
+    r"""Register :func:`thc_hook` on ``ddp_model``; ``options`` go to :class:`THCState`
+    (or pass a ``state`` built earlier, e.g. one a checkpoint was loaded into).
 
     The process group defaults to the model's own. With ``topology="auto"`` (or a
     number of ranks per node) the node layout is found here, on every rank, so a bad
-    layout raises :class:`~hhook.topology.TopologyError` at registration.
+    layout raises :class:`~hhook.topology.TopologyError` at registration. A model that is
+    not DDP-wrapped raises :class:`TypeError` saying what it got, except in a world of
+    one process, where nothing is exchanged: there it logs why nothing will be compressed
+    and returns the state unregistered.
 
     Example::
         >>> state = hhook.register(ddp_model, bits=4)
     """
-    options.setdefault("process_group", getattr(ddp_model, "process_group", None))
-    state = THCState(**options)
+    if state is None:
+        options.setdefault("process_group", getattr(ddp_model, "process_group", None))
+        state = THCState(**options)
+    elif options:
+        raise TypeError(f"hhook.register: pass options or a state, not both (got {sorted(options)})")
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        got = type(ddp_model).__name__
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            logger.warning(
+                "hhook.register got a %s, not a DistributedDataParallel model, in a world of one process "
+                "(torch.distributed %s): there is nothing to exchange, so nothing will be compressed. A launcher "
+                "or framework that starts one process does not wrap the model in DDP; start several processes "
+                "(torchrun --nproc-per-node N, accelerate launch --num_processes N) to train data-parallel.",
+                got, "initialized, world size 1" if dist.is_initialized() else "not initialized")
+            return state
+        raise TypeError(
+            f"hhook.register needs a torch.nn.parallel.DistributedDataParallel model, got {got} (world of {world} "
+            "processes): nothing would be compressed and the ranks' gradients would not even be averaged. Wrap "
+            "the model in DDP first (Accelerate: after accelerator.prepare; Ray Train: after prepare_model; "
+            "Lightning: hhook.lightning.THCCallback; torch.compile: register on the DDP model, then compile)."
+        )
     if dist.is_initialized():
         state.node_layout()  # on every rank, here: a layout that cannot hold raises now
     ddp_model.register_comm_hook(state, thc_hook)
@@ -107,3 +132,4 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", **options) 
         warm_up(param.device)  # compile the fused codec now, not in the first backward pass
         break
     return state
+

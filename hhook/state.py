@@ -5,8 +5,10 @@ device checks)."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -38,6 +40,20 @@ STATE_FORMAT = 1
 _OPTIONS = ("bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "topology")
 
 logger = logging.getLogger(__name__)
+
+#: The states a program built, weakly held: at exit each one that no tensor went through
+#: says so (:meth:`THCState.warn_if_idle`), e.g. a state handed to a framework that never
+#: registered its hook. States hhook builds for itself leave the set.
+_LIVE: "weakref.WeakSet[THCState]" = weakref.WeakSet()
+
+
+@atexit.register
+def _report_idle_states() -> None:
+    for state in list(_LIVE):
+        try:
+            state.warn_if_idle("the program")
+        except Exception:  # noqa: BLE001 - at exit, a deferred error has had its chance to raise
+            pass
 
 
 class THCState:
@@ -122,6 +138,7 @@ class THCState:
         "_defer_on_cpu",
         "_topo",
         "_hook_checked",
+        "__weakref__",
     ]
 
     #: What a checkpoint keeps (:meth:`state_dict`).
@@ -180,6 +197,7 @@ class THCState:
         self._intra = Counters()
         self._saved_layout = None
         self._reset_derived()
+        _LIVE.add(self)
 
     def _reset_derived(self) -> None:
         self._codec = None
@@ -229,7 +247,7 @@ class THCState:
             raise ValueError(f"hhook: this THCState was saved by a newer hhook (format {saved['format']}, "
                              f"this one reads up to {STATE_FORMAT})")
         options = {name: saved.get(name, getattr(self, name)) for name in _OPTIONS}
-        THCState(**options)  # validates before anything changes
+        _LIVE.discard(THCState(**options))  # validates before anything changes
         topo = self._topo
         self._reset_derived()
         self._saved_layout = saved.get("layout")
@@ -242,6 +260,7 @@ class THCState:
                          for mode, p in value.items()}
             elif name == "inter" and isinstance(value, dict):
                 inter = THCState()
+                _LIVE.discard(inter)
                 inter.load_state_dict(value)
                 value = inter
             elif hasattr(current, "load_state_dict") and not hasattr(value, "load_state_dict"):
@@ -329,6 +348,7 @@ class THCState:
                     topo.inter_group, bits, self.block_size, self.seed, self.error_feedback, self.start_iter,
                     self.scales, self.chunk_mb,
                 )
+                _LIVE.discard(self.inter)  # reported through this state
             else:  # restored from a checkpoint of the same layout
                 self.inter.process_group = topo.inter_group
         elif self.inter is not None:
@@ -494,6 +514,21 @@ class THCState:
             s = self._stats.snapshot()
         s["iter"] = self.iter
         return s
+
+    def warn_if_idle(self, where: str) -> bool:
+        """Log a warning when no tensor went through this state by the end of ``where``
+        (a training run, the program): its hook was never called, so that run trained
+        uncompressed, or not data-parallel. Returns True when it warned; either way the
+        state is not checked again at exit."""
+        _LIVE.discard(self)
+        s = self.stats()
+        if s["compressed_calls"] + s["dense_calls"] + s["local_calls"]:
+            return False
+        logger.warning(
+            "hhook: %s ended but no tensor went through this THCState (%s): nothing was compressed. Was its hook "
+            "registered on the DDP model that trained? (Lightning's DDPStrategy registers ddp_comm_hook on CUDA "
+            "devices only: use hhook.lightning.THCCallback.)", where, self.describe())
+        return True
 
     def reset_stats(self) -> None:
         self._stats.reset()

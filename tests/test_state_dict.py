@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hhook
 from hhook.stats import Counters
 from tests.distributed import run_world
+from tests.ready_order import ReadyOrderMLP
 
 MODES = ["agreed", "predicted"]
 STEPS, SAVE_AT = 8, 4
@@ -25,31 +26,13 @@ def _round_trip(obj):
     return torch.load(buf, weights_only=True)
 
 
-class _ReadyOrderMLP(torch.nn.Module):
-    """A two-layer MLP whose parameters are registered in the order their gradients become
-    ready. A fresh DDP's first bucket lists parameters in registration order and the
-    rebuilt one in ready order; with the two equal, the first step after a resume sends
-    the same bucket as the uninterrupted run, so resuming can be compared bit for bit."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.b2 = torch.nn.Parameter(torch.randn(4) * 0.1)
-        self.w2 = torch.nn.Parameter(torch.randn(4, 32) * 0.2)
-        self.b1 = torch.nn.Parameter(torch.randn(32) * 0.1)
-        self.w1 = torch.nn.Parameter(torch.randn(32, 16) * 0.25)
-
-    def forward(self, x):
-        return torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, self.w1, self.b1)), self.w2, self.b2)
-
-
 def _net(compiled=False):
     """Compiled DDP makes gradients ready in yet another order (the compiled backward's), so
     a bucket of one parameter is the model whose order cannot change."""
     if compiled:
         torch.manual_seed(0)
         return torch.nn.Linear(16, 4, bias=False)
-    return _ReadyOrderMLP()
+    return ReadyOrderMLP()
 
 
 def _batch(rank, step):
