@@ -199,6 +199,11 @@ class THCState:
         self._reset_derived()
         _LIVE.add(self)
 
+    @classmethod
+    def validate(cls, **options) -> None:
+        """Raise what the constructor raises for ``options``; builds no state to keep."""
+        _LIVE.discard(cls(**options))
+
     def _reset_derived(self) -> None:
         self._codec = None
         self._verified = set()
@@ -247,7 +252,7 @@ class THCState:
             raise ValueError(f"hhook: this THCState was saved by a newer hhook (format {saved['format']}, "
                              f"this one reads up to {STATE_FORMAT})")
         options = {name: saved.get(name, getattr(self, name)) for name in _OPTIONS}
-        _LIVE.discard(THCState(**options))  # validates before anything changes
+        THCState.validate(**options)  # before anything changes
         topo = self._topo
         self._reset_derived()
         self._saved_layout = saved.get("layout")
