@@ -12,7 +12,7 @@ P="${PYTHON:-python3} -m hhook.profile"
 export HH_MPIRUN_ARGS="${HH_MPIRUN_ARGS:-} -x PYTHONPATH=$PWD"
 trap 'bash ci/netcluster.sh down >/dev/null 2>&1 || true' EXIT
 bash ci/netcluster.sh up 4 "$RATE"
-D="docs/profile-$RATE"
+D="bench/profile-$RATE"  # measurements in bench/, the pages in docs/
 if [[ "$RATE" == 1gbit ]]; then
     bash ci/netcluster.sh measure 100 --duplex
     LINK=(-b 1 -e 16M -f 4 -n 10 -w 2); ITER=(-n 8 -w 2); RING=(-n 10 -w 2); SIZES=25MB

@@ -1,9 +1,9 @@
-"""Measure the scale model's inputs on this host (docs/topology-inputs.json).
+"""Measure the scale model's inputs on this host (bench/topology-inputs.json).
 
 The scale model (``hhook-profile model --layouts``, :mod:`hhook.profile.models`) predicts a
 step from a few measured quantities. This script measures those that do not need the
 emulated links; ``ci/measure_topology.sh`` runs it and merges the results with the
-inter-node link fit of ``docs/profile-1gbit-link.json``. Two parts::
+inter-node link fit of ``bench/profile-1gbit-link.json``. Two parts::
 
     python ci/measure_scale_inputs.py compute OUT.json
         compute_ms: a wide-cnn DDP step (batch 32, SGD with momentum, one thread) in a world

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Measure the scale model's inputs (ci/measure_scale_inputs.py: compute per step in a
 # world of one, the intra-node path, codec, casts and copies between two ranks of this
-# host; the inter-node link from docs/profile-1gbit-link.json, which
+# host; the inter-node link from bench/profile-1gbit-link.json, which
 # `bash ci/measure_profiler.sh 1gbit` writes), then real DDP training (wide-cnn,
 # hhook-profile train) on the emulated cluster at the layouts the model is checked
-# against, and write both into docs/topology-inputs.json (inputs and "measured") and
-# docs/topology-inputs-cluster.json (the same inputs, every rank on its own core).
+# against, and write both into bench/topology-inputs.json (inputs and "measured") and
+# bench/topology-inputs-cluster.json (the same inputs, every rank on its own core).
 # tests/test_topology.py compares the model with the measured steps;
 # `hhook-profile model --layouts ... --scale-inputs` prints both:
 #
@@ -14,11 +14,11 @@
 #
 # At 2x2 also the fp16 hook and two-level THC (topology=auto) in both scale modes, and
 # hhook-profile allreduce alone: the figures of docs/topology.md. Needs root, ip netns
-# and tc (as ci/netcluster.sh); takes 7-10 minutes on 2 cores. Usage: bash ci/measure_topology.sh [OUTDIR] (default docs);
+# and tc (as ci/netcluster.sh); takes 7-10 minutes on 2 cores. Usage: bash ci/measure_topology.sh [OUTDIR] (default bench);
 # STEPS=N sets the steps per method (default 35, 5 of them warm-up).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT="${1:-docs}"
+OUT="${1:-bench}"
 STEPS="${STEPS:-35}"
 PY="${PYTHON:-python3}"
 trap 'bash ci/netcluster.sh down >/dev/null 2>&1 || true' EXIT
@@ -44,7 +44,7 @@ bash ci/netcluster.sh launch 2 "$PY" -m hhook.profile allreduce --backend gloo -
     --json "$OUT/topology-allreduce-2x2.json"
 
 "$PY" - "$OUT" <<'EOF'
-"""The inputs and the median step times of the runs above into docs/topology-inputs*.json."""
+"""The inputs and the median step times of the runs above into bench/topology-inputs*.json."""
 import datetime
 import json
 import os
@@ -57,7 +57,7 @@ out = pathlib.Path(sys.argv[1])
 inputs = json.loads((out / "topology-inputs-compute.json").read_text())
 inputs.update({k: v for k, v in json.loads((out / "topology-inputs-loopback.json").read_text()).items()
                if not k.endswith("_r2") and k != "raw"})
-alpha, beta = fit_from_link(json.loads(pathlib.Path("docs/profile-1gbit-link.json").read_text()))
+alpha, beta = fit_from_link(json.loads(pathlib.Path("bench/profile-1gbit-link.json").read_text()))
 inputs.update({"alpha_inter_us": round(alpha * 1e6, 2), "beta_inter_GBps": round(beta / 1e9, 4),
                "host_cores": os.cpu_count(), "intra": "shm"})
 names = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "thc:4": "thc", "thc:4:topology=auto": "thc2",
@@ -71,13 +71,13 @@ notes = ("Inputs of the scale model (hhook-profile model --layouts ... --scale-i
          f"bash ci/measure_topology.sh ({when}) on a 2-core VM, Gloo, wide-cnn (21.1 MB of gradients): compute, "
          "calls: a DDP step in a world of one; intra, codec, cast, copy: two ranks of this host on loopback "
          f"(ci/measure_scale_inputs.py; raw figures in {out}/topology-inputs-*.json); inter: the fit of "
-         "docs/profile-1gbit-link.json (emulated 1 Gbit/s).")
+         "bench/profile-1gbit-link.json (emulated 1 Gbit/s).")
 doc = {"notes": notes + " All ranks share the host's cores (host_cores).", **inputs, "measured": measured,
        "commands": f"bash ci/measure_topology.sh ({when}): hhook-profile train --model wide-cnn, median step after "
                    f"5 warm-up steps; per-layout JSON in {out}/topology-train-*.json"}
-pathlib.Path("docs/topology-inputs.json").write_text(json.dumps(doc, indent=2) + "\n")
+pathlib.Path("bench/topology-inputs.json").write_text(json.dumps(doc, indent=2) + "\n")
 cluster = {"notes": notes + " Here every rank has its own core (host_cores null): a cluster of CPU nodes, shared "
                             "memory inside a node, 1 Gbit/s between nodes.", **inputs, "host_cores": None}
-pathlib.Path("docs/topology-inputs-cluster.json").write_text(json.dumps(cluster, indent=2) + "\n")
+pathlib.Path("bench/topology-inputs-cluster.json").write_text(json.dumps(cluster, indent=2) + "\n")
 print(json.dumps(doc, indent=1))
 EOF

@@ -3,7 +3,8 @@
 # environment (activate a venv first if you want one).
 #   ci/setup.sh          torch==2.13.0 if missing (PyPI's default build for the platform; a CPU wheel
 #                        on this project's machines), hhook in editable mode with its profile extras, pytest
-#   ci/setup.sh --full   also Open MPI, mpi4py and Horovod 0.28.1: the whole test suite
+#   ci/setup.sh --full   also Open MPI, mpi4py, Horovod 0.28.1 and the frameworks hhook adapts to
+#                        (Lightning, Accelerate, Transformers, Ray Train; pinned): the whole test suite
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -22,6 +23,6 @@ if [[ "${1:-}" == "--full" ]]; then
         as_root apt-get update
         as_root apt-get install -y --no-install-recommends libopenmpi-dev openmpi-bin
     fi
-    "$PYTHON" -m pip install -q -e ".[dev,mpi]"
+    "$PYTHON" -m pip install -q -e ".[dev,mpi,frameworks]"
     bash ci/install_horovod.sh
 fi

@@ -11,7 +11,7 @@ from .allreduce import thc_allreduce_async
 from .flat import dense_allreduce
 from .futures import completed, then
 from .codec import warm_up
-from .decision import build as build_decision
+from .decision import ensure as ensure_decision
 from .decision import exchange as decided_exchange
 from .state import THCState
 
@@ -46,8 +46,8 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
         return _per_parameter(state, *bucket)
     buffer = bucket.buffer()
     deciding = state.bits == "auto" and state.world_size > 1
-    if deciding and state.decision is None:
-        state.decision = build_decision(state)  # before the handshake, which checks its options
+    if deciding:
+        ensure_decision(state)  # before the handshake, which checks its options
     # Before anything else, so that ranks with different options (start_iter above all:
     # its plain iterations would pair one rank's SUM with another's MAX) fail on every
     # rank rather than mis-pair collectives.
@@ -179,6 +179,9 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
     learns the model's parameter names, so that a run resumed from a checkpoint of the
     state continues bit for bit through DDP's first iteration, whose buckets are not
     yet the rebuilt ones the saved state describes.
+    A model that is not DDP-wrapped raises :class:`TypeError` saying what it got, except
+    in a world of one process, where nothing is exchanged: there it logs why nothing will
+    be compressed and returns the state unregistered.
 
     Example::
         >>> state = hhook.register(ddp_model)          # measured choice
@@ -190,11 +193,28 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
         options.setdefault("bits", "auto")
         state = THCState(**options)
     elif options:
-        raise TypeError("hhook.register: pass either state or options, not both")
+        raise TypeError(f"hhook.register: pass options or a state, not both (got {sorted(options)})")
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        got = type(ddp_model).__name__
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            logger.warning(
+                "hhook.register got a %s, not a DistributedDataParallel model, in a world of one process "
+                "(torch.distributed %s): there is nothing to exchange, so nothing will be compressed. A launcher "
+                "or framework that starts one process does not wrap the model in DDP; start several processes "
+                "(torchrun --nproc-per-node N, accelerate launch --num_processes N) to train data-parallel.",
+                got, "initialized, world size 1" if dist.is_initialized() else "not initialized")
+            return state
+        raise TypeError(
+            f"hhook.register needs a torch.nn.parallel.DistributedDataParallel model, got {got} (world of {world} "
+            "processes): nothing would be compressed and the ranks' gradients would not even be averaged. Wrap "
+            "the model in DDP first (Accelerate: after accelerator.prepare; Ray Train: after prepare_model; "
+            "Lightning: hhook.lightning.THCCallback; torch.compile: register on the DDP model, then compile)."
+        )
     if dist.is_initialized():
         state.node_layout()  # on every rank, here: a layout that cannot hold raises now
-        if state.bits == "auto" and state.world_size > 1 and state.decision is None:
-            state.decision = build_decision(state)
+        if state.bits == "auto" and state.world_size > 1:
+            ensure_decision(state)
     module = getattr(ddp_model, "module", ddp_model)
     state._param_names = {id(p): name for name, p in module.named_parameters()}
     state._ddp_iterations = 0
@@ -203,3 +223,4 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
         warm_up(param.device)  # compile the fused codec now, not in the first backward pass
         break
     return state
+

@@ -397,6 +397,16 @@ class Prober:
         self.start = None
 
 
+def ensure(state: THCState) -> Decision:
+    """``state.decision``: built on first use, or restored from the plain data a
+    :meth:`THCState.load_state_dict` left there."""
+    if isinstance(state.decision, dict):
+        state.decision = Decision.from_state_dict(state.decision)
+    elif state.decision is None:
+        state.decision = build(state)
+    return state.decision
+
+
 def build(state: THCState) -> Decision:
     """The decision of a ``bits="auto"`` state, its candidates sized by the node layout."""
     topo = state.node_layout()

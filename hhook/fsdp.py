@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from .layout import SUPPORTED_DTYPES
 from .message import RANK_FAILED
-from .state import THCState
+from .state import _LIVE, THCState
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule
@@ -363,6 +363,7 @@ def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | No
     if replica_state is None:
         replica_state = THCState(process_group=replica_group, bits=state.bits, block_size=state.block_size,
                                  seed=state.seed, start_iter=0)
+        _LIVE.discard(replica_state)  # idle in a single replica; reported through the returned pair
     replicas = dist.get_world_size(replica_group)
     for name, m, factor in modules:
         def hook(output: torch.Tensor, key=f"hsdp:{name}", factor=factor) -> None:

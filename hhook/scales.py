@@ -162,6 +162,25 @@ class ScalePolicy:
         state["_codecs"] = {}
         return state
 
+    #: The constructor's arguments, saved with the keys by :meth:`state_dict`.
+    OPTIONS = ("bits", "block_size", "seed", "error_feedback", "predict", "headroom")
+
+    def state_dict(self) -> dict:
+        """The options and every key's state as plain data (tensors, numbers, tuples):
+        loadable with ``torch.load(weights_only=True)``."""
+        out = {name: getattr(self, name) for name in self.OPTIONS}
+        out["keys"] = {
+            key: {f.name: getattr(ks, f.name) for f in dataclasses.fields(KeyState)} for key, ks in self.keys.items()
+        }
+        return out
+
+    @classmethod
+    def from_state_dict(cls, saved: dict) -> "ScalePolicy":
+        """The policy :meth:`state_dict` described, with its keys."""
+        policy = cls(**{name: saved[name] for name in cls.OPTIONS})
+        policy.keys = {key: KeyState(**fields) for key, fields in saved["keys"].items()}
+        return policy
+
     def codec(self, world_size: int) -> THCCodec:
         codec = self._codecs.get(world_size)
         if codec is None:

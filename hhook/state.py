@@ -5,8 +5,10 @@ device checks)."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,26 @@ DEFAULT_CHUNK_MB = 12
 #: or an integer number of ranks per node (:mod:`hhook.topology`).
 TOPOLOGIES = ("flat", "auto")
 
+#: Version of :meth:`THCState.state_dict`'s layout (pickles of older hhooks have none).
+STATE_FORMAT = 1
+#: The constructor's options a checkpoint keeps (not the process group).
+_OPTIONS = ("bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "topology")
+
 logger = logging.getLogger(__name__)
+
+#: The states a program built, weakly held: at exit each one that no tensor went through
+#: says so (:meth:`THCState.warn_if_idle`), e.g. a state handed to a framework that never
+#: registered its hook. States hhook builds for itself leave the set.
+_LIVE: "weakref.WeakSet[THCState]" = weakref.WeakSet()
+
+
+@atexit.register
+def _report_idle_states() -> None:
+    for state in list(_LIVE):
+        try:
+            state.warn_if_idle("the program")
+        except Exception:  # noqa: BLE001 - at exit, a deferred error has had its chance to raise
+            pass
 
 
 class THCState:
@@ -127,12 +148,11 @@ class THCState:
         "_param_names",
         "_ddp_iterations",
         "_prober",
+        "__weakref__",
     ]
 
-    _PICKLED = (
-        "bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "topology", "policies",
-        "iter", "calls", "_stats", "inter", "_intra", "decision", "variants",
-    )
+    #: What a checkpoint keeps (:meth:`state_dict`).
+    _PICKLED = (*_OPTIONS, "policies", "iter", "calls", "_stats", "inter", "_intra", "decision", "variants")
 
     def __init__(
         self,
@@ -189,6 +209,12 @@ class THCState:
         self.decision = None
         self.variants: dict[int, THCState] = {}
         self._reset_derived()
+        _LIVE.add(self)
+
+    @classmethod
+    def validate(cls, **options) -> None:
+        """Raise what the constructor raises for ``options``; builds no state to keep."""
+        _LIVE.discard(cls(**options))
 
     def _reset_derived(self) -> None:
         self._codec = None
@@ -203,36 +229,88 @@ class THCState:
         self._ddp_iterations = None  # iterations of the DDP registered on, counted by the hook
         self._prober = None  # hhook.decision.Prober: the clock and the reduction in flight
 
-    def __getstate__(self):
-        # Like PowerSGDState: a process group cannot be pickled; the default one is used after loading.
-        if self._prober is not None and self.decision is not None:
+    # -- checkpoints: one plain representation for state_dict() and pickling ----------
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs, as plain data (tensors, numbers, strings, tuples,
+        lists, dicts), so ``torch.load(..., weights_only=True)`` loads it: the options,
+        counters, every key's residual and predicted scales (per scale policy), the
+        two-level ``inter`` state and the node layout. A component held in a
+        :attr:`_PICKLED` slot that has its own ``state_dict()`` is saved through it.
+        ``torch.save(state)`` pickles this same dict. The process group is not saved.
+
+        Example::
+            >>> ckpt = {"model": model.state_dict(), "hhook": state.state_dict()}
+            >>> state.load_state_dict(torch.load(path, weights_only=True)["hhook"])
+        """
+        if self._prober is not None and self.decision is not None and not isinstance(self.decision, dict):
             self._prober.checkpoint(self.decision)  # the reduction in flight is applied, not lost
-        saved = {name: getattr(self, name) for name in self._PICKLED}
-        saved["layout"] = self._topo.record() if self._topo is not None else self._saved_layout
+        saved = {"format": STATE_FORMAT,
+                 "layout": self._topo.record() if self._topo is not None else self._saved_layout}
+        for name in self._PICKLED:
+            value = getattr(self, name)
+            if name == "policies":
+                value = {mode: policy.state_dict() for mode, policy in value.items()}
+            elif name == "variants":
+                value = {bits: variant.state_dict() for bits, variant in value.items()}
+            elif hasattr(value, "state_dict"):
+                value = value.state_dict()
+            saved[name] = value
         return saved
 
-    def __setstate__(self, saved):
-        self.process_group = None
+    def load_state_dict(self, saved: dict) -> None:
+        """Continue from :meth:`state_dict` (or an older hhook's pickled state): options,
+        counters and per-key state are replaced; this state's process group stays. A node
+        layout already found here is checked against the saved one
+        (:class:`~hhook.topology.TopologyError` on every rank when they differ); else the
+        check runs when the layout is found. A component that has ``load_state_dict``
+        (built by ``__init__``) loads its part in place."""
+        if not isinstance(saved, dict) or "bits" not in saved:
+            raise ValueError(f"hhook: not a THCState.state_dict(): {type(saved).__name__} "
+                             f"with keys {sorted(saved) if isinstance(saved, dict) else '-'}")
+        if saved.get("format", STATE_FORMAT) > STATE_FORMAT:
+            raise ValueError(f"hhook: this THCState was saved by a newer hhook (format {saved['format']}, "
+                             f"this one reads up to {STATE_FORMAT})")
+        options = {name: saved.get(name, getattr(self, name)) for name in _OPTIONS}
+        THCState.validate(**options)  # before anything changes
+        topo = self._topo
         self._reset_derived()
-        if saved.get("scales", "auto") == "auto":  # saved before there was a choice, or with "auto"
-            saved["scales"] = "agreed"
-        saved.setdefault("chunk_mb", 0)  # saved before tensors were split
-        if "residuals" in saved or "predicted" in saved:
-            saved.pop("residuals", None)
-            saved.pop("predicted", None)
-            logger.warning("hhook: a THCState saved by an older hhook: its residuals and predicted scales start afresh")
-        saved.setdefault("policies", {})
-        saved.setdefault("topology", "flat")  # saved before there were nodes
-        saved.setdefault("inter", None)
-        saved.setdefault("decision", None)  # saved before bits="auto" decided
-        saved.setdefault("variants", {})
-        self._saved_layout = saved.pop("layout", None)
-        intra = saved.pop("_intra", {})
-        self._intra = intra if isinstance(intra, Counters) else Counters(intra)
-        stats = saved.pop("_stats", {})
-        self._stats = stats if isinstance(stats, Counters) else Counters(stats)  # a dict before Counters
-        for name, value in saved.items():
+        self._saved_layout = saved.get("layout")
+        for name in self._PICKLED:
+            if name not in saved:  # saved before this component existed: it starts afresh
+                continue
+            value, current = saved[name], getattr(self, name)
+            if name == "policies":
+                value = {mode: p if isinstance(p, ScalePolicy) else ScalePolicy.from_state_dict(p)
+                         for mode, p in value.items()}
+            elif name == "inter" and isinstance(value, dict):
+                value = _loaded(value)
+            elif name == "variants":
+                value = {bits: v if isinstance(v, THCState) else _loaded(v) for bits, v in value.items()}
+            elif name == "decision" and isinstance(value, dict) and current is None:
+                pass  # plain data until hhook.decision.build restores the Decision (it imports this module)
+            elif hasattr(current, "load_state_dict") and not hasattr(value, "load_state_dict"):
+                current.load_state_dict(value)
+                continue
             setattr(self, name, value)
+        if topo is not None:
+            self._adopt_layout(topo)
+
+    def __getstate__(self):
+        # Like PowerSGDState: a process group cannot be pickled; the default one is used after loading.
+        return self.state_dict()
+
+    def __setstate__(self, saved):
+        THCState.__init__(self)  # every slot at its default; saved values replace them
+        if "format" not in saved:  # pickled by an hhook before state_dict()
+            if saved.get("scales", "auto") == "auto":  # saved before there was a choice, or with "auto"
+                saved["scales"] = "agreed"
+            saved.setdefault("chunk_mb", 0)  # saved before tensors were split
+            if "residuals" in saved or "predicted" in saved:
+                saved.pop("residuals", None)
+                saved.pop("predicted", None)
+                logger.warning("hhook: a THCState saved by an older hhook: its residuals and predicted scales "
+                               "start afresh")
+        self.load_state_dict(saved)
 
     def policy(self, mode: str, world_size: int | None = None) -> ScalePolicy:
         """The scale policy of ``mode`` ("agreed" or "predicted"), with its per-key state,
@@ -254,7 +332,7 @@ class THCState:
         chunk = -1 if self.chunk_mb == "auto" else int(round(self.chunk_mb * 1024))
         topology = {"flat": 0, "auto": 1}.get(self.topology, 2 + (self.topology if isinstance(self.topology, int) else 0))
         # bits="auto" decides between exchanges in the DDP hook: its options are in the handshake
-        auto = 0 if self.bits != "auto" else 1 + (self.decision.options_digest() if self.decision is not None else 0)
+        auto = 0 if self.bits != "auto" else 1 + (self.decision.options_digest() if hasattr(self.decision, "options_digest") else 0)
         for value in (SCALE_MODES.index(self.scales), chunk & rng.MASK32, self.start_iter, int(self.error_feedback),
                       topology & rng.MASK32, auto & rng.MASK32):
             h = rng.mix32(h ^ value)
@@ -333,21 +411,26 @@ class THCState:
             # One small all-gather even for "flat": ranks that disagree on the layout then
             # raise TopologyError together instead of one rank waiting in a collective
             # the others never start.
-            topo = detect_topology(self.process_group, ranks_per_node=self.topology)
-            topo.check_record(self._saved_layout)
-            if topo.two_level:
-                if self.inter is None:
-                    bits = auto_bits(topo.n_nodes, topo.ranks_per_node) if self.bits == "auto" else self.bits
-                    self.inter = THCState(
-                        topo.inter_group, bits, self.block_size, self.seed, self.error_feedback, self.start_iter,
-                        self.scales, self.chunk_mb,
-                    )
-                else:  # restored from a checkpoint of the same layout
-                    self.inter.process_group = topo.inter_group
-            elif self.inter is not None:
-                raise TopologyError("hhook: this THCState holds two-level state but the layout found is flat")
-            self._topo = topo
+            self._adopt_layout(detect_topology(self.process_group, ranks_per_node=self.topology))
         return self._topo
+
+    def _adopt_layout(self, topo: Topology) -> None:
+        """Use ``topo``: check it against a checkpoint's layout, build or reattach
+        :attr:`inter`."""
+        topo.check_record(self._saved_layout)
+        if topo.two_level:
+            if self.inter is None:
+                bits = auto_bits(topo.n_nodes, topo.ranks_per_node) if self.bits == "auto" else self.bits
+                self.inter = THCState(
+                    topo.inter_group, bits, self.block_size, self.seed, self.error_feedback, self.start_iter,
+                    self.scales, self.chunk_mb,
+                )
+                _LIVE.discard(self.inter)  # reported through this state
+            else:  # restored from a checkpoint of the same layout
+                self.inter.process_group = topo.inter_group
+        elif self.inter is not None:
+            raise TopologyError("hhook: this THCState holds two-level state but the layout found is flat")
+        self._topo = topo
 
     def mode(self, device: torch.device) -> str:
         """The scale policy for tensors on ``device`` (the same on every device)."""
@@ -515,12 +598,35 @@ class THCState:
         else:
             s = self._stats.snapshot()
         s["iter"] = self.iter
-        if self.decision is not None:
+        if hasattr(self.decision, "summary"):  # not while it is still the plain data of a checkpoint
             s["decision"] = self.decision.summary()
         return s
+
+    def warn_if_idle(self, where: str) -> bool:
+        """Log a warning when no tensor went through this state by the end of ``where``
+        (a training run, the program): its hook was never called, so that run trained
+        uncompressed, or not data-parallel. Returns True when it warned; either way the
+        state is not checked again at exit."""
+        _LIVE.discard(self)
+        s = self.stats()
+        if s["compressed_calls"] + s["dense_calls"] + s["local_calls"]:
+            return False
+        logger.warning(
+            "hhook: %s ended but no tensor went through this THCState (%s): nothing was compressed. Was its hook "
+            "registered on the DDP model that trained? (Lightning's DDPStrategy registers ddp_comm_hook on CUDA "
+            "devices only: use hhook.lightning.THCCallback.)", where, self.describe())
+        return True
 
     def reset_stats(self) -> None:
         self._stats.reset()
         self._intra.reset()
         if self.inter is not None:
             self.inter.reset_stats()
+
+
+def _loaded(saved: dict) -> THCState:
+    """A state built from a :meth:`THCState.state_dict` (a component: not reported idle)."""
+    state = THCState()
+    _LIVE.discard(state)
+    state.load_state_dict(saved)
+    return state

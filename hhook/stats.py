@@ -18,9 +18,7 @@ class Counters:
 
     def __init__(self, saved: dict | None = None):
         self._lock = threading.Lock()
-        self._values = dict.fromkeys(FIELDS, 0)
-        if saved:
-            self._values.update({k: v for k, v in saved.items() if k in self._values})
+        self.load_state_dict(saved or {})
 
     def add(self, kind: str | None, dense_bytes: int = 0, wire_bytes: int = 0) -> None:
         """One call of ``kind`` (None: bytes that are not a call, e.g. a handshake)."""
@@ -41,8 +39,17 @@ class Counters:
         with self._lock:
             self._values = dict.fromkeys(FIELDS, 0)
 
+    def state_dict(self) -> dict:
+        with self._lock:
+            return dict(self._values)
+
+    def load_state_dict(self, saved: dict) -> None:
+        with self._lock:
+            self._values = dict.fromkeys(FIELDS, 0)
+            self._values.update({k: v for k, v in saved.items() if k in self._values})
+
     def __getstate__(self):
-        return dict(self._values)
+        return self.state_dict()
 
     def __setstate__(self, saved):
         self.__init__(saved)

@@ -1,8 +1,9 @@
 """``HHOOK_REQUIRE``: dependencies whose absence fails the suite instead of skipping tests.
 
-A comma-separated list of ``horovod`` and ``mpi``. A test (or a test module) that skips
+A comma-separated list of ``horovod``, ``mpi``, ``lightning``, ``accelerate``,
+``transformers`` and ``ray``. A test (or a test module) that skips
 with a reason naming a required dependency fails instead, with that reason. ci/test.sh
-installs Open MPI, mpi4py and Horovod and sets ``HHOOK_REQUIRE=horovod,mpi``, so there a
+installs Open MPI, mpi4py, Horovod and the frameworks and sets ``HHOOK_REQUIRE`` to all of them, so there a
 Horovod that does not import (a failed build, an ABI mismatch with torch, an import that
 times out) or a missing ``mpirun`` is an error; unset, as on a developer's machine, those
 tests skip and ``pytest -rs`` says why.
@@ -17,7 +18,10 @@ import pytest
 
 REQUIRE_ENV = "HHOOK_REQUIRE"
 #: How a skip's reason names each dependency ("Open MPI", "mpirun", "mpi4py" for mpi).
-MENTIONS = {"horovod": re.compile(r"horovod", re.I), "mpi": re.compile(r"\bmpi", re.I)}
+MENTIONS = {"horovod": re.compile(r"horovod", re.I), "mpi": re.compile(r"\bmpi", re.I),
+            # the frameworks of tests/test_frameworks.py (hhook's adapters; pyproject's extras)
+            "lightning": re.compile(r"\blightning", re.I), "accelerate": re.compile(r"\baccelerate", re.I),
+            "transformers": re.compile(r"\btransformers", re.I), "ray": re.compile(r"\bray\b", re.I)}
 _REQUIRED = pytest.StashKey[frozenset]()
 
 

@@ -93,10 +93,14 @@ LAYERS = (
     ("message and scale policy", {"message", "scales"}),
     ("schedule", {"futures", "stats", "sequencer", "groups", "launch", "node_memory", "topology", "state", "flat",
                   "two_level", "allreduce", "decision"}),
-    ("integrations", {"ddp_hook", "horovod", "fsdp", ""}),  # "": the package's front, hhook/__init__.py
+    # "": the package's front, hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
+    # adapters, over the DDP hook
+    ("integrations", {"ddp_hook", "horovod", "fsdp", "", "adapters", "lightning", "accelerate", "transformers"}),
     ("benchmarks", {"simulation", "baselines", "profile"}),
 )
 INTEGRATIONS = {"hhook.ddp_hook", "hhook.horovod", "hhook.fsdp"}
+#: One module per framework, each over hhook.adapters and the DDP hook, none over another.
+FRAMEWORK_ADAPTERS = {"hhook.lightning", "hhook.accelerate", "hhook.transformers"}
 
 
 def _layer(module: str) -> int:
@@ -123,3 +127,19 @@ def test_integrations_do_not_import_each_other():
 def test_the_layer_check_finds_an_upward_import():
     assert _layer("hhook.codec") < _layer("hhook.message") < _layer("hhook.flat") < _layer("hhook.fsdp")
     assert _layer("hhook.profile.commands.train") == _layer("hhook.baselines.sbc") == len(LAYERS) - 1
+
+
+def test_framework_adapters_stand_alone_and_the_core_does_not_import_them():
+    import subprocess
+    import sys
+
+    graph = _graph()
+    for module in FRAMEWORK_ADAPTERS:
+        assert not graph[module] & (FRAMEWORK_ADAPTERS | INTEGRATIONS - {"hhook.ddp_hook"}), (module, graph[module])
+    assert not graph["hhook"] & FRAMEWORK_ADAPTERS
+    # `import hhook` loads no framework (torch and numpy only)
+    code = ("import sys, hhook; print(sorted(m for m in ('lightning', 'pytorch_lightning', 'accelerate', "
+            "'transformers', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=str(ROOT.parent), env={**__import__("os").environ, "PYTHONPATH": str(ROOT.parent)})
+    assert out.stdout.strip() == "[]", out

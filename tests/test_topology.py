@@ -372,7 +372,7 @@ def test_node_mean_exact_for_equal_rows(k):
 def _inputs_doc():
     import json
 
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "topology-inputs.json")) as fh:
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "topology-inputs.json")) as fh:
         return json.load(fh)
 
 
@@ -415,7 +415,7 @@ def test_model_layouts_cli(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "scale.json"
     cmd = [sys.executable, "-m", "hhook.profile", "model", "--layouts", "1x2,2x2,128x8",
-           "--scale-inputs", os.path.join(root, "docs", "topology-inputs.json"), "--json", str(out)]
+           "--scale-inputs", os.path.join(root, "bench", "topology-inputs.json"), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root,
                           env={**os.environ, "PYTHONPATH": root})
     assert proc.returncode == 0, proc.stderr

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from distributed import free_port, subprocess_env
 
@@ -320,3 +321,25 @@ def test_hsdp_needs_nodes_of_several_ranks(monkeypatch):
 
         monkeypatch.setattr(dist, "get_world_size", lambda *a: 4)
         hsdp_mesh("cpu")
+
+
+def test_gpt_task_is_a_causal_transformer_on_bundled_text():
+    """`hhook-profile train --model gpt`: text from the interpreter, next bytes as targets,
+    a few million parameters, and no output depends on a later byte."""
+    from hhook.profile.tasks import CONTEXT, TASKS
+
+    task = TASKS["gpt"]
+    x, y, xv, yv = task.load()
+    assert x.shape[1] == CONTEXT and len(x) > 5000 and 0 < len(xv) <= 256
+    assert torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 256  # y is x shifted by one byte
+    assert b"the" in bytes(x[:50].flatten().tolist())  # English
+    torch.manual_seed(0)
+    model = task.build()
+    assert 2_000_000 < sum(p.numel() for p in model.parameters()) < 6_000_000
+    a = x[:2].clone()
+    b = a.clone()
+    b[:, 40:] = (b[:, 40:] + 1) % 256
+    with torch.no_grad():
+        la, lb = model(a), model(b)
+    assert la.shape == (2, CONTEXT, 256)
+    assert torch.allclose(la[:, :40], lb[:, :40], atol=1e-5) and not torch.allclose(la[:, 40:], lb[:, 40:])

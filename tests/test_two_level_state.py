@@ -95,10 +95,17 @@ def _api_worker(rank, world):
     torch.save(state, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    a, b = xs[rank].clone() * 0.5, xs[rank].clone() * 0.5
+    # ... and so does its state_dict(), plain data read with weights_only=True
+    buf = io.BytesIO()
+    torch.save(state.state_dict(), buf)
+    buf.seek(0)
+    from_dict = hhook.THCState(topology="auto")
+    from_dict.load_state_dict(torch.load(buf, weights_only=True))
+    a, b, c = (xs[rank].clone() * 0.5 for _ in range(3))
     hhook.thc_allreduce(a, state, key="w")
     hhook.thc_allreduce(b, loaded, key="w")
-    out["resumed_identical"] = torch.equal(a, b)
+    hhook.thc_allreduce(c, from_dict, key="w")
+    out["resumed_identical"] = torch.equal(a, b) and torch.equal(a, c)
     out["residual_keys"] = sorted(str(k) for p in loaded.inter.policies.values() for k in p.keys)
     # the same checkpoint on another layout: refused on every rank
     other = copy.deepcopy(loaded)

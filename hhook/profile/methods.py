@@ -170,7 +170,7 @@ def _thc(entry: Entry, kind: Kind, defaults: dict) -> Method:
     topology = _topology(entry, given["topology"]) if "topology" in given else None
     options = {"bits": bits, "scales": scales, "chunk_mb": chunk, "topology": topology}
     try:  # hhook's own checks, before any communication
-        THCState(**{k: v for k, v in options.items() if v is not None})
+        THCState.validate(**{k: v for k, v in options.items() if v is not None})
     except (ValueError, TypeError) as e:
         raise entry.error(str(e)) from None
     named = "bits" in given or "bits" not in defaults

@@ -17,6 +17,11 @@ Models of ``hhook-profile train`` (``--model``):
 ``mlp``
     The examples' 64-256-256-10 MLP (85k parameters): a step takes about a millisecond,
     for quick checks and tests.
+``gpt``
+    A small decoder-only transformer (byte tokens, 4 pre-norm layers of width 256, 4
+    heads, causal attention, 64-byte context; 3.3M parameters) trained on English text
+    that ships with every Python (``pydoc_data.topics``, the help topics, about 0.8 MB):
+    next-byte prediction, judged by validation loss (and next-byte accuracy).
 """
 
 from __future__ import annotations
@@ -88,15 +93,61 @@ def deep_cnn(channels: int = 64, layers: int = 4) -> nn.Module:
     return nn.Sequential(*body)
 
 
+#: The gpt task's context (bytes per training window) and its held-out share of the text.
+CONTEXT, VALIDATION_SHARE, VALIDATION_WINDOWS = 64, 0.1, 256
+
+
+def load_text(context: int = CONTEXT):
+    """``(x_train, y_train, x_val, y_val)`` of next-byte prediction on the Python help
+    topics (``pydoc_data.topics``, in every CPython; no download): non-overlapping windows
+    of ``context + 1`` bytes, the last 10% of the text held out for validation."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    windows = data[: len(data) // (context + 1) * (context + 1)].view(-1, context + 1)
+    split = int(len(windows) * (1 - VALIDATION_SHARE))
+    train, val = windows[:split], windows[split:][:VALIDATION_WINDOWS]
+    return train[:, :-1], train[:, 1:], val[:, :-1], val[:, 1:]
+
+
+class TinyGPT(nn.Module):
+    """Decoder-only transformer over bytes: token and position embeddings, pre-norm
+    causal self-attention blocks, a final layer norm and a linear head."""
+
+    def __init__(self, vocab: int = 256, context: int = CONTEXT, width: int = 256, layers: int = 4, heads: int = 4):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(context, width)
+        block = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+
+    def forward(self, x):
+        t = x.shape[1]
+        h = self.tokens(x) + self.positions(torch.arange(t, device=x.device))
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def load_digits_split():
+    return load(0, 1)[:4]
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """A model on the digits with the optimizer settings it trains well with."""
+    """A model, its data (``load() -> (x_train, y_train, x_test, y_test)``) and the
+    optimizer settings it trains well with."""
 
     name: str
     build: Callable[[], nn.Module]
     lr: float
     batch_size: int
     summary: str
+    load: Callable[[], tuple] = load_digits_split
 
 
 TASKS = {
@@ -105,5 +156,7 @@ TASKS = {
         Task("wide-cnn", wide_cnn, 0.02, 32, "communication-bound CNN, 5.3M parameters"),
         Task("deep-cnn", deep_cnn, 0.05, 32, "compute-heavier CNN, 0.12M parameters"),
         Task("mlp", lambda: make_model(256), 0.05, 32, "the examples' MLP, 85k parameters"),
+        Task("gpt", TinyGPT, 0.1, 16, "decoder-only transformer on the Python help topics (bytes), 3.3M parameters",
+             load_text),
     )
 }

@@ -398,9 +398,17 @@ def worker(spec: dict) -> dict:
 
         baseline = Runner(method["kind"], method["options"], ddp, opt, spec["seed"])
 
+    def loss_of(out, y):  # classes on the last dimension: digits (B, 10), gpt (B, T, 256)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    val_losses = []
+
     def evaluate() -> float:
+        """Test accuracy (gpt: next-byte accuracy); the test loss goes to ``val_losses``."""
         with torch.no_grad():
-            return (model(x_test).argmax(1) == y_test).float().mean().item()
+            out = model(x_test)
+            val_losses.append(loss_of(out, y_test).item())
+            return (out.argmax(-1) == y_test).float().mean().item()
 
     step_s, step_bytes, evals = [], [], []
     split = {"intra": [], "inter": []}  # two-level THC: each step's bytes inside and between nodes (its stats)
@@ -416,10 +424,10 @@ def worker(spec: dict) -> dict:
             sync()
             t0 = time.perf_counter()
             if baseline is not None:
-                loss = baseline.step(lambda: F.cross_entropy(ddp(x_train[idx]), y_train[idx]))
+                loss = baseline.step(lambda: loss_of(ddp(x_train[idx]), y_train[idx]))
             else:
                 opt.zero_grad()
-                loss = F.cross_entropy(ddp(x_train[idx]), y_train[idx])
+                loss = loss_of(ddp(x_train[idx]), y_train[idx])
                 loss.backward()
                 opt.step()
             sync()
@@ -437,9 +445,12 @@ def worker(spec: dict) -> dict:
                 if fsdp:  # every rank takes part in the forward's all-gathers; rank 0 records
                     accuracy = evaluate()
                     if rank == 0:
-                        evals.append({"step": step, "time_s": clock, "accuracy": accuracy, "loss": loss.item()})
+                        evals.append({"step": step, "time_s": clock, "accuracy": accuracy, "loss": loss.item(),
+                                      "val_loss": val_losses[-1]})
                 elif rank == 0:
-                    evals.append({"step": step, "time_s": clock, "accuracy": evaluate(), "loss": loss.item()})
+                    accuracy = evaluate()
+                    evals.append({"step": step, "time_s": clock, "accuracy": accuracy, "loss": loss.item(),
+                                  "val_loss": val_losses[-1]})
                 dist.barrier()
             if step == spec["steps"]:
                 break
@@ -447,7 +458,8 @@ def worker(spec: dict) -> dict:
         step_bytes = [4 * n_params] * len(step_s)  # DDP reduces in C++, past the Python collectives
     result = {"status": "ok", "rank": rank, "params": n_params, "step_s": step_s, "step_bytes": step_bytes,
               "bytes_counted": fsdp or method["kind"] != "fp32", "evals": evals, "train_s": clock,
-              "final_accuracy": evals[-1]["accuracy"] if evals else None, "final_loss": loss.item()}
+              "final_accuracy": evals[-1]["accuracy"] if evals else None, "final_loss": loss.item(),
+              "final_val_loss": evals[-1]["val_loss"] if evals else None}
     if fsdp:
         result["step_rs_bytes"], result["step_ag_bytes"] = kinds["reduce_scatter"], kinds["all_gather"]
     if baseline is not None:

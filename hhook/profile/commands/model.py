@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
                     help="the scale model instead: NODESxRANKS layouts, e.g. 1x2,2x2,8x8,128x8 (fp32, bf16, flat "
                     "and two-level THC; docs/topology.md)")
     md.add_argument("--scale-inputs", metavar="PATH",
-                    help="measured inputs of the scale model (JSON, docs/topology-inputs.json); with --layouts")
+                    help="measured inputs of the scale model (JSON, bench/topology-inputs.json); with --layouts")
     md.add_argument("--baselines", default="sbc,lgc", metavar="LIST",
                     help="benchmark baselines whose traffic per rank and step against M is predicted next to "
                     "fp32 and THC: sbc[:p=P][:delay=H], lgc[:k=K] (as in train --methods; docs/baselines.md); "

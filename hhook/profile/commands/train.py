@@ -93,7 +93,7 @@ def add_parser(sub) -> None:
 
 def check(args, env) -> dict:
     """The run's configuration: the methods, the model's batch size and learning rate, the data."""
-    from ..tasks import TASKS, load
+    from ..tasks import TASKS
 
     check_backend(args.backend)
     task = TASKS[args.model]
@@ -114,7 +114,7 @@ def check(args, env) -> dict:
     if env.world_size < 2:
         raise UsageError("train needs at least 2 ranks (a world of 1 has no communication to measure); "
                          "launch with torchrun --nproc-per-node N, mpirun -np N or ci/netcluster.sh launch N")
-    digits = load(0, 1)[:4]
+    digits = task.load()
     shard = len(digits[0]) // env.world_size
     if batch > shard:
         raise UsageError(f"--batch-size {batch} exceeds a rank's shard of the training set ({shard} samples)")
@@ -155,7 +155,7 @@ def summarize(method: Method, status: str, message: str, results: list[dict], wa
         intra_bytes_per_step=intra[0] if intra else None, inter_bytes_per_step=inter[0] if inter else None,
         intra_bytes_per_step_per_rank=intra, inter_bytes_per_step_per_rank=inter,
         time_to_target_s=reached["time_s"] if reached else None, step_to_target=reached["step"] if reached else None,
-        final_accuracy=r0["final_accuracy"], final_loss=r0["final_loss"],
+        final_accuracy=r0["final_accuracy"], final_loss=r0["final_loss"], final_val_loss=r0.get("final_val_loss"),
         step_ms=[t * 1e3 for t in r0["step_s"]], step_ms_per_rank=[[t * 1e3 for t in r["step_s"]] for r in results],
         evals=r0["evals"], thc_stats=[r.get("thc_stats") for r in results] if "thc_stats" in r0 else None,
         baseline_stats=[r.get("baseline_stats") for r in results] if "baseline_stats" in r0 else None,
@@ -197,6 +197,7 @@ def table(rows: list[dict], target: float) -> str:
         Column("", f"s to {pct}", 9, lambda r: "not reached" if r["time_to_target_s"] is None
                else f"{r['time_to_target_s']:.2f}"),
         Column("", "final acc", 9, lambda r: f"{r['final_accuracy']:.4f}"),
+        Column("", "val loss", 8, lambda r: "-" if r.get("final_val_loss") is None else f"{r['final_val_loss']:.4f}"),
         Column("speedup (step)", "vs fp32", 7, lambda r: _x(r["speedup_vs_fp32"])),
         Column("speedup (step)", "vs fp16", 7, lambda r: _x(r["speedup_vs_fp16"])),
         Column("speedup (to acc)", "vs fp32", 7, lambda r: _x(r["tta_speedup_vs_fp32"])),
@@ -321,7 +322,7 @@ def run(args, cfg) -> int:
         if rank0:
             say(report.header(m))
             say(f"# command: hhook-profile {' '.join(sys.argv[1:])}")
-            say(f"# model {task.name}: {task.summary}; digits, batch {cfg['batch_size']} per rank, SGD lr "
+            say(f"# model {task.name}: {task.summary}; {'text' if task.name == 'gpt' else 'digits'}, batch {cfg['batch_size']} per rank, SGD lr "
                 f"{cfg['lr']:g} momentum 0.9, {args.steps} steps, {args.backend}, {args.threads} thread(s) per rank, "
                 f"{ {'fsdp': 'FSDP2', 'hsdp': 'HSDP (FSDP2)'}.get(args.parallel, 'DDP') }")
             say(f"# methods run one at a time in child processes (rendezvous {master_addr}); "

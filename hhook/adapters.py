@@ -1,0 +1,84 @@
+r"""What every framework adapter (:mod:`hhook.lightning`, :mod:`hhook.accelerate`,
+:mod:`hhook.transformers`) shares: a THC state built from hhook's own options, registered
+once the framework has wrapped the model in DDP (through :func:`hhook.register`, so the
+node layout is found and the codec warmed up there), carried through the framework's
+checkpoints with every rank's part, and a warning when a run ends with no call. Each
+adapter only finds the DDP model and the framework's events."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import torch.distributed as dist
+
+from .ddp_hook import register
+from .state import THCState
+
+
+def framework_version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
+def require(obj, attribute: str, framework: str, distribution: str, why: str):
+    """``obj.attribute``, or a clear error naming the framework, its version and what is
+    missing (an API hhook relies on changed): never a silently uncompressed run."""
+    try:
+        return getattr(obj, attribute)
+    except AttributeError:
+        raise RuntimeError(
+            f"hhook: {framework} {framework_version(distribution)}: {type(obj).__name__} has no '{attribute}', "
+            f"which hhook relies on to {why}. This version changed the API hhook was written against; "
+            "register on the DDP model yourself with hhook.register(ddp_model, ...)."
+        ) from None
+
+
+class FrameworkHook:
+    r"""One THC state for a framework's training run.
+
+    Args:
+        framework: the framework's name, for messages.
+        options: :class:`hhook.THCState`'s options (topology, warm-up ``start_iter``, ...).
+
+    :meth:`state_dict` gathers every rank's state (frameworks save their checkpoint from
+    rank 0; residuals differ between ranks), :meth:`load_state_dict` takes this rank's.
+    """
+
+    def __init__(self, framework: str, **options):
+        self.framework = framework
+        self.state = THCState(**options)
+        self._model = None
+
+    def attach(self, ddp_model) -> THCState:
+        """Register on ``ddp_model`` (once per model; a second call with it does nothing)."""
+        if self._model is not ddp_model:
+            register(ddp_model, state=self.state)
+            self._model = ddp_model
+        return self.state
+
+    def finish(self, what: str = "training") -> bool:
+        """At the end of a run: warn when no gradient went through the hook."""
+        return self.state.warn_if_idle(f"{self.framework} {what}")
+
+    def _group(self):
+        return self.state.process_group
+
+    def state_dict(self) -> dict:
+        """``{"ranks": [each rank's THCState.state_dict()]}`` (a collective when
+        torch.distributed is initialized: call it on every rank, as frameworks do)."""
+        mine = self.state.state_dict()
+        if not dist.is_initialized() or dist.get_world_size(self._group()) == 1:
+            return {"ranks": [mine]}
+        every = [None] * dist.get_world_size(self._group())
+        dist.all_gather_object(every, mine, group=self._group())
+        return {"ranks": every}
+
+    def load_state_dict(self, saved: dict) -> None:
+        ranks = saved["ranks"]
+        world = dist.get_world_size(self._group()) if dist.is_initialized() else 1
+        if len(ranks) != world:
+            raise ValueError(f"hhook: the checkpoint holds the THC state of {len(ranks)} ranks, this run has {world}; "
+                             "resume with as many ranks, or leave the hook state out of the checkpoint")
+        self.state.load_state_dict(ranks[dist.get_rank(self._group()) if dist.is_initialized() else 0])
