@@ -60,15 +60,17 @@ logger = logging.getLogger(__name__)
 #: THC widths tried below the auto rule's (fewer bytes, more rounding error): 2 means
 #: auto, auto - 1 and auto - 2 (never below 2 bits).
 LOWER_WIDTHS = 2
-#: Iterations per candidate's turn; the first of each turn is not measured.
-WINDOW = 4
-#: A candidate whose measured step exceeds this times the best so far is dropped (its
-#: switching step: twice this).
+#: Iterations per candidate's turn; the first of each turn is not measured. Five samples
+#: per candidate: a median of three let one noisy step (a shared host) pick the wrong one.
+WINDOW = 6
+#: A candidate whose median measured step (two at least) exceeds this times the best so
+#: far is dropped; one step (its switching step included) above twice this drops it too.
 DROP_RATIO = 1.5
 #: Re-decide this many iterations after a decision.
 REDECIDE_EVERY = 1000
 #: Re-decide when the median of the running method's last DRIFT_WINDOW periods is more
-#: than 1 + DRIFT times the decision's figure, or less than its 1 / (1 + DRIFT).
+#: than 1 + DRIFT times its baseline (the median of its first DRIFT_WINDOW periods after
+#: the decision), or less than 1 / (1 + DRIFT) of it.
 DRIFT = 0.3
 DRIFT_WINDOW = 8
 #: Decisions kept in ``stats()`` (and checkpoints).
@@ -129,6 +131,7 @@ class Decision:
         self.plain: list[float] = []  # fp32 periods of DDP's plain iterations
         self.choice = None
         self.reference = None  # the choice's period at the decision
+        self.baseline = None  # the choice's median period over its first drift_window steps after it
         self.decided_at = None
         self.recent: list[float] = []
         self.history: dict[str, list] = {}  # str(iteration) -> [method, measured?]: awaiting their period
@@ -138,7 +141,7 @@ class Decision:
 
     # -- checkpoints ---------------------------------------------------------------
     _FIELDS = ("options", "phase", "reason", "started", "queue", "current", "assigned", "samples", "dropped", "plain",
-               "choice", "reference", "decided_at", "recent", "history", "last_probe", "observed", "decisions")
+               "choice", "reference", "baseline", "decided_at", "recent", "history", "last_probe", "observed", "decisions")
 
     def state_dict(self) -> dict:
         """Everything, as numbers, strings, lists and dicts (copies)."""
@@ -225,10 +228,14 @@ class Decision:
         if self.phase == "explore":
             if period is not None and method not in self.dropped:
                 best = self._best(exclude=method)
-                limit = self.options["drop_ratio"] * (1 if measured else 2)
-                if best is not None and period > limit * best:
-                    self.dropped[method] = period
-                    self._log_drop(method, period, best, "measured")
+                ratio = self.options["drop_ratio"]
+                taken = self.samples.get(method, [])
+                # One noisy step must not drop the fastest candidate: a median of two or
+                # more, or one step far off (fp32 at 100 Mbit/s: 6x).
+                worst = _median(taken) if len(taken) >= 2 else None
+                if best is not None and (period > 2 * ratio * best or (worst is not None and worst > ratio * best)):
+                    self.dropped[method] = period if worst is None or period > 2 * ratio * best else worst
+                    self._log_drop(method, self.dropped[method], best, "measured")
             self._maybe_decide(iteration)
         else:
             self._maybe_redecide(iteration)
@@ -292,10 +299,12 @@ class Decision:
         reason = None
         if iteration - self.decided_at >= o["redecide_every"]:
             reason = "schedule"
-        elif len(self.recent) >= o["drift_window"] and self.reference:
+        elif len(self.recent) >= o["drift_window"]:
             now = _median(self.recent)
-            if now > (1 + o["drift"]) * self.reference or now < self.reference / (1 + o["drift"]):
-                reason = f"drift {1e3 * self.reference:.1f} -> {1e3 * now:.1f} ms"
+            if self.baseline is None:  # measured while exploiting: no switching in it
+                self.baseline = now
+            elif now > (1 + o["drift"]) * self.baseline or now < self.baseline / (1 + o["drift"]):
+                reason = f"drift {1e3 * self.baseline:.1f} -> {1e3 * now:.1f} ms"
         if reason is not None:
             self.explore(iteration, reason)
 
@@ -306,6 +315,7 @@ class Decision:
         self.samples = {self.choice: newest} if newest else {}
         self.queue = [m for m in self.options["candidates"] if m not in self.samples]
         self.current, self.assigned, self.dropped, self.recent = None, 0, {}, []
+        self.baseline = None
         self.last_probe = iteration  # periods of the old choice still in flight count for it
 
     def _log_drop(self, method: str, period: float, best: float, how: str) -> None:

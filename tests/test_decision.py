@@ -76,7 +76,24 @@ def test_clearly_losing_candidates_cost_little():
     spent = sum(costs[m] for m in methods[2:])
     best = costs[d.choice] * (len(methods) - 2)
     assert d.choice == "thc:3" and spent <= 1.03 * best, (spent / best, methods[:40])
-    assert methods.count("fp32") <= 3  # dropped after its first measured step
+    assert methods.count("fp32") <= 4  # dropped after its second measured step (their median)
+
+
+def test_one_noisy_step_does_not_drop_the_fastest():
+    """A shared host: one step of the fastest candidate (fp32 on loopback) takes 2x. A
+    single sample used to drop it; the median of its samples keeps it."""
+    costs = LINKS["loopback"]
+    outlier = {}
+
+    def cost(i, m):
+        if m == "fp32" and "fp32" not in outlier:
+            outlier["fp32"] = i  # its first (switching) step is normal, the next one 2x
+            return costs[m]
+        return costs[m] * (2.0 if outlier.get("fp32") == i - 1 else 1.0)
+
+    d = Decision(candidates(5))
+    drive(d, cost, 200)
+    assert d.choice == "fp32", d.decisions
 
 
 def test_link_drop_switches_to_thc_within_100_steps():
@@ -302,8 +319,8 @@ def test_subgroup_beside_world():
 
 
 def _nonfinite_worker(rank, world, scales):
-    # probing order on the fake clock: thc:5 at iterations 2-5, thc:4 6-9, thc:3 10-13, bf16 14-17
-    res = _train(rank, world, hhook.register(DDP(Net()), scales=scales), steps=24, inject=(3, 7, 15))
+    # probing order on the fake clock: thc:5 at iterations 2-7, thc:4 8-13, thc:3 14-19, bf16 20-25
+    res = _train(rank, world, hhook.register(DDP(Net()), scales=scales), steps=28, inject=(3, 9, 21))
     return res["methods"], res["nonfinite"]
 
 
@@ -311,9 +328,9 @@ def _nonfinite_worker(rank, world, scales):
 def test_nonfinite_gradient_while_probing_is_nonfinite_everywhere(scales):
     res = run_world(_nonfinite_worker, 2, scales, timeout=300)
     methods, nonfinite = res[0]
-    assert [methods[i] for i in (3, 7, 15)] == ["thc:5", "thc:4", "bf16"], methods
+    assert [methods[i] for i in (3, 9, 21)] == ["thc:5", "thc:4", "bf16"], methods
     for _, flags in res:
-        assert flags == {3: True, 7: True, 15: True}
+        assert flags == {3: True, 9: True, 21: True}
 
 
 class _Boom(RuntimeError):
@@ -400,7 +417,9 @@ def _mismatch_worker(rank, world):
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     if rank == 1:
-        loaded.decision.plain.append(0.5)  # as if resumed from another step's checkpoint
+        from hhook.decision import ensure
+
+        ensure(loaded).plain.append(0.5)  # as if resumed from another step's checkpoint
     try:
         _train(rank, world, loaded, steps=2)
         return "trained"
