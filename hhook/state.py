@@ -273,7 +273,9 @@ class THCState:
         options = {name: saved.get(name, getattr(self, name)) for name in _OPTIONS}
         THCState.validate(**options)  # before anything changes
         topo = self._topo
+        registered = self._param_names, self._ddp_iterations  # the model it hooks, not the checkpoint's
         self._reset_derived()
+        self._param_names, self._ddp_iterations = registered
         self._saved_layout = saved.get("layout")
         for name in self._PICKLED:
             if name not in saved:  # saved before this component existed: it starts afresh
