@@ -27,7 +27,8 @@ collectives and hands the results to :meth:`~ScalePolicy.finish` (the words to S
   it had). A block that grew past the thermometer's top, or shrank below its bottom
   while non-zero, is clipped (with error feedback the clipped mass is carried into the
   next call) or rounded coarsely on that step, and the key's next call takes an agreed
-  round, which measures the new maxima exactly.
+  round, which measures the new maxima exactly (Horovod's :class:`PredictedScales`, which
+  has no agreed round, follows the block instead: 4x down or 8x up per step).
 
 Horovod's ``compress`` may not communicate, so there the first call of a key cannot take
 an agreed round: :meth:`PredictedScales.encode` sends it dense (float32 behind a small
@@ -139,6 +140,10 @@ class ScalePolicy:
             maximum; 1 never clips a block that did not grow, more leaves room for growth.
             Default: :func:`default_headroom` of ``bits``.
     """
+
+    #: A predicted key whose block left the thermometer's range takes an agreed round next
+    #: (where the transport has one: not Horovod's, whose first round is a dense step).
+    remeasure = True
 
     def __init__(self, bits=4, block_size=1024, seed=0, error_feedback=False, predict=True, headroom=None):
         THCCodec(bits, block_size, seed)  # validates
@@ -371,7 +376,7 @@ class ScalePolicy:
             self._seed(plan)
         else:
             top = len(THRESHOLDS)
-            if bool(((passed == 0) & ~zero).any() | (passed == top).any()):
+            if self.remeasure and bool(((passed == 0) & ~zero).any() | (passed == top).any()):
                 # A block left the thermometer's range: its maximum is unknown, so measure
                 # it with an agreed round at the next call rather than creep towards it.
                 state.scales, state.digest = None, 0
@@ -409,6 +414,10 @@ class PredictedScales(ScalePolicy):
         warmup_steps: dense steps of each key before predicted ones (at least 1).
         headroom: as :class:`ScalePolicy`.
     """
+
+    #: Horovod cannot take an agreed round: a key whose blocks left the thermometer's range
+    #: follows them (4x down, 8x up per step) rather than fall back to a dense step.
+    remeasure = False
 
     def __init__(self, bits=4, block_size=1024, seed=0, error_feedback=False, warmup_steps=1, headroom=None):
         super().__init__(bits, block_size, seed, error_feedback, True, headroom)
