@@ -43,8 +43,9 @@ class THCState:
         bits: bits per coordinate before headroom; ``2**bits`` quantization levels (1..8).
             ``"auto"``: the fewest bits whose predicted error of the mean, at this
             world size (or node count, two-level), is no worse than 4 bits at 4 ranks
-            (:func:`hhook.topology.auto_bits`: 5 at 2 ranks, 4 at 4-16, 3 at 64, 2 at
-            1024): large jobs average rounding noise away and get narrower lanes.
+            rounding independently (:func:`hhook.topology.auto_bits`; correlated
+            rounding: 5 at 2 ranks, 4 at 3-8, 3 at 16, 2 at 64-128, 1 at 1024; 3 for
+            8 nodes of 8): large jobs average rounding noise away and get narrower lanes.
         block_size: rotation and scale block, a power of two (at most 65536). 1024 costs
             0.03 bits per coordinate for the scales.
         seed: shared seed of the rotation's random signs; must match on every rank.
@@ -81,6 +82,15 @@ class THCState:
             line. The layout is found once, blocking, on every rank (it creates process
             groups): at :func:`hhook.register`, else at the first call; a request that
             cannot hold raises :class:`~hhook.topology.TopologyError` on every rank.
+        rounding: ``"correlated"`` (default): the ranks' rounding thresholds for each
+            coordinate are spread over the unit interval (:class:`hhook.rng.Stream`),
+            each still uniform, so the rounding stays unbiased and the codes add exactly
+            as before, but the errors largely cancel in the sum: about half the error of
+            the mean at 3-8 bits, a quarter or less at 1-2 bits or where ranks' gradients
+            are alike (docs/codec.md). ``"independent"``: each rank rounds on its own
+            (hhook before version 3 of the codec). The index is the rank in the group
+            that sums (the nodes' ring, two-level). Part of the fingerprint: ranks that
+            disagree raise :class:`~hhook.errors.ConfigMismatchError`.
 
     Example::
         >>> state = THCState(process_group=None, bits=4)
@@ -97,6 +107,7 @@ class THCState:
         "scales",
         "chunk_mb",
         "topology",
+        "rounding",
         # per-key state (residuals, predicted scales), one store per scale policy in use
         "policies",
         # counters
@@ -121,7 +132,7 @@ class THCState:
 
     _PICKLED = (
         "bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "topology", "policies",
-        "iter", "calls", "_stats", "inter", "_intra",
+        "iter", "calls", "_stats", "inter", "_intra", "rounding",
     )
 
     def __init__(
@@ -135,8 +146,9 @@ class THCState:
         scales: str = "agreed",
         chunk_mb: float | str = "auto",
         topology: str | int = "flat",
+        rounding: str = "correlated",
     ):
-        THCCodec(4 if bits == "auto" else bits, block_size, seed)  # validates the options before any training
+        THCCodec(4 if bits == "auto" else bits, block_size, seed, rounding=rounding)  # validates the options before any training
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter must be a non-negative integer, got {start_iter!r}")
         if not isinstance(error_feedback, bool):
@@ -169,6 +181,7 @@ class THCState:
         self.scales = scales
         self.chunk_mb = chunk_mb
         self.topology = topology
+        self.rounding = rounding
         self.policies: dict = {}
         self.iter = 0
         self.calls = 0
@@ -206,6 +219,7 @@ class THCState:
             logger.warning("hhook: a THCState saved by an older hhook: its residuals and predicted scales start afresh")
         saved.setdefault("policies", {})
         saved.setdefault("topology", "flat")  # saved before there were nodes
+        saved.setdefault("rounding", "independent")  # saved before there was a choice: what it ran
         saved.setdefault("inter", None)
         self._saved_layout = saved.pop("layout", None)
         intra = saved.pop("_intra", {})
@@ -218,9 +232,16 @@ class THCState:
     def policy(self, mode: str) -> ScalePolicy:
         """The scale policy of ``mode`` ("agreed" or "predicted"), with its per-key state."""
         policy = self.policies.get(mode)
+        if policy is not None and getattr(policy, "rounding", "independent") != self.rounding:
+            logger.warning(
+                "hhook: per-key state saved under rounding=%r, this state rounds %r: its residuals and "
+                "scales start afresh", getattr(policy, "rounding", "independent"), self.rounding,
+            )
+            policy = None
         if policy is None:
             policy = self.policies[mode] = ScalePolicy(
-                self.codec_bits(), self.block_size, self.seed, self.error_feedback, predict=mode == "predicted"
+                self.codec_bits(), self.block_size, self.seed, self.error_feedback, predict=mode == "predicted",
+                rounding=self.rounding,
             )
         return policy
 
@@ -238,13 +259,13 @@ class THCState:
     def describe(self) -> str:
         return (f"bits={self.bits} block_size={self.block_size} seed={self.seed} scales={self.scales} "
                 f"chunk_mb={self.chunk_mb} start_iter={self.start_iter} error_feedback={self.error_feedback} "
-                f"topology={self.topology}")
+                f"topology={self.topology} rounding={self.rounding}")
 
     def codec_bits(self) -> int:
         """The bits the codec uses: ``bits``, or for ``"auto"`` the rule of
         :func:`~hhook.topology.auto_bits` at this group's world size (a two-level state's
         shards use the inter-node state's, sized for the number of nodes)."""
-        return auto_bits(self.world_size) if self.bits == "auto" else self.bits
+        return auto_bits(self.world_size, rounding=self.rounding) if self.bits == "auto" else self.bits
 
     def node_layout(self) -> Topology:
         """The node layout of ``process_group`` under the ``topology`` option, found once.
@@ -266,10 +287,11 @@ class THCState:
             topo.check_record(self._saved_layout)
             if topo.two_level:
                 if self.inter is None:
-                    bits = auto_bits(topo.n_nodes, topo.ranks_per_node) if self.bits == "auto" else self.bits
+                    bits = (auto_bits(topo.n_nodes, topo.ranks_per_node, rounding=self.rounding) if self.bits == "auto"
+                            else self.bits)
                     self.inter = THCState(
                         topo.inter_group, bits, self.block_size, self.seed, self.error_feedback, self.start_iter,
-                        self.scales, self.chunk_mb,
+                        self.scales, self.chunk_mb, rounding=self.rounding,
                     )
                 else:  # restored from a checkpoint of the same layout
                     self.inter.process_group = topo.inter_group
@@ -318,7 +340,7 @@ class THCState:
         if self._codec is None:
             if not dist.is_initialized():
                 raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")
-            self._codec = THCCodec(self.codec_bits(), self.block_size, self.seed, self.world_size)
+            self._codec = THCCodec(self.codec_bits(), self.block_size, self.seed, self.world_size, self.rounding)
         return self._codec
 
     # -- transport pieces built on first use ---------------------------------------
@@ -338,7 +360,7 @@ class THCState:
         ``device`` (a first compile belongs here, not in a later stage)."""
         from .codec import warm_up
 
-        codec = THCCodec(self.codec_bits(), self.block_size, self.seed, dist.get_world_size(group))
+        codec = THCCodec(self.codec_bits(), self.block_size, self.seed, dist.get_world_size(group), self.rounding)
         warm_up(device)
         f = float(rng.mix32(codec.fingerprint() ^ self.config_id()) >> 8)  # 24 bits: exact in float32
         vector = torch.tensor([f, -f], dtype=torch.float32, device=device)

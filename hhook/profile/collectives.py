@@ -196,7 +196,7 @@ class Runner:
             prepared = codec.prepare(self.x)
             timer.lap("encode")
             agreed = timer.collective("scales", lambda: comm.allreduce(prepared.scales, "max"), self.barrier)
-            key = rng.stream_key(self.seed, comm.rank, self.calls)
+            key = codec.stream(comm.rank, self.calls)
             self.calls += 1
             words = codec.quantize(prepared, agreed, key)
             timer.lap("encode")
