@@ -70,8 +70,8 @@ build_info: dict = {}
 _c_int, _c_i64, _c_u32, _c_ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
 _SIGNATURES = {
     "hh_prepare": (_c_ptr, _c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr),
-    "hh_quantize": (_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_int, _c_int, _c_u32, _c_int, _c_u32, _c_i64, _c_int,
-                    _c_int, _c_int, _c_i64, _c_i64, _c_ptr),
+    "hh_quantize": (_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_int, _c_int, _c_u32, _c_ptr, _c_u32, _c_int, _c_u32,
+                    _c_i64, _c_int, _c_int, _c_int, _c_i64, _c_i64, _c_ptr),
     "hh_decode": (_c_ptr, _c_int, _c_i64, _c_int, _c_ptr, _c_int, _c_int, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
                   _c_ptr, _c_int, _c_ptr),
 }
@@ -310,6 +310,7 @@ def quantize(codec, prepared, agreed, key, residual=None, residual_out=None, out
             residual_out.copy_(residual)
         return words
     maxima = agreed[spec.HEADER :].contiguous()
+    table = stream.table(block) if stream.strata_bits else None
     r_in = residual.contiguous() if residual is not None else None
     direct = residual_out is not None and residual_out.is_contiguous()
     r_out = residual_out if direct or residual_out is None else torch.empty(count, dtype=torch.float32)
@@ -317,8 +318,8 @@ def quantize(codec, prepared, agreed, key, residual=None, residual_out=None, out
     def run(first, last):
         lib.hh_quantize(blocks.data_ptr(), r_in.data_ptr() if r_in is not None else None,
                         r_out.data_ptr() if r_out is not None else None, maxima.data_ptr(), count,
-                        block.bit_length() - 1, codec.levels, stream.key, stream.strata_bits,
-                        stream.offset, n_words, layout.lanes,
+                        block.bit_length() - 1, codec.levels, stream.key, table.data_ptr() if table is not None else None,
+                        stream.row, stream.strata_bits, stream.offset, n_words, layout.lanes,
                         layout.width, layout.word_bits, first, last, words.data_ptr())
 
     _parallel(run, n_words, layout.lanes)

@@ -295,6 +295,8 @@ def quantize_launch(
             np.int32(layout.width),
             np.int32(layout.lanes),
             np.uint32(stream.key),
+            np.uint32(stream.shared & rng.MASK32),
+            np.uint32(stream.row),
             np.int32(stream.strata_bits),
             np.uint32(stream.offset),
             np.float32(1.0 / math.sqrt(block)),

@@ -56,7 +56,7 @@ def quantize_into(
     """Write the codes of ``blocks`` (float32 ``(n_blocks, B)``) into ``codes[:n_blocks*B]``.
 
     ``codes`` is an integer buffer (any dtype that holds ``L - 1``). The threshold of
-    coordinate ``i`` (row-major over ``blocks``) is ``rng.thresholds(key, i)``; ``key`` is
+    coordinate ``i`` (row-major over ``blocks``) is ``rng.thresholds(key, i, B)``; ``key`` is
     a :class:`hhook.rng.Stream` or a bare private key (independent rounding). When
     ``residual`` (shaped like ``blocks``) is given, it receives ``y - (c s - M)``: the
     rounding error of this rank's own codes, for error feedback.
@@ -71,7 +71,7 @@ def quantize_into(
         y = blocks[first:last]
         m = scales[first:last, None]
         t = (y + m).mul_(inv[first:last, None])
-        t.add_(rng.thresholds(stream, first * block, (last - first) * block, y.device).view_as(t))
+        t.add_(rng.thresholds(stream, first * block, (last - first) * block, block, y.device).view_as(t))
         c = t.floor_().clamp_(0, levels - 1)
         codes[first * block : last * block] = c.view(-1)
         if residual is not None:

@@ -86,27 +86,36 @@ def shared_key(seed: int, counter: int) -> int:
 
 #: Correlated rounding uses at most this many strata (2**16); more ranks share strata.
 MAX_STRATA_BITS = 16
+_ROW_SALT = 0x526F7773  # "Rows": the per-block half of the shared shift
 
 
 @dataclasses.dataclass(frozen=True)
 class Stream:
     r"""Where one rank draws its rounding thresholds for one codec call.
 
-    The threshold of coordinate ``j`` is ``U_j / 2**24`` with the 24-bit integer
+    The threshold of coordinate ``j`` (in block ``b = j // B`` at ``i = j % B``, ``B``
+    the tensor's rotation block) is ``U_j / 2**24`` with the 24-bit integer
 
         U_j = (p_j << (24 - L)) | (mix32(j + key) >> (8 + L)),
-        p_j = (j + s + floor(k 2**L / n)) mod 2**L
+        p_j = ((mix32(i + shared) >> (32 - L)) + (mix32(b + row) >> (32 - L)) + floor(k 2**L / n)) mod 2**L
 
     ``ranks == 1`` (``L = 0``): independent rounding, ``U_j`` the top 24 bits of this
     rank's own hash. ``ranks == n > 1``: correlated rounding (Suresh et al., ICML 2022)
     over ``2**L >= n`` strata (``L = ceil(log2 n)``, at most :data:`MAX_STRATA_BITS`):
-    rank ``k`` takes stratum ``p_j``, with ``s`` the shared key, the same on every rank,
-    so the ``n`` ranks' thresholds for one coordinate fall in distinct, evenly spread
-    ``2**-L`` slices of [0, 1) and their rounding errors largely cancel in the sum; over ``s`` each rank's threshold is still uniform on the same 2**24 points as
-    independent rounding's (unbiased). Integer operations only, so every kernel
-    reproduces it exactly, and no second hash: a hash per coordinate for the shift (the
-    paper's form) gives each coordinate the same joint law, hence the same expected error,
-    at 20% of the fused CPU codec's time (measured).
+    rank ``k`` takes stratum ``p_j``; the shift (the top bits of two hashes) is the same
+    on every rank, so the ``n`` ranks' thresholds for one coordinate fall
+    in distinct, evenly spread ``2**-L`` slices of [0, 1) and their rounding errors
+    largely cancel in the sum; over the shift each rank's threshold is still uniform on
+    the same 2**24 points as independent rounding's (unbiased). Integer operations only,
+    so every kernel reproduces it exactly.
+
+    Why this shift: it must look random along ``j`` within a block. A shift that walks
+    with ``j`` (``j + s``) has the same mean error but makes the conditional errors
+    periodic in ``j``, which the inverse rotation gathers onto a few coordinates (peak
+    errors 3-5x independent rounding's, measured). A hash per coordinate (the paper's
+    form) costs a second hash per coordinate (+40% on the fused CPU rounding pass);
+    a table of ``B`` hashes per call plus one hash per block gives the same errors,
+    peaks included, for a load, an add and a mask per coordinate.
     """
 
     key: int  # this rank's private stream (:func:`stream_key`)
@@ -125,11 +134,21 @@ class Stream:
 
     @property
     def offset(self) -> int:
-        """``s + floor(k 2**L / n)`` mod 2**32: stratum ``p_j`` is ``(j + offset) mod 2**L``.
-        Ranks sit evenly over the strata (5 ranks on 8 strata: 0, 1, 3, 4, 6): a run of
-        adjacent strata would bunch their thresholds (measured: 0.9x the error of
-        independent rounding at 5 ranks, against 0.6x spread)."""
-        return (self.shared + (self.rank << self.strata_bits) // self.ranks) & MASK32 if self.ranks > 1 else 0
+        """``floor(k 2**L / n)``: this rank's place among the strata. Ranks sit evenly
+        (5 ranks on 8 strata: 0, 1, 3, 4, 6); a run of adjacent strata would bunch their
+        thresholds (measured: 0.9x the error of independent rounding at 5 ranks, against
+        0.6x spread)."""
+        return (self.rank << self.strata_bits) // self.ranks
+
+    @property
+    def row(self) -> int:
+        """Key of the per-block half of the shift."""
+        return mix32(self.shared ^ _ROW_SALT)
+
+    def table(self, block: int, device=None) -> torch.Tensor:
+        """``mix32(i + shared) >> (32 - L)`` for ``i`` in ``[0, block)`` (int32)."""
+        bits = self.strata_bits
+        return (hash_range(self.shared, 0, block, device) >> (32 - bits)).bitwise_and_((1 << bits) - 1)
 
 
 def as_stream(key) -> Stream:
@@ -155,15 +174,24 @@ def uniform(key: int, start: int, count: int, device=None) -> torch.Tensor:
     return torch.mul((h >> 8).bitwise_and_(0xFFFFFF), 2.0**-24)
 
 
-def thresholds(stream: Stream, start: int, count: int, device=None) -> torch.Tensor:
-    """Rounding thresholds of coordinates ``[start, start + count)`` (see :class:`Stream`):
-    exact 24-bit fractions, as the kernels compute them."""
+def thresholds(stream: Stream, start: int, count: int, block: int, device=None) -> torch.Tensor:
+    """Rounding thresholds of coordinates ``[start, start + count)`` of a tensor rotated
+    in blocks of ``block`` (see :class:`Stream`): exact 24-bit fractions, as the kernels
+    compute them."""
     bits = stream.strata_bits
     h = (hash_range(stream.key, start, count, device) >> (8 + bits)).bitwise_and_(0xFFFFFF >> bits)
     if bits:
-        strata = torch.arange(count, dtype=torch.int32, device=h.device).add_(_to_int32(start + stream.offset))
-        h.bitwise_or_(strata.bitwise_and_((1 << bits) - 1).bitwise_left_shift_(24 - bits))
+        j = torch.arange(start, start + count, dtype=torch.int64, device=h.device)
+        mask = (1 << bits) - 1
+        rows = (mix32_(_wrap32((j // block).add_(stream.row).bitwise_and_(MASK32))) >> (32 - bits)).bitwise_and_(mask)
+        strata = stream.table(block, h.device)[j % block].add_(rows).add_(stream.offset).bitwise_and_(mask)
+        h.bitwise_or_(strata.bitwise_left_shift_(24 - bits))
     return torch.mul(h, 2.0**-24)
+
+
+def _wrap32(values: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) as int32 tensors of the same bit patterns."""
+    return values.sub_(values.ge(1 << 31).to(torch.int64) << 32).to(torch.int32)
 
 
 def digest(bits: torch.Tensor, chunk: int = 1 << 18) -> torch.Tensor:

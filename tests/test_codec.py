@@ -120,7 +120,7 @@ def test_codec_is_unbiased(rounding, monkeypatch):
     assert unbiased < 3 * single / 200
 
     monkeypatch.setenv(FORCE_REFERENCE_ENV, "1")  # the patched thresholds reach the reference only
-    monkeypatch.setattr(rng, "thresholds", lambda stream, start, count, device=None: torch.full((count,), 0.5))
+    monkeypatch.setattr(rng, "thresholds", lambda stream, start, count, block, device=None: torch.full((count,), 0.5))
     biased = averaged_error(200)
     assert biased > 3 * single / 200
 

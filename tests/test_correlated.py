@@ -23,12 +23,14 @@ from distributed import run_world
 MODES = ["agreed", "predicted"]
 
 
-def _threshold(stream: rng.Stream, j: int) -> float:
+def _threshold(stream: rng.Stream, j: int, block: int) -> float:
     """The documented formula on Python integers."""
     L = stream.strata_bits
     u = rng.mix32((j + stream.key) & rng.MASK32) >> (8 + L)
     if L:
-        u |= ((j + stream.offset) & ((1 << L) - 1)) << (24 - L)
+        i, b = j % block, j // block
+        p = (rng.mix32((i + stream.shared) & rng.MASK32) >> (32 - L)) + (rng.mix32((b + stream.row) & rng.MASK32) >> (32 - L))
+        u |= ((p + stream.offset) & ((1 << L) - 1)) << (24 - L)
     return u * 2.0**-24
 
 
@@ -37,14 +39,14 @@ def test_thresholds_are_the_documented_integers(ranks):
     start = 2**32 - 300  # the counter wraps modulo 2**32, as in the kernels
     for rank in sorted({0, ranks // 3, ranks - 1}):
         s = rng.Stream(rng.stream_key(3, rank, 9), rng.shared_key(3, 9), rank, ranks)
-        got = rng.thresholds(s, start, 600).tolist()
-        assert got == [_threshold(s, start + i) for i in range(600)]
+        got = rng.thresholds(s, start, 600, 256).tolist()
+        assert got == [_threshold(s, start + i, 256) for i in range(600)]
         assert min(got) >= 0.0 and max(got) < 1.0
 
 
 def test_independent_stream_is_the_old_uniform_stream():
     key = rng.stream_key(0, 1, 5)
-    assert torch.equal(rng.thresholds(rng.Stream(key), 77, 5000), rng.uniform(key, 77, 5000))
+    assert torch.equal(rng.thresholds(rng.Stream(key), 77, 5000, 1024), rng.uniform(key, 77, 5000))
     assert THCCodec(4, world_size=4, rounding="independent").stream(1, 5) == rng.Stream(key)
 
 
@@ -54,14 +56,14 @@ def test_ranks_take_distinct_evenly_spread_strata_and_stay_uniform(ranks):
     count, calls = 4096, 64
     L = (ranks - 1).bit_length()
     for call in range(3):
-        u = torch.stack([rng.thresholds(codec.stream(r, call), 0, count) for r in range(ranks)])
+        u = torch.stack([rng.thresholds(codec.stream(r, call), 0, count, 1024) for r in range(ranks)])
         strata = (u * 2**L).floor().long()
         # one coordinate's ranks sit in distinct strata, at the same gaps (a rotation)
         assert all(len(set(col)) == ranks for col in strata.T.tolist()[:200])
         gaps = (strata - strata[:1]).remainder(2**L)
         assert torch.equal(gaps, gaps[:, :1].expand_as(gaps))
     # over calls (the shared key), each rank's threshold is uniform on [0, 1)
-    draws = torch.stack([rng.thresholds(codec.stream(ranks - 1, call), 0, count) for call in range(calls)])
+    draws = torch.stack([rng.thresholds(codec.stream(ranks - 1, call), 0, count, 1024) for call in range(calls)])
     assert abs(float(draws.mean()) - 0.5) < 0.01
     hist = torch.histc(draws, bins=2**L, min=0.0, max=1.0) / draws.numel()
     assert float((hist - 2.0**-L).abs().max()) < 0.1 * 2.0**-L
@@ -263,3 +265,19 @@ def _fsdp_worker(rank, world, rounding):
 def test_fsdp_reduce_scatter_rounds_correlated():
     errors = {r: run_world(_fsdp_worker, 2, r, timeout=300)[0] for r in ("correlated", "independent")}
     assert errors["correlated"] < 0.75 * errors["independent"], errors
+
+
+@pytest.mark.parametrize("kind,n,bits", [("zero", 2, 4), ("gauss", 3, 8)])
+def test_errors_stay_spread_over_the_coordinates(kind, n, bits):
+    """The largest error of the mean, relative to its RMS, stays that of independent
+    rounding: a shift that walked with the coordinate would make the conditional errors
+    periodic, and the inverse rotation would gather them onto a few coordinates (5x)."""
+    x = torch.randn(n, 1 << 15, generator=torch.Generator().manual_seed(4)) if kind == "gauss" else _inputs("heavy", n)
+    if kind == "zero":
+        x[0] = 0  # every code of a zero rank sits at the same fraction of a step
+    peaks = {}
+    for rounding in ("correlated", "independent"):
+        codec = THCCodec(bits, 1024, 0, n, rounding)
+        errors = [simulate_allreduce(codec, x, step) - x.mean(0) for step in range(3)]
+        peaks[rounding] = max(float(e.abs().max() / e.pow(2).mean().sqrt()) for e in errors)
+    assert peaks["correlated"] < 1.5 * peaks["independent"], peaks
