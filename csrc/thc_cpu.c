@@ -321,20 +321,20 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
 #define HH_TILE 1024
 
 /* Where a rank draws its thresholds (rng.Stream): its private key, and for correlated
- * rounding L = strata_bits > 0, the table of mix32(i + shared) >> (32 - L) over a block,
- * the row key and its place among the strata. */
+ * rounding L = strata_bits > 0, the table of (mix32(i + shared) >> (32 - L)) << (24 - L)
+ * over a block (the strata already in place), the row key and its place among the strata. */
 typedef struct {
     uint32_t key;
     const uint32_t *table;
     uint32_t row, strata_bits, offset;
 } hh_stream;
 
-/* rng.thresholds of coordinate i, whose stratum before the mask is strata:
- * U = (strata mod 2^L) << (24 - L) | mix32(i + key) >> (8 + L), times 2^-24. */
+/* rng.thresholds of coordinate i, whose stratum in place (before the mask) is strata:
+ * U = (strata mod 2^24) & ~(2^(24 - L) - 1) | mix32(i + key) >> (8 + L), times 2^-24. */
 static inline float threshold(const hh_stream *st, uint32_t i, uint32_t strata) {
     const uint32_t L = st->strata_bits;
     uint32_t u = mix32(i + st->key) >> (8 + L);
-    if (L) u |= (strata & ((1u << L) - 1)) << (24 - L);
+    if (L) u |= strata & (0xFFFFFFu & ~((1u << (24 - L)) - 1));
     return (float)(int32_t)u * 0x1p-24f;
 }
 
@@ -342,12 +342,14 @@ static inline float threshold(const hh_stream *st, uint32_t i, uint32_t strata) 
  * t = b + u; c = clamp(floor(t), 0, L - 1); residual_out = v - (c * step - M). The codes
  * go to lane `shift` of words[0, len) (lane 0 stores, the others OR in). base: the index
  * of coordinate p (the thresholds' counter). */
-static void round_segment(const float *y, const float *r, float *ro, float m, float top, const hh_stream *st,
-                          int64_t base, int64_t len, int log2_block, void *words, int word_bits, int shift) {
-    /* correlated: the stratum of coordinate base + i is table[i_in_block + i] + block_part */
-    const uint32_t L = st->strata_bits;
+static inline __attribute__((always_inline)) void
+round_segment_as(const float *y, const float *r, float *ro, float m, float top, const hh_stream *st, int64_t base,
+                 int64_t len, int log2_block, void *words, int word_bits, int shift, const int correlated) {
+    /* correlated: the stratum of coordinate base + i, in place, is table[i_in_block + i] + block_part */
+    const uint32_t L = correlated ? st->strata_bits : 0;
     const uint32_t *table = L ? st->table + (base & (((int64_t)1 << log2_block) - 1)) : 0;
-    const uint32_t block_part = L ? (mix32((uint32_t)(base >> log2_block) + st->row) >> (32 - L)) + st->offset : 0;
+    const uint32_t block_part =
+        L ? ((mix32((uint32_t)(base >> log2_block) + st->row) >> (32 - L)) + st->offset) << (24 - L) : 0;
     float inv = top / (m * 2.0f);
     if (!isfinite(inv)) inv = 0.0f;
     float step = (m * 2.0f) / top;
@@ -365,18 +367,17 @@ static void round_segment(const float *y, const float *r, float *ro, float m, fl
         __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)((uint32_t)base + st->key)),
                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         const __m256i eight = _mm256_set1_epi32(8);
-        const __m128i keep = _mm_cvtsi32_si128(8 + (int)L), place = _mm_cvtsi32_si128(24 - (int)L);
+        const __m128i keep = _mm_cvtsi32_si128(8 + (int)L);
         const __m256i block8 = _mm256_set1_epi32((int)block_part);
-        const __m256i strata_mask = _mm256_set1_epi32((int)((1u << L) - 1));
+        const __m256i strata_mask = _mm256_set1_epi32((int)(0xFFFFFFu & ~((1u << (24 - L)) - 1)));
         const __m256 unit = _mm256_set1_ps(0x1p-24f);
         for (; i + 8 <= len; i += 8) {
             __m256 v = _mm256_loadu_ps(y + i);
             if (r) v = _mm256_add_ps(v, _mm256_loadu_ps(r + i));
             __m256i bits = _mm256_srl_epi32(mix32_x8(index), keep);
-            if (L) {
+            if (correlated) {
                 __m256i strata = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(table + i)), block8);
-                strata = _mm256_and_si256(strata, strata_mask);
-                bits = _mm256_or_si256(bits, _mm256_sll_epi32(strata, place));
+                bits = _mm256_or_si256(bits, _mm256_and_si256(strata, strata_mask));
             }
             __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(bits), unit);
             index = _mm256_add_epi32(index, eight);
@@ -415,6 +416,15 @@ static void round_segment(const float *y, const float *r, float *ro, float m, fl
         else
             out64[i] = shift ? out64[i] | (uint64_t)code << shift : code;
     }
+}
+
+/* The two modes compiled apart: independent rounding pays nothing for correlated's. */
+static void round_segment(const float *y, const float *r, float *ro, float m, float top, const hh_stream *st,
+                          int64_t base, int64_t len, int log2_block, void *words, int word_bits, int shift) {
+    if (st->strata_bits)
+        round_segment_as(y, r, ro, m, top, st, base, len, log2_block, words, word_bits, shift, 1);
+    else
+        round_segment_as(y, r, ro, m, top, st, base, len, log2_block, words, word_bits, shift, 0);
 }
 
 /* Words [first_word, last_word) of the planar lane layout: lane j of word i holds the code

@@ -310,7 +310,7 @@ def quantize(codec, prepared, agreed, key, residual=None, residual_out=None, out
             residual_out.copy_(residual)
         return words
     maxima = agreed[spec.HEADER :].contiguous()
-    table = stream.table(block) if stream.strata_bits else None
+    table = stream.table(block).bitwise_left_shift_(24 - stream.strata_bits) if stream.strata_bits else None
     r_in = residual.contiguous() if residual is not None else None
     direct = residual_out is not None and residual_out.is_contiguous()
     r_out = residual_out if direct or residual_out is None else torch.empty(count, dtype=torch.float32)
