@@ -18,25 +18,8 @@ import time
 import torch
 
 from hhook.codec import THCCodec
-from hhook.simulation import heavy_tailed, simulate_allreduce, vnmse
+from hhook.simulation import KINDS, ranks_like, simulate_allreduce, vnmse
 from hhook.topology import auto_bits, predicted_vnmse, wire_bits_per_coord
-
-KINDS = ("heavy", "similar", "zero", "tenfold")
-
-
-def inputs(kind: str, n: int, d: int) -> torch.Tensor:
-    """heavy: hhook.simulation.heavy_tailed (a shared signal plus per-rank noise as large
-    as its mean magnitude); similar: one rank's gradient plus 5% noise on each; zero: heavy
-    with rank 0's gradient zero; tenfold: heavy with rank 0's gradient times 10."""
-    x = heavy_tailed(d, n, seed=n)
-    if kind == "similar":
-        x = x[:1] + 0.05 * x[:1].abs().mean() * torch.randn(n, d, generator=torch.Generator().manual_seed(1))
-    elif kind == "zero":
-        x[0] = 0
-    elif kind == "tenfold":
-        x[0] *= 10
-    return x
-
 
 def measure(n: int, bits: int, x: torch.Tensor, calls: int) -> dict:
     row = {}
@@ -67,7 +50,7 @@ def main() -> None:
     print(f"{'ranks':>5} {'kind':>8} {'bits':>4} {'independent':>12} {'correlated':>11} {'ratio':>6} {'peak/rms':>12}")
     for n in (int(v) for v in args.ranks.split(",")):
         for kind in KINDS if n <= 16 else KINDS[:1]:
-            x = inputs(kind, n, args.numel)
+            x = ranks_like(kind, n, args.numel)
             for bits in (int(v) for v in args.bits.split(",")):
                 r = dict(ranks=n, kind=kind, bits=bits, **measure(n, bits, x, args.calls))
                 rows.append(r)

@@ -301,11 +301,12 @@ def DistributedOptimizer(
     groups=None,
     sparse_as_dense: bool = False,
     process_set=None,
+    rounding: str = "correlated",
 ):
     r"""``hvd.DistributedOptimizer`` with THC compression: swap it in for Horovod's.
 
     Sets ``op=hvd.Sum`` and a :class:`THCCompressor` built from ``bits``, ``block_size``,
-    ``seed``, ``error_feedback``, ``warmup_steps`` and ``headroom``, and passes the
+    ``seed``, ``error_feedback``, ``warmup_steps``, ``headroom`` and ``rounding``, and passes the
     parameter names to it. The other arguments are Horovod's. The compressor is
     ``optimizer.thc``: ``optimizer.thc.stats()`` counts the bytes.
 
@@ -339,7 +340,8 @@ def DistributedOptimizer(
     if gradient_predivide_factor != 1.0:
         raise ValueError("gradient_predivide_factor applies to op=Average only; THC divides in decompress")
     if compression is None:
-        compression = THCCompressor(bits, block_size, seed, error_feedback, warmup_steps, headroom, process_set)
+        compression = THCCompressor(bits, block_size, seed, error_feedback, warmup_steps, headroom, process_set,
+                                    rounding)
     dist = hvd.DistributedOptimizer(optimizer, compression=compression, op=hvd.Sum, **common)
     _bind(dist, compression)
     dist.thc = compression

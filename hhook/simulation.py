@@ -29,6 +29,28 @@ def heavy_tailed(numel: int, world_size: int, seed: int = 0, device="cpu") -> to
     return (common + noise).to(device)
 
 
+#: Kinds of ranks :func:`ranks_like` simulates (correlated rounding is measured on each).
+KINDS = ("heavy", "similar", "zero", "tenfold")
+
+
+def ranks_like(kind: str, world_size: int, numel: int) -> torch.Tensor:
+    """``world_size`` gradients of one kind: ``heavy``: :func:`heavy_tailed` (a shared
+    signal plus per-rank noise as large as its mean magnitude); ``similar``: one rank's
+    gradient plus 5% noise on each; ``zero``: heavy with rank 0's gradient zero;
+    ``tenfold``: heavy with rank 0's gradient times 10."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    x = heavy_tailed(numel, world_size, seed=world_size)
+    if kind == "similar":
+        noise = torch.randn(world_size, numel, generator=torch.Generator().manual_seed(1))
+        x = x[:1] + 0.05 * x[:1].abs().mean() * noise
+    elif kind == "zero":
+        x[0] = 0
+    elif kind == "tenfold":
+        x[0] *= 10
+    return x
+
+
 def _t_sample(g: torch.Generator, numel: int, df: float = 3.0) -> torch.Tensor:
     z = torch.randn(numel, generator=g)
     chi2 = torch.randn(int(df), numel, generator=g).pow_(2).sum(0)

@@ -16,7 +16,7 @@ from hhook import rng
 from hhook.codec import THCCodec
 from hhook.errors import ConfigMismatchError
 from hhook.scales import PredictedScales, ScalePolicy
-from hhook.simulation import heavy_tailed, simulate_allreduce, simulate_policy, vnmse
+from hhook.simulation import ranks_like, simulate_allreduce, simulate_policy, vnmse
 
 from distributed import run_world
 
@@ -70,14 +70,7 @@ def test_ranks_take_distinct_evenly_spread_strata_and_stay_uniform(ranks):
 
 
 def _inputs(kind: str, n: int, d: int = 1 << 15) -> torch.Tensor:
-    x = heavy_tailed(d, n, seed=n)
-    if kind == "similar":
-        x = x[:1] + 0.05 * x[:1].abs().mean() * torch.randn(n, d, generator=torch.Generator().manual_seed(1))
-    elif kind == "zero":
-        x[0] = 0
-    elif kind == "tenfold":
-        x[0] *= 10
-    return x
+    return ranks_like(kind, n, d)
 
 
 def _error(rounding: str, bits: int, x: torch.Tensor, draws: int = 3) -> float:
