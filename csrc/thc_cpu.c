@@ -320,11 +320,36 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
 /* -- stage 3 ---------------------------------------------------------------------- */
 #define HH_TILE 1024
 
+/* Where a rank draws its thresholds (rng.Stream): its private key, and for correlated
+ * rounding L = strata_bits > 0, the table of (mix32(i + shared) >> (32 - L)) << (24 - L)
+ * over a block (the strata already in place), the row key and its place among the strata. */
+typedef struct {
+    uint32_t key;
+    const uint32_t *table;
+    uint32_t row, strata_bits, offset;
+} hh_stream;
+
+/* rng.thresholds of coordinate i, whose stratum in place (before the mask) is strata:
+ * U = (strata mod 2^24) & ~(2^(24 - L) - 1) | mix32(i + key) >> (8 + L), times 2^-24. */
+static inline float threshold(const hh_stream *st, uint32_t i, uint32_t strata) {
+    const uint32_t L = st->strata_bits;
+    uint32_t u = mix32(i + st->key) >> (8 + L);
+    if (L) u |= strata & (0xFFFFFFu & ~((1u << (24 - L)) - 1));
+    return (float)(int32_t)u * 0x1p-24f;
+}
+
 /* Codes of coordinates [p, p + len) of one block: v = y (+ r); a = v + M; b = a * inv;
  * t = b + u; c = clamp(floor(t), 0, L - 1); residual_out = v - (c * step - M). The codes
- * go to lane `shift` of words[0, len) (lane 0 stores, the others OR in). */
-static void round_segment(const float *y, const float *r, float *ro, float m, float top, uint32_t base,
-                          int64_t len, void *words, int word_bits, int shift) {
+ * go to lane `shift` of words[0, len) (lane 0 stores, the others OR in). base: the index
+ * of coordinate p (the thresholds' counter). */
+static inline __attribute__((always_inline)) void
+round_segment_as(const float *y, const float *r, float *ro, float m, float top, const hh_stream *st, int64_t base,
+                 int64_t len, int log2_block, void *words, int word_bits, int shift, const int correlated) {
+    /* correlated: the stratum of coordinate base + i, in place, is table[i_in_block + i] + block_part */
+    const uint32_t L = correlated ? st->strata_bits : 0;
+    const uint32_t *table = L ? st->table + (base & (((int64_t)1 << log2_block) - 1)) : 0;
+    const uint32_t block_part =
+        L ? ((mix32((uint32_t)(base >> log2_block) + st->row) >> (32 - L)) + st->offset) << (24 - L) : 0;
     float inv = top / (m * 2.0f);
     if (!isfinite(inv)) inv = 0.0f;
     float step = (m * 2.0f) / top;
@@ -337,14 +362,24 @@ static void round_segment(const float *y, const float *r, float *ro, float m, fl
         /* the scalar loop's operations, 8 at a time: max(0, c) and min(top, c) are
          * `c < 0 ? 0 : c` and `c > top ? top : c`, NaN included */
         const __m256 m8 = _mm256_set1_ps(m), inv8 = _mm256_set1_ps(inv), step8 = _mm256_set1_ps(step);
-        const __m256 top8 = _mm256_set1_ps(top), zero = _mm256_setzero_ps(), unit = _mm256_set1_ps(0x1p-24f);
+        const __m256 top8 = _mm256_set1_ps(top), zero = _mm256_setzero_ps();
         const __m128i count = _mm_cvtsi32_si128(shift);
-        __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)((uint32_t)base + st->key)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         const __m256i eight = _mm256_set1_epi32(8);
+        const __m128i keep = _mm_cvtsi32_si128(8 + (int)L);
+        const __m256i block8 = _mm256_set1_epi32((int)block_part);
+        const __m256i strata_mask = _mm256_set1_epi32((int)(0xFFFFFFu & ~((1u << (24 - L)) - 1)));
+        const __m256 unit = _mm256_set1_ps(0x1p-24f);
         for (; i + 8 <= len; i += 8) {
             __m256 v = _mm256_loadu_ps(y + i);
             if (r) v = _mm256_add_ps(v, _mm256_loadu_ps(r + i));
-            __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(mix32_x8(index), 8)), unit);
+            __m256i bits = _mm256_srl_epi32(mix32_x8(index), keep);
+            if (correlated) {
+                __m256i strata = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(table + i)), block8);
+                bits = _mm256_or_si256(bits, _mm256_and_si256(strata, strata_mask));
+            }
+            __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(bits), unit);
             index = _mm256_add_epi32(index, eight);
             __m256 c = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_add_ps(v, m8), inv8), u));
             c = _mm256_min_ps(top8, _mm256_max_ps(zero, c));
@@ -370,7 +405,7 @@ static void round_segment(const float *y, const float *r, float *ro, float m, fl
 #endif
     for (; i < len; i++) {
         float v = r ? y[i] + r[i] : y[i];
-        float u = (float)(int32_t)(mix32(base + (uint32_t)i) >> 8) * 0x1p-24f;
+        float u = threshold(st, (uint32_t)(base + i), table ? table[i] + block_part : 0);
         float c = floorf((v + m) * inv + u);
         c = c < 0.0f ? 0.0f : c;
         c = c > top ? top : c;
@@ -383,13 +418,23 @@ static void round_segment(const float *y, const float *r, float *ro, float m, fl
     }
 }
 
+/* The two modes compiled apart: independent rounding pays nothing for correlated's. */
+static void round_segment(const float *y, const float *r, float *ro, float m, float top, const hh_stream *st,
+                          int64_t base, int64_t len, int log2_block, void *words, int word_bits, int shift) {
+    if (st->strata_bits)
+        round_segment_as(y, r, ro, m, top, st, base, len, log2_block, words, word_bits, shift, 1);
+    else
+        round_segment_as(y, r, ro, m, top, st, base, len, log2_block, words, word_bits, shift, 0);
+}
+
 /* Words [first_word, last_word) of the planar lane layout: lane j of word i holds the code
  * of coordinate j * n_words + i, rounded by round_segment; a tile of words stays in L1
  * while the lanes are ORed in. */
 void hh_quantize(const float *blocks, const float *residual, float *residual_out, const float *maxima,
-                 int64_t count, int log2_block, int levels, uint32_t key, int64_t n_words, int lanes,
-                 int width, int word_bits, int64_t first_word, int64_t last_word, void *words) {
+                 int64_t count, int log2_block, int levels, uint32_t key, const uint32_t *table, uint32_t row, int strata_bits, uint32_t offset, int64_t n_words, int lanes, int width, int word_bits, int64_t first_word,
+                 int64_t last_word, void *words) {
     const float top = (float)(levels - 1);
+    const hh_stream st = {key, table, row, (uint32_t)strata_bits, offset};
     const int word_bytes = word_bits / 8;
     for (int64_t w0 = first_word; w0 < last_word; w0 += HH_TILE) {
         int64_t tile = last_word - w0 < HH_TILE ? last_word - w0 : HH_TILE;
@@ -404,7 +449,7 @@ void hh_quantize(const float *blocks, const float *residual, float *residual_out
                 int64_t seg_end = (b + 1) << log2_block;
                 if (seg_end > p_end) seg_end = p_end;
                 round_segment(blocks + p, residual ? residual + p : 0, residual_out ? residual_out + p : 0,
-                              maxima[b], top, (uint32_t)p + key, seg_end - p, tile_words + (p - p0) * word_bytes,
+                              maxima[b], top, &st, p, seg_end - p, log2_block, tile_words + (p - p0) * word_bytes,
                               word_bits, shift);
                 p = seg_end;
             }

@@ -146,9 +146,19 @@ __device__ __forceinline__ hh_u32 hh_mix32(hh_u32 x) {
     return x;
 }
 
-// rng.uniform: top 24 bits of mix32((index + key) mod 2^32), times 2^-24 (exact).
-__device__ __forceinline__ float hh_uniform(hh_u32 key, hh_i64 index) {
-    return (float)(hh_mix32((hh_u32)index + key) >> 8) * 5.9604644775390625e-8f;
+// rng.thresholds: U = p << (24 - L) | mix32(index + key) >> (8 + L), times 2^-24 (exact), with
+// p = ((mix32(i + shared) >> (32 - L)) + (mix32(b + row) >> (32 - L)) + offset) mod 2^L and
+// index = b * B + i.
+// L = 0: independent rounding (the top 24 bits of the hash).
+__device__ __forceinline__ float hh_threshold(hh_u32 key, hh_u32 shared, hh_u32 row, int L, hh_u32 offset,
+                                              int log2B, hh_i64 index) {
+    hh_u32 u = hh_mix32((hh_u32)index + key) >> (8 + L);
+    if (L) {
+        const hh_u32 p = (hh_mix32((hh_u32)(index & ((1ll << log2B) - 1)) + shared) >> (32 - L))
+                         + (hh_mix32((hh_u32)(index >> log2B) + row) >> (32 - L)) + offset;
+        u |= (p & ((1u << L) - 1u)) << (24 - L);
+    }
+    return (float)u * 5.9604644775390625e-8f;
 }
 
 // One term of rng.digest: mix32(bits + index * 0x9E3779B9 + 0x44696773).
@@ -336,7 +346,8 @@ template <class In, class W>
 __device__ void hh_quantize(const typename In::T* x, const hh_u32* signs, const float* agreed, W* words,
                             const float* residual, float* residual_out, int has_residual, hh_i64 numel,
                             hh_i64 total, hh_i64 n_words, int log2B, int levels, int width, int lanes,
-                            hh_u32 key, float norm, int words_per_thread, int vec) {
+                            hh_u32 key, hh_u32 shared, hh_u32 row, int strata_bits, hh_u32 offset, float norm,
+                            int words_per_thread, int vec) {
     extern __shared__ float hh_smem[];
     const int T = blockDim.x, t = threadIdx.x;
     const int span = words_per_thread * T;
@@ -390,7 +401,7 @@ __device__ void hh_quantize(const typename In::T* x, const hh_u32* signs, const 
                 if (has_residual) y = __fadd_rn(y, residual[idx]);
                 const int b = e >> log2B;
                 const float m = max_of[b];
-                const float u = hh_uniform(key, idx);
+                const float u = hh_threshold(key, shared, row, strata_bits, offset, log2B, idx);
                 const float tt = __fadd_rn(__fmul_rn(__fadd_rn(y, m), inv_of[b]), u);
                 const float c = fminf(fmaxf(floorf(tt), 0.0f), top);
                 word[q] |= ((W)c) << (j * width);
@@ -498,10 +509,11 @@ HH_PREPARE(hh_prepare_bf16, HhBF16)
                                     W* words, const float* residual, float* residual_out,          \
                                     int has_residual, hh_i64 numel, hh_i64 total, hh_i64 n_words,  \
                                     int log2B, int levels, int width, int lanes, hh_u32 key,       \
+                                    hh_u32 shared, hh_u32 row, int strata_bits, hh_u32 offset,     \
                                     float norm, int words_per_thread, int vec) {                   \
         hh_quantize<IN, W>(x, signs, agreed, words, residual, residual_out, has_residual, numel,   \
-                           total, n_words, log2B, levels, width, lanes, key, norm,                 \
-                           words_per_thread, vec);                                                 \
+                           total, n_words, log2B, levels, width, lanes, key, shared, row,         \
+                           strata_bits, offset, norm, words_per_thread, vec);                      \
     }
 HH_QUANTIZE(hh_quantize_f32_i32, HhF32, hh_u32)
 HH_QUANTIZE(hh_quantize_f32_i64, HhF32, hh_u64)

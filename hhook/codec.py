@@ -36,7 +36,12 @@ from .layout import HEADER, SUPPORTED_DTYPES, Prepared, agreed_status
 from .errors import ConfigMismatchError
 
 #: Bumped whenever the bits on the wire change meaning; part of the fingerprint.
-CODEC_VERSION = 2
+#: 3: the rounding mode (correlated by default) joined the fingerprint.
+CODEC_VERSION = 3
+#: How ranks draw their rounding thresholds (:class:`hhook.rng.Stream`): spread over the
+#: unit interval across ranks (about half the error of the mean, docs/codec.md), or each
+#: rank on its own. Part of the fingerprint.
+ROUNDINGS = ("correlated", "independent")
 _FINGERPRINT_BITS = 24  # integers below 2**24 are exact in float32
 
 
@@ -69,7 +74,8 @@ def warm_up(device: torch.device) -> None:
 class THCCodec:
     """Rotation, common scales, stochastic rounding and lane packing for ``world_size`` ranks."""
 
-    def __init__(self, bits: int = 4, block_size: int = 1024, seed: int = 0, world_size: int = 1):
+    def __init__(self, bits: int = 4, block_size: int = 1024, seed: int = 0, world_size: int = 1,
+                 rounding: str = "correlated"):
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
             raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
         rotation.check_block_size(block_size)
@@ -77,7 +83,10 @@ class THCCodec:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
         self.bits = bits
+        self.rounding = rounding
         self.levels = 1 << bits
         self.block_size = block_size
         self.seed = seed
@@ -88,12 +97,13 @@ class THCCodec:
         lay = self.layout
         return (
             f"THCCodec(bits={self.bits}, block_size={self.block_size}, seed={self.seed}, "
-            f"world_size={self.world_size}: {lay.lanes} lanes of {lay.width} bits per "
+            f"world_size={self.world_size}, rounding={self.rounding}: {lay.lanes} lanes of {lay.width} bits per "
             f"int{lay.word_bits})"
         )
 
     def describe(self) -> str:
-        return f"bits={self.bits} block_size={self.block_size} seed={self.seed} version={CODEC_VERSION}"
+        return (f"bits={self.bits} block_size={self.block_size} seed={self.seed} rounding={self.rounding} "
+                f"version={CODEC_VERSION}")
 
     # -- sizes --------------------------------------------------------------
     def block_for(self, numel: int) -> int:
@@ -117,11 +127,22 @@ class THCCodec:
         word_bytes = self.layout.word_bits // 8
         return 4 * self.scales_numel(numel) + word_bytes * self.words_numel(numel)
 
+    # -- rounding -----------------------------------------------------------
+    def stream(self, rank: int, call: int, shared: int | None = None) -> rng.Stream:
+        """The rounding stream of ``rank`` (its index among the ``world_size`` ranks that
+        sum) for one call: ``call`` must differ between this rank's calls; ``shared``
+        (default ``call``) must be the same on every rank for this call, since correlated
+        rounding derives the ranks' common strata from it."""
+        key = rng.stream_key(self.seed, rank, call)
+        if self.rounding == "independent" or self.world_size == 1:
+            return rng.Stream(key)
+        return rng.Stream(key, rng.shared_key(self.seed, call if shared is None else shared), rank, self.world_size)
+
     # -- fingerprints -------------------------------------------------------
     def fingerprint(self, numel: int | None = None) -> int:
         """24-bit hash of everything that must match across ranks (and the length)."""
         h = rng.mix32(CODEC_VERSION)
-        for value in (self.bits, self.block_size, self.seed, self.world_size):
+        for value in (self.bits, self.block_size, self.seed, self.world_size, ROUNDINGS.index(self.rounding)):
             h = rng.mix32(h ^ value)
         if numel is not None:
             h = rng.mix32(h ^ (numel & rng.MASK32))
@@ -226,8 +247,8 @@ class THCCodec:
         a contiguous tensor of :meth:`words_numel` words, e.g. the tail of a message).
 
         ``agreed`` is the MAX-reduced scale vector (or, with predicted scales, a header
-        and the predicted scales); ``key`` selects this rank's rounding stream
-        (:func:`hhook.rng.stream_key`). With error feedback, ``residual`` (float32,
+        and the predicted scales); ``key`` is this rank's rounding stream
+        (:meth:`stream`; a bare integer key rounds independently). With error feedback, ``residual`` (float32,
         ``(n_blocks, B)``) is added to the rotated blocks before rounding, and the new
         rounding error is written to ``residual_out`` (default: ``residual``, in place),
         unless the header says some rank was non-finite or every rank's tensor is the

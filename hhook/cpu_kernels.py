@@ -7,7 +7,7 @@ thread); each stage here is one pass per block, from ``csrc/thc_cpu.c``:
    Walsh-Hadamard butterflies in L1, per-block max ``|y|``; the rotated blocks go to a
    recycled workspace (``Prepared.blocks``), the scale vector to ``Prepared.scales``.
 2. ``quantize``: ``y + residual``, stochastic rounding with the counter-based RNG of
-   :mod:`hhook.rng`, written straight into the lane words of :mod:`hhook.lanes`, and the
+   :mod:`hhook.rng` (independent or correlated thresholds, :class:`hhook.rng.Stream`), written straight into the lane words of :mod:`hhook.lanes`, and the
    new residual. Given the same rotated blocks and scales the words equal the
    reference's bit for bit (same float32 operations in the same order, no contraction).
 3. ``decode``: unpack, dequantize, inverse rotation, crop, store in the output's dtype.
@@ -51,7 +51,7 @@ import torch
 
 from . import backend
 from . import layout as spec
-from . import rotation
+from . import rng, rotation
 from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by hhook.profile.codec_bench
 
 logger = logging.getLogger(__name__)
@@ -70,8 +70,8 @@ build_info: dict = {}
 _c_int, _c_i64, _c_u32, _c_ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
 _SIGNATURES = {
     "hh_prepare": (_c_ptr, _c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr),
-    "hh_quantize": (_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_int, _c_int, _c_u32, _c_i64, _c_int, _c_int, _c_int,
-                    _c_i64, _c_i64, _c_ptr),
+    "hh_quantize": (_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_int, _c_int, _c_u32, _c_ptr, _c_u32, _c_int, _c_u32,
+                    _c_i64, _c_int, _c_int, _c_int, _c_i64, _c_i64, _c_ptr),
     "hh_decode": (_c_ptr, _c_int, _c_i64, _c_int, _c_ptr, _c_int, _c_int, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
                   _c_ptr, _c_int, _c_ptr),
 }
@@ -288,8 +288,9 @@ def _verdicts(agreed: torch.Tensor) -> tuple[bool, bool, bool]:
     return tuple(bool(v) for v in spec.agreed_status(agreed))
 
 
-def quantize(codec, prepared, agreed, key: int, residual=None, residual_out=None, out=None) -> torch.Tensor:
+def quantize(codec, prepared, agreed, key, residual=None, residual_out=None, out=None) -> torch.Tensor:
     lib = _library()
+    stream = rng.as_stream(key)
     blocks = prepared.blocks
     if blocks is None:
         raise RuntimeError("hhook: this Prepared was already decoded; prepare the tensor again")
@@ -309,6 +310,7 @@ def quantize(codec, prepared, agreed, key: int, residual=None, residual_out=None
             residual_out.copy_(residual)
         return words
     maxima = agreed[spec.HEADER :].contiguous()
+    table = stream.table(block).bitwise_left_shift_(24 - stream.strata_bits) if stream.strata_bits else None
     r_in = residual.contiguous() if residual is not None else None
     direct = residual_out is not None and residual_out.is_contiguous()
     r_out = residual_out if direct or residual_out is None else torch.empty(count, dtype=torch.float32)
@@ -316,7 +318,8 @@ def quantize(codec, prepared, agreed, key: int, residual=None, residual_out=None
     def run(first, last):
         lib.hh_quantize(blocks.data_ptr(), r_in.data_ptr() if r_in is not None else None,
                         r_out.data_ptr() if r_out is not None else None, maxima.data_ptr(), count,
-                        block.bit_length() - 1, codec.levels, key & 0xFFFFFFFF, n_words, layout.lanes,
+                        block.bit_length() - 1, codec.levels, stream.key, table.data_ptr() if table is not None else None,
+                        stream.row, stream.strata_bits, stream.offset, n_words, layout.lanes,
                         layout.width, layout.word_bits, first, last, words.data_ptr())
 
     _parallel(run, n_words, layout.lanes)

@@ -267,8 +267,9 @@ def prepare_launch(source, signs, scales, workspace, numel: int, block: int, fin
 
 
 def quantize_launch(
-    source, signs, agreed, words, residual, residual_out, block: int, layout, levels: int, key: int
+    source, signs, agreed, words, residual, residual_out, block: int, layout, levels: int, key
 ) -> Launch:
+    stream = rng.as_stream(key)
     numel = source.numel()
     total = -(-numel // block) * block
     threads, span, window = _quantize_geometry(block)
@@ -293,7 +294,11 @@ def quantize_launch(
             np.int32(levels),
             np.int32(layout.width),
             np.int32(layout.lanes),
-            np.uint32(key & rng.MASK32),
+            np.uint32(stream.key),
+            np.uint32(stream.shared & rng.MASK32),
+            np.uint32(stream.row),
+            np.int32(stream.strata_bits),
+            np.uint32(stream.offset),
             np.float32(1.0 / math.sqrt(block)),
             np.int32(_WORDS_PER_THREAD),
             _aligned(source),
@@ -396,7 +401,7 @@ def prepare(codec, source: torch.Tensor):
     return Prepared(numel, source, scales, None, sys.modules[__name__])
 
 
-def quantize(codec, prepared, agreed: torch.Tensor, key: int, residual=None, residual_out=None, out=None) -> torch.Tensor:
+def quantize(codec, prepared, agreed: torch.Tensor, key, residual=None, residual_out=None, out=None) -> torch.Tensor:
     """:meth:`THCCodec.quantize`: the lane words; the residual as described there."""
     source = prepared.source
     block = _block_of(codec, prepared.numel)

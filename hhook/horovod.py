@@ -89,6 +89,11 @@ class THCCompressor:
             :func:`hhook.scales.default_headroom` (1 up to 4 bits, 2 at 8).
         process_set: the Horovod process set, when not used through an optimizer that
             names one.
+        rounding: ``"correlated"`` (default) or ``"independent"``, as
+            :class:`hhook.THCState`: each rank's place among the strata is its rank in
+            the process set; the strata's shift comes from the parameter's name and step
+            count, which every rank holds alike whatever order Horovod calls ``compress``
+            in. Part of the fingerprint.
 
     Example::
         >>> comp = hhook.horovod.THCCompressor(bits=2)
@@ -105,13 +110,15 @@ class THCCompressor:
         warmup_steps: int = 1,
         headroom: float | None = None,
         process_set=None,
+        rounding: str = "correlated",
     ):
-        self._predicted = PredictedScales(bits, block_size, seed, error_feedback, warmup_steps, headroom)
+        self._predicted = PredictedScales(bits, block_size, seed, error_feedback, warmup_steps, headroom, rounding)
         self.bits = bits
         self.block_size = block_size
         self.seed = seed
         self.error_feedback = bool(error_feedback)
         self.warmup_steps = warmup_steps
+        self.rounding = rounding
         self.headroom = self._predicted.headroom
         self.process_set = process_set
         self._calls = itertools.count()
@@ -123,7 +130,8 @@ class THCCompressor:
     def __repr__(self) -> str:
         return (
             f"THCCompressor(bits={self.bits}, block_size={self.block_size}, seed={self.seed}, "
-            f"error_feedback={self.error_feedback}, warmup_steps={self.warmup_steps}, headroom={self.headroom})"
+            f"error_feedback={self.error_feedback}, warmup_steps={self.warmup_steps}, headroom={self.headroom}, "
+            f"rounding={self.rounding})"
         )
 
     # -- statistics ---------------------------------------------------------------
@@ -219,7 +227,7 @@ class THCCompressor:
                 "hhook: THC compress() could not tell which parameter a gradient belongs to (it is "
                 "called outside a Horovod DistributedOptimizer?): such tensors are sent uncompressed"
             )
-        words, msg = self._predicted.encode(tensor, key, ps.rank(), ps.size(), next(self._calls))
+        words, msg = self._predicted.encode(tensor, key, ps.rank(), ps.size(), next(self._calls), label=name)
         self._stats.add("dense_calls" if msg.dense else "compressed_calls", 4 * tensor.numel(), words.nbytes)
         return words, msg
 
@@ -293,11 +301,12 @@ def DistributedOptimizer(
     groups=None,
     sparse_as_dense: bool = False,
     process_set=None,
+    rounding: str = "correlated",
 ):
     r"""``hvd.DistributedOptimizer`` with THC compression: swap it in for Horovod's.
 
     Sets ``op=hvd.Sum`` and a :class:`THCCompressor` built from ``bits``, ``block_size``,
-    ``seed``, ``error_feedback``, ``warmup_steps`` and ``headroom``, and passes the
+    ``seed``, ``error_feedback``, ``warmup_steps``, ``headroom`` and ``rounding``, and passes the
     parameter names to it. The other arguments are Horovod's. The compressor is
     ``optimizer.thc``: ``optimizer.thc.stats()`` counts the bytes.
 
@@ -331,7 +340,8 @@ def DistributedOptimizer(
     if gradient_predivide_factor != 1.0:
         raise ValueError("gradient_predivide_factor applies to op=Average only; THC divides in decompress")
     if compression is None:
-        compression = THCCompressor(bits, block_size, seed, error_feedback, warmup_steps, headroom, process_set)
+        compression = THCCompressor(bits, block_size, seed, error_feedback, warmup_steps, headroom, process_set,
+                                    rounding)
     dist = hvd.DistributedOptimizer(optimizer, compression=compression, op=hvd.Sum, **common)
     _bind(dist, compression)
     dist.thc = compression

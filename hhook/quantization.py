@@ -5,7 +5,9 @@ the levels are ``-M, -M + s, ..., M`` with step ``s = 2 M / (L - 1)``, and
 
     c = floor((y + M) * inv + u),   inv = (L - 1) / (2 M)  (0 where M == 0)
 
-with ``u`` uniform in [0, 1) from :mod:`hhook.rng`. ``E[c s - M] = y``: unbiased. The
+with ``u`` uniform in [0, 1) from :mod:`hhook.rng`: independent across ranks, or
+correlated (:class:`hhook.rng.Stream`: the ranks' thresholds for one coordinate spread
+over the ``n`` strata of [0, 1), each still uniform). ``E[c s - M] = y``: unbiased. The
 float32 operations are, in this order: ``a = y + M``, ``b = a * inv``, ``t = b + u``,
 ``floor(t)``, clamp to ``[0, L - 1]`` (guards rounding at ``y = M``). A kernel that
 performs the same rounded operations (no fused multiply-add) gives the same codes.
@@ -48,17 +50,19 @@ def quantize_into(
     blocks: torch.Tensor,
     scales: torch.Tensor,
     levels: int,
-    key: int,
+    key,
     residual: torch.Tensor | None = None,
 ) -> None:
     """Write the codes of ``blocks`` (float32 ``(n_blocks, B)``) into ``codes[:n_blocks*B]``.
 
-    ``codes`` is an integer buffer (any dtype that holds ``L - 1``). The random number of
-    coordinate ``i`` (row-major over ``blocks``) is ``rng.uniform(key, i)``. When
+    ``codes`` is an integer buffer (any dtype that holds ``L - 1``). The threshold of
+    coordinate ``i`` (row-major over ``blocks``) is ``rng.thresholds(key, i, B)``; ``key`` is
+    a :class:`hhook.rng.Stream` or a bare private key (independent rounding). When
     ``residual`` (shaped like ``blocks``) is given, it receives ``y - (c s - M)``: the
     rounding error of this rank's own codes, for error feedback.
     """
     n_blocks, block = blocks.shape
+    stream = rng.as_stream(key)
     inv = inverse_steps(scales, levels)
     step = steps(scales, levels) if residual is not None else None
     rows = max(1, CHUNK // block)
@@ -67,7 +71,7 @@ def quantize_into(
         y = blocks[first:last]
         m = scales[first:last, None]
         t = (y + m).mul_(inv[first:last, None])
-        t.add_(rng.uniform(key, first * block, (last - first) * block, y.device).view_as(t))
+        t.add_(rng.thresholds(stream, first * block, (last - first) * block, block, y.device).view_as(t))
         c = t.floor_().clamp_(0, levels - 1)
         codes[first * block : last * block] = c.view(-1)
         if residual is not None:

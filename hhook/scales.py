@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import zlib
 
 import torch
 
@@ -106,7 +107,7 @@ class Plan:
     tensor: torch.Tensor
     world_size: int
     codec: THCCodec
-    stream: int  # this rank's rounding stream
+    stream: rng.Stream  # this rank's rounding stream
     config: int  # the schedule's options, folded into the fingerprint
     state: KeyState | None = None
     prepared: object = None
@@ -134,7 +135,7 @@ class ScalePolicy:
     r"""Encoder and decoder of THC messages with per-key state; ``predict`` picks the policy.
 
     Args:
-        bits, block_size, seed, error_feedback: as :class:`hhook.THCState`.
+        bits, block_size, seed, error_feedback, rounding: as :class:`hhook.THCState`.
         predict: predicted scales (one round once a key has history) or agreed ones.
         headroom: predicted scales are ``headroom`` times the thermometer's bound on the
             maximum; 1 never clips a block that did not grow, more leaves room for growth.
@@ -145,8 +146,9 @@ class ScalePolicy:
     #: (where the transport has one: not Horovod's, whose first round is a dense step).
     remeasure = True
 
-    def __init__(self, bits=4, block_size=1024, seed=0, error_feedback=False, predict=True, headroom=None):
-        THCCodec(bits, block_size, seed)  # validates
+    def __init__(self, bits=4, block_size=1024, seed=0, error_feedback=False, predict=True, headroom=None,
+                 rounding="correlated"):
+        THCCodec(bits, block_size, seed, rounding=rounding)  # validates
         if headroom is None:
             headroom = default_headroom(bits)
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not (
@@ -159,6 +161,7 @@ class ScalePolicy:
         self.error_feedback = bool(error_feedback)
         self.predict = bool(predict)
         self.headroom = float(headroom)
+        self.rounding = rounding
         self.keys: dict = {}
         self._codecs: dict[int, THCCodec] = {}
 
@@ -168,7 +171,7 @@ class ScalePolicy:
         return state
 
     #: The constructor's arguments, saved with the keys by :meth:`state_dict`.
-    OPTIONS = ("bits", "block_size", "seed", "error_feedback", "predict", "headroom")
+    OPTIONS = ("bits", "block_size", "seed", "error_feedback", "predict", "headroom", "rounding")
 
     def state_dict(self) -> dict:
         """The options and every key's state as plain data (tensors, numbers, tuples):
@@ -182,14 +185,20 @@ class ScalePolicy:
     @classmethod
     def from_state_dict(cls, saved: dict) -> "ScalePolicy":
         """The policy :meth:`state_dict` described, with its keys."""
-        policy = cls(**{name: saved[name] for name in cls.OPTIONS})
+        options = {name: saved[name] for name in cls.OPTIONS if name in saved}
+        options.setdefault("rounding", "independent")  # saved before there was a choice: what it ran
+        policy = cls(**options)
         policy.keys = {key: KeyState(**fields) for key, fields in saved["keys"].items()}
         return policy
+
+    def __setstate__(self, state):
+        state.setdefault("rounding", "independent")  # saved before there was a choice: what it ran
+        self.__dict__.update(state)
 
     def codec(self, world_size: int) -> THCCodec:
         codec = self._codecs.get(world_size)
         if codec is None:
-            codec = self._codecs[world_size] = THCCodec(self.bits, self.block_size, self.seed, world_size)
+            codec = self._codecs[world_size] = THCCodec(self.bits, self.block_size, self.seed, world_size, self.rounding)
         return codec
 
     def key_state(self, key, numel: int, world_size: int, layout=None) -> KeyState | None:
@@ -250,10 +259,13 @@ class ScalePolicy:
 
     # -- stage 1 -------------------------------------------------------------------
     def begin(self, tensor, key, rank: int, world_size: int, call: int, config: int = 0, layout=None,
-              error: BaseException | None = None) -> Plan:
+              error: BaseException | None = None, shared: int | None = None) -> Plan:
         """Prepare ``tensor``; ``plan.max_vector`` is set when it needs a MAX round.
 
         ``call`` must differ between calls of this rank (it selects the rounding stream);
+        ``shared`` (default ``call``) must be the same on every rank for this tensor
+        (correlated rounding's strata, :meth:`THCCodec.stream`): the schedules' call
+        counters are, since every rank launches the same collectives in the same order.
         ``key`` None carries nothing between calls (an agreed round each time). ``error``:
         this rank already failed before encoding (e.g. a two-level node mean): it sends
         filler, every other rank raises :class:`~hhook.errors.RankFailedError` and this
@@ -262,7 +274,7 @@ class ScalePolicy:
         codec = self.codec(world_size)
         numel = tensor.numel()
         state = self.key_state(key, numel, world_size, layout)
-        plan = Plan(tensor, world_size, codec, rng.stream_key(self.seed, rank, call), config, state)
+        plan = Plan(tensor, world_size, codec, codec.stream(rank, call, shared), config, state)
         if self.predict and state is not None and state.scales is not None:
             plan.kind, plan.scales = _PREDICTED, state.scales
             plan.n_meta = self.meta_layout(codec).n_words(codec.n_blocks(numel) * THERMO_BITS)
@@ -410,7 +422,7 @@ class PredictedScales(ScalePolicy):
     taking an agreed round.
 
     Args:
-        bits, block_size, seed, error_feedback: as :class:`hhook.THCState`.
+        bits, block_size, seed, error_feedback, rounding: as :class:`hhook.THCState`.
         warmup_steps: dense steps of each key before predicted ones (at least 1).
         headroom: as :class:`ScalePolicy`.
     """
@@ -419,8 +431,9 @@ class PredictedScales(ScalePolicy):
     #: follows them (4x down, 8x up per step) rather than fall back to a dense step.
     remeasure = False
 
-    def __init__(self, bits=4, block_size=1024, seed=0, error_feedback=False, warmup_steps=1, headroom=None):
-        super().__init__(bits, block_size, seed, error_feedback, True, headroom)
+    def __init__(self, bits=4, block_size=1024, seed=0, error_feedback=False, warmup_steps=1, headroom=None,
+                 rounding="correlated"):
+        super().__init__(bits, block_size, seed, error_feedback, True, headroom, rounding)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps must be an integer >= 1, got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
@@ -431,12 +444,20 @@ class PredictedScales(ScalePolicy):
             return None
         return state.scales
 
-    def encode(self, tensor: torch.Tensor, key, rank: int, world_size: int, call: int):
+    def encode(self, tensor: torch.Tensor, key, rank: int, world_size: int, call: int, label: str | None = None):
         """``(words, plan)``: the tensor to SUM-allreduce and what :meth:`decode` needs.
-        ``key`` None sends the tensor uncompressed."""
+        ``key`` None sends the tensor uncompressed.
+
+        Horovod calls ``compress`` in each rank's own gradient order, so ``call`` may
+        differ between ranks: the counter every rank holds alike is the key's: a hash of
+        ``label`` (what names it alike on every rank; default ``repr(key)``) and its step
+        count, which every rank advances on the same decodes.
+        """
         numel = tensor.numel()
         if tensor.dtype in SUPPORTED_DTYPES and numel and key is not None and self.predicted(key) is not None:
-            plan = self.begin(tensor, key, rank, world_size, call)
+            label = repr(key) if label is None else label
+            shared = zlib.crc32(label.encode()) << 32 | self.keys[key].steps & rng.MASK32
+            plan = self.begin(tensor, key, rank, world_size, call, shared=shared)
             return self.finish(plan), plan
         return self._encode_dense(tensor, key, world_size)
 

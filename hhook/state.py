@@ -37,7 +37,8 @@ TOPOLOGIES = ("flat", "auto")
 #: Version of :meth:`THCState.state_dict`'s layout (pickles of older hhooks have none).
 STATE_FORMAT = 1
 #: The constructor's options a checkpoint keeps (not the process group).
-_OPTIONS = ("bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "topology")
+_OPTIONS = ("bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "topology",
+            "rounding")
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +65,10 @@ class THCState:
         bits: bits per coordinate before headroom; ``2**bits`` quantization levels (1..8).
             ``"auto"``: the fewest bits whose predicted error of the mean, at this
             world size (or node count, two-level), is no worse than 4 bits at 4 ranks
-            (:func:`hhook.topology.auto_bits`: 5 at 2 ranks, 4 at 4-16, 3 at 64, 2 at
-            1024): large jobs average rounding noise away and get narrower lanes. In
-            the DDP hook ``"auto"`` (:func:`hhook.register`'s default) goes further:
+            rounding independently (:func:`hhook.topology.auto_bits`; correlated
+            rounding: 5 at 2 ranks, 4 at 3-8, 3 at 16, 2 at 64-128, 1 at 1024; 3 for
+            8 nodes of 8): large jobs average rounding noise away and get narrower lanes.
+            In the DDP hook ``"auto"`` (:func:`hhook.register`'s default) goes further:
             it measures this job's step with THC at that width and narrower ones, a
             bf16 and the fp32 allreduce, and keeps the fastest (:mod:`hhook.decision`).
         block_size: rotation and scale block, a power of two (at most 65536). 1024 costs
@@ -105,6 +107,15 @@ class THCState:
             line. The layout is found once, blocking, on every rank (it creates process
             groups): at :func:`hhook.register`, else at the first call; a request that
             cannot hold raises :class:`~hhook.topology.TopologyError` on every rank.
+        rounding: ``"correlated"`` (default): the ranks' rounding thresholds for each
+            coordinate are spread over the unit interval (:class:`hhook.rng.Stream`),
+            each still uniform, so the rounding stays unbiased and the codes add exactly
+            as before, but the errors largely cancel in the sum: about half the error of
+            the mean at 3-8 bits, a quarter or less at 1-2 bits or where ranks' gradients
+            are alike (docs/codec.md). ``"independent"``: each rank rounds on its own
+            (hhook before version 3 of the codec). The index is the rank in the group
+            that sums (the nodes' ring, two-level). Part of the fingerprint: ranks that
+            disagree raise :class:`~hhook.errors.ConfigMismatchError`.
 
     Example::
         >>> state = THCState(process_group=None, bits=4)
@@ -121,6 +132,7 @@ class THCState:
         "scales",
         "chunk_mb",
         "topology",
+        "rounding",
         # per-key state (residuals, predicted scales), one store per scale policy in use
         "policies",
         # counters
@@ -165,8 +177,9 @@ class THCState:
         scales: str = "agreed",
         chunk_mb: float | str = "auto",
         topology: str | int = "flat",
+        rounding: str = "correlated",
     ):
-        THCCodec(4 if bits == "auto" else bits, block_size, seed)  # validates the options before any training
+        THCCodec(4 if bits == "auto" else bits, block_size, seed, rounding=rounding)  # validates the options before any training
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter must be a non-negative integer, got {start_iter!r}")
         if not isinstance(error_feedback, bool):
@@ -199,6 +212,7 @@ class THCState:
         self.scales = scales
         self.chunk_mb = chunk_mb
         self.topology = topology
+        self.rounding = rounding
         self.policies: dict = {}
         self.iter = 0
         self.calls = 0
@@ -307,6 +321,7 @@ class THCState:
             if saved.get("scales", "auto") == "auto":  # saved before there was a choice, or with "auto"
                 saved["scales"] = "agreed"
             saved.setdefault("chunk_mb", 0)  # saved before tensors were split
+            saved.setdefault("rounding", "independent")  # saved before there was a choice: what it ran
             if "residuals" in saved or "predicted" in saved:
                 saved.pop("residuals", None)
                 saved.pop("predicted", None)
@@ -321,9 +336,16 @@ class THCState:
         bits = self.codec_bits(world_size)
         name = mode if bits == self.codec_bits() else f"{mode}@{bits}bits"
         policy = self.policies.get(name)
+        if policy is not None and getattr(policy, "rounding", "independent") != self.rounding:
+            logger.warning(
+                "hhook: per-key state saved under rounding=%r, this state rounds %r: its residuals and "
+                "scales start afresh", getattr(policy, "rounding", "independent"), self.rounding,
+            )
+            policy = None
         if policy is None:
             policy = self.policies[name] = ScalePolicy(
-                bits, self.block_size, self.seed, self.error_feedback, predict=mode == "predicted"
+                bits, self.block_size, self.seed, self.error_feedback, predict=mode == "predicted",
+                rounding=self.rounding,
             )
         return policy
 
@@ -343,7 +365,7 @@ class THCState:
     def describe(self) -> str:
         return (f"bits={self.bits} block_size={self.block_size} seed={self.seed} scales={self.scales} "
                 f"chunk_mb={self.chunk_mb} start_iter={self.start_iter} error_feedback={self.error_feedback} "
-                f"topology={self.topology}")
+                f"topology={self.topology} rounding={self.rounding}")
 
     def codec_bits(self, world_size: int | None = None) -> int:
         """The bits the codec uses: ``bits``, or for ``"auto"`` the rule of
@@ -352,13 +374,15 @@ class THCState:
         nodes)."""
         if self.bits != "auto":
             return self.bits
-        return auto_bits(self.world_size if world_size is None else world_size)
+        return auto_bits(self.world_size if world_size is None else world_size, rounding=self.rounding)
 
     def auto_width(self) -> int:
         """The auto rule's bits for this layout: :func:`~hhook.topology.auto_bits` of the
         node count (two-level) or of the world size (flat)."""
         topo = self.node_layout()
-        return auto_bits(topo.n_nodes, topo.ranks_per_node) if topo.two_level else auto_bits(self.world_size)
+        if topo.two_level:
+            return auto_bits(topo.n_nodes, topo.ranks_per_node, rounding=self.rounding)
+        return auto_bits(self.world_size, rounding=self.rounding)
 
     def variant(self, bits: int) -> THCState:
         """THC at ``bits`` over this state's group (``bits="auto"``'s candidates): its own
@@ -367,7 +391,8 @@ class THCState:
         v = self.variants.get(bits)
         if v is None:
             v = self.variants[bits] = THCState(None, bits, self.block_size, self.seed, self.error_feedback,
-                                               self.start_iter, self.scales, self.chunk_mb, self.topology)
+                                               self.start_iter, self.scales, self.chunk_mb, self.topology,
+                                               rounding=self.rounding)
         if v._topo is None:
             topo = self.node_layout()
             v.process_group, v._stats, v._intra, v._topo = self.process_group, self._stats, self._intra, topo
@@ -376,7 +401,7 @@ class THCState:
             if topo.two_level:
                 if v.inter is None:
                     v.inter = THCState(topo.inter_group, bits, self.block_size, self.seed, self.error_feedback,
-                                       self.start_iter, self.scales, self.chunk_mb)
+                                       self.start_iter, self.scales, self.chunk_mb, rounding=self.rounding)
                 v.inter.process_group, v.inter._stats = topo.inter_group, self.inter._stats
                 v.inter._second, v.inter._sequencer = self.inter._second, self.inter._sequencer
         return v
@@ -422,10 +447,11 @@ class THCState:
         topo.check_record(self._saved_layout)
         if topo.two_level:
             if self.inter is None:
-                bits = auto_bits(topo.n_nodes, topo.ranks_per_node) if self.bits == "auto" else self.bits
+                bits = (auto_bits(topo.n_nodes, topo.ranks_per_node, rounding=self.rounding) if self.bits == "auto"
+                        else self.bits)
                 self.inter = THCState(
                     topo.inter_group, bits, self.block_size, self.seed, self.error_feedback, self.start_iter,
-                    self.scales, self.chunk_mb,
+                    self.scales, self.chunk_mb, rounding=self.rounding,
                 )
                 _LIVE.discard(self.inter)  # reported through this state
             else:  # restored from a checkpoint of the same layout
@@ -474,7 +500,7 @@ class THCState:
         if self._codec is None:
             if not dist.is_initialized():
                 raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")
-            self._codec = THCCodec(self.codec_bits(), self.block_size, self.seed, self.world_size)
+            self._codec = THCCodec(self.codec_bits(), self.block_size, self.seed, self.world_size, self.rounding)
         return self._codec
 
     # -- transport pieces built on first use ---------------------------------------
@@ -495,7 +521,7 @@ class THCState:
         from .codec import warm_up
 
         world = dist.get_world_size(group)
-        codec = THCCodec(self.codec_bits(world), self.block_size, self.seed, world)
+        codec = THCCodec(self.codec_bits(world), self.block_size, self.seed, world, self.rounding)
         warm_up(device)
         f = float(rng.mix32(codec.fingerprint() ^ self.config_id()) >> 8)  # 24 bits: exact in float32
         vector = torch.tensor([f, -f], dtype=torch.float32, device=device)

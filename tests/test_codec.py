@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hhook import lanes, quantization, rng, rotation
+from hhook.backend import FORCE_REFERENCE_ENV
 from hhook.simulation import heavy_tailed, simulate_allreduce, vnmse
 from hhook.codec import HEADER, ConfigMismatchError, THCCodec
 from hhook.codec import agreed_status as codec_status
@@ -100,12 +101,13 @@ def test_pack_unpack_roundtrip():
 
 
 # -- quantization and the whole codec --------------------------------------------
-def test_codec_is_unbiased():
+@pytest.mark.parametrize("rounding", ["correlated", "independent"])
+def test_codec_is_unbiased(rounding, monkeypatch):
     """The mean of many independent decodes converges to the true mean.
 
     A biased rounding (u = 1/2, round to nearest) is run through the same check and must fail it.
     """
-    codec = THCCodec(bits=2, block_size=64, world_size=2)
+    codec = THCCodec(bits=2, block_size=64, world_size=2, rounding=rounding)
     inputs = heavy_tailed(4096, 2, seed=1)
     mean = inputs.mean(0)
 
@@ -117,12 +119,9 @@ def test_codec_is_unbiased():
     unbiased = averaged_error(200)
     assert unbiased < 3 * single / 200
 
-    original = rng.uniform
-    rng.uniform = lambda key, start, count, device=None: torch.full((count,), 0.5, device=device)
-    try:
-        biased = averaged_error(200)
-    finally:
-        rng.uniform = original
+    monkeypatch.setenv(FORCE_REFERENCE_ENV, "1")  # the patched thresholds reach the reference only
+    monkeypatch.setattr(rng, "thresholds", lambda stream, start, count, block, device=None: torch.full((count,), 0.5))
+    biased = averaged_error(200)
     assert biased > 3 * single / 200
 
 

@@ -24,7 +24,8 @@ DRAWS = 58  # as the issue's reproduction
 
 def _input_of(rank, case):
     # rank: rank 0's gradient is zero, the others' grow with the rank (the case);
-    # tenfold: one rank's gradient is 10x the other's; ef: "rank" with error feedback.
+    # tenfold: one rank's gradient is 10x the other's; ef: "rank" with error feedback;
+    # independent: "rank" with independent rounding (correlated is the default).
     return 1.0 + 9.0 * rank if case == "tenfold" else float(rank)
 
 
@@ -36,7 +37,8 @@ def _parity_worker(rank, world, scales, case):
     ddp = DDP(model)
     error_feedback = case == "ef"
     state = hhook.register(ddp, bits=4, scales=scales, error_feedback=error_feedback,
-                           start_iter=2 if error_feedback else 0)
+                           start_iter=2 if error_feedback else 0,
+                           rounding="independent" if case == "independent" else "correlated")
     draws = []
     x = torch.tensor([[_input_of(rank, case)]])
     for _ in range(DRAWS + 2):
@@ -49,7 +51,7 @@ def _parity_worker(rank, world, scales, case):
 @pytest.mark.parametrize("scales", MODES)
 @pytest.mark.parametrize(
     "world,case",
-    [(2, "rank"), (3, "rank"), (2, "tenfold"), (2, "ef")],
+    [(2, "rank"), (3, "rank"), (2, "tenfold"), (2, "ef"), (3, "ef"), (2, "independent")],
 )
 def test_mean_of_many_compressed_results_is_the_exact_mean(world, case, scales):
     results = run_world(_parity_worker, world, scales, case)

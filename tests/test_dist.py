@@ -106,7 +106,8 @@ def _mismatch_worker(rank, world, option, values):
     return None
 
 
-@pytest.mark.parametrize("option,values", [("bits", (4, 8)), ("block_size", (1024, 256)), ("seed", (0, 1))])
+@pytest.mark.parametrize("option,values", [("bits", (4, 8)), ("block_size", (1024, 256)), ("seed", (0, 1)),
+                                           ("rounding", ("correlated", "independent"))])
 def test_mismatched_configuration_fails_on_every_rank(option, values):
     for message in run_world(_mismatch_worker, 2, option, values, timeout=60):
         assert message is not None and "configuration" in message

@@ -301,15 +301,17 @@ def test_codec_subcommand_compares_implementations(tmp_path, capsys, monkeypatch
     assert cli.main(["codec", "--sizes", "64K", "--bits", "4", "--repeats", "1", "--world-size", "4",
                      "--impl", "reference", "--threads", "1,2", "--json", str(out)]) == 0
     rows = _load(out)["results"]
-    assert [(r["impl"], r["threads"]) for r in rows] == [("reference", 1), ("reference", 2)]
+    assert [(r["impl"], r["threads"], r["rounding"]) for r in rows] == [
+        ("reference", t, rounding) for t in (1, 2) for rounding in ("correlated", "independent")]
     r = rows[0]
     assert r["op"] == "codec" and r["bytes"] == 65536 and r["copy_GBps"] > 0
     assert r["wire_bytes"] == THCCodec(4, 1024, 0, 4).wire_bytes(16384)
     assert 1e-3 < r["vnmse"] < 3e-2  # a real mean of 4 ranks, not the copy "identical" would give
+    assert rows[0]["vnmse"] < 0.6 * rows[1]["vnmse"]  # correlated rounding, same bits on the wire
 
 
 @pytest.mark.parametrize("bad", [["--bits", "9"], ["--bits", "x"], ["--block-sizes", "1000"],
-                                 ["--impl", "fast"], ["--threads", "0"], ["--sizes", "3"]])
+                                 ["--impl", "fast"], ["--threads", "0"], ["--sizes", "3"], ["--rounding", "shared"]])
 def test_codec_subcommand_rejects_bad_values_in_one_line(bad, capsys, monkeypatch):
     monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
     assert cli.main(["codec", *bad]) == 2

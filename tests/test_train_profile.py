@@ -104,7 +104,8 @@ def test_one_method_grammar_for_allreduce_and_train():
     # train's kinds are refused there, by entry
     for bad, msg in (("thc:4:predicted", "method 'thc:4:predicted': expected thc[:BITS][:topology=flat|auto|K]"),
                      ("fp32,thc:chunk=1", "method 'thc:chunk=1': expected thc[:BITS][:topology=flat|auto|K]"),
-                     ("bf16", "unknown method 'bf16' (known: fp32, thc[:BITS][:topology=flat|auto|K], fp16, zlib)"),
+                     ("bf16", "unknown method 'bf16' (known: fp32, thc[:BITS][:topology=flat|auto|K]"
+                              "[:rounding=correlated|independent], fp16, zlib)"),
                      ("fp32,FP32", "method 'fp32' is listed twice")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             allreduce_methods(bad, 4)
@@ -133,6 +134,15 @@ def test_one_method_grammar_for_allreduce_and_train():
     with pytest.raises(ValueError) as got:
         allreduce_methods("thc:topology=0", 4)
     assert str(got.value) == f"method 'thc:topology=0': {want.value}"
+    # rounding= (THCState's), in both subcommands, named after topology=
+    ms = parse_methods("thc:3,thc:4:rounding=independent:topology=2")
+    assert [(m.name, m.rounding) for m in ms] == [("thc:3", None), ("thc:4:topology=2:rounding=independent", "independent")]
+    assert allreduce_methods("thc:rounding=independent", 4)[0].rounding == "independent"
+    with pytest.raises(ValueError) as want:
+        THCState(rounding="shared")
+    with pytest.raises(ValueError) as got:
+        parse_methods("thc:rounding=shared")
+    assert str(got.value) == f"method 'thc:rounding=shared': {want.value}"
     # every error names the bad entry, not its neighbours
     for bad in ("fp32,thc:x", "thc:4:agreed:1", "fp16,thc:chunk=1:4", "powersgd:r", "sbc:3", "fp32,lgc:k=2", "zlib"):
         with pytest.raises(ValueError) as e:

@@ -9,19 +9,22 @@ copy). Each timed repeat is one prepare -> quantize -> decode cycle into a reuse
 as in training; the best of the repeats is reported. Throughput counts float32 input
 bytes of one rank's encode + decode; the copy column is ``clone()`` of the same tensor,
 timed in the same run. ``impl`` A/Bs the fused backend (:mod:`hhook.cpu_kernels` on CPU,
-:mod:`hhook.cuda_kernels` on CUDA) against the torch reference (``HHOOK_FORCE_REFERENCE``).
+:mod:`hhook.cuda_kernels` on CUDA) against the torch reference (``HHOOK_FORCE_REFERENCE``);
+``rounding`` A/Bs correlated against independent rounding (:data:`hhook.codec.ROUNDINGS`),
+time and vNMSE of the mean alike.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 
 import torch
 
-from .. import cpu_kernels, rng
-from ..codec import THCCodec, fused_backend
+from .. import cpu_kernels
+from ..codec import ROUNDINGS, THCCodec, fused_backend
 from ..simulation import heavy_tailed, simulate_allreduce, vnmse
 from .units import format_size as _size
 
@@ -63,7 +66,7 @@ def _cycle_times(codec, x, agreed, out, repeats: int, device) -> tuple[float, fl
         _sync(device)
         t0 = time.perf_counter()
         prepared = codec.prepare(x)
-        words = codec.quantize(prepared, agreed, rng.stream_key(codec.seed, 0, i))
+        words = codec.quantize(prepared, agreed, codec.stream(0, i))
         _sync(device)
         t1 = time.perf_counter()
         codec.decode(prepared, agreed, words, out)
@@ -87,8 +90,8 @@ def _copy_time(x, repeats: int, device) -> float:
 
 
 def codec_rows(sizes, bits, block_sizes, world_size: int = 4, repeats: int = 5, device="cpu",
-               threads=(None,), impls=IMPLS, progress=None) -> list[dict]:
-    """One row per (size, bits, block, threads, impl); ``threads=None`` keeps torch's own."""
+               threads=(None,), impls=IMPLS, progress=None, roundings=ROUNDINGS[:1]) -> list[dict]:
+    """One row per (size, bits, block, threads, impl, rounding); ``threads=None`` keeps torch's own."""
     rows = []
     for size in sizes:
         numel = size // 4
@@ -97,27 +100,26 @@ def codec_rows(sizes, bits, block_sizes, world_size: int = 4, repeats: int = 5, 
         out = torch.empty_like(x)
         for b in bits:
             for block in block_sizes:
-                codec = THCCodec(b, block, 0, world_size)
-                agreed = torch.stack([codec.prepare(v).scales for v in inputs]).amax(0)
-                for n_threads in threads:
+                agreed = torch.stack([THCCodec(b, block, 0, world_size).prepare(v).scales for v in inputs]).amax(0)
+                for n_threads, impl, rounding in itertools.product(threads, impls, roundings):
+                    codec = THCCodec(b, block, 0, world_size, rounding)
                     previous = torch.get_num_threads()
                     if n_threads is not None:
                         torch.set_num_threads(n_threads)
                     try:
                         copy_s = _copy_time(x, repeats, device)
-                        for impl in impls:
-                            with implementation(impl):
-                                enc, dec = _cycle_times(codec, x, agreed, out, repeats, device)
-                                error = vnmse(simulate_allreduce(codec, inputs), inputs)
-                            rows.append({
-                                "size_bytes": size, "bits": b, "block_size": block, "world_size": world_size,
-                                "impl": impl, "threads": torch.get_num_threads(),
-                                "encode_ms": enc * 1e3, "decode_ms": dec * 1e3,
-                                "GBps": size / (enc + dec) / 1e9, "copy_GBps": size / copy_s / 1e9,
-                                "wire_ratio": 4 * numel / codec.wire_bytes(numel), "vnmse": error,
-                            })
-                            if progress is not None:
-                                progress.advance(1, f"{_size(size)} bits {b} block {block} {impl}")
+                        with implementation(impl):
+                            enc, dec = _cycle_times(codec, x, agreed, out, repeats, device)
+                            error = vnmse(simulate_allreduce(codec, inputs), inputs)
+                        rows.append({
+                            "size_bytes": size, "bits": b, "block_size": block, "world_size": world_size,
+                            "impl": impl, "rounding": rounding, "threads": torch.get_num_threads(),
+                            "encode_ms": enc * 1e3, "decode_ms": dec * 1e3,
+                            "GBps": size / (enc + dec) / 1e9, "copy_GBps": size / copy_s / 1e9,
+                            "wire_ratio": 4 * numel / codec.wire_bytes(numel), "vnmse": error,
+                        })
+                        if progress is not None:
+                            progress.advance(1, f"{_size(size)} bits {b} block {block} {impl} {rounding}")
                     finally:
                         torch.set_num_threads(previous)
     return rows
@@ -126,12 +128,14 @@ def codec_rows(sizes, bits, block_sizes, world_size: int = 4, repeats: int = 5, 
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'size':>8} {'bits':>4} {'block':>6} {'impl':>9} {'threads':>7} {'encode ms':>10} {'decode ms':>10} "
+    head = (f"{'size':>8} {'bits':>4} {'block':>6} {'impl':>9} {'rounding':>11} {'threads':>7} {'encode ms':>10} "
+            f"{'decode ms':>10} "
             f"{'GB/s':>7} {'copy GB/s':>10} {'fp32/wire':>9} {'vNMSE':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{_size(r['size_bytes']):>8} {r['bits']:>4} {r['block_size']:>6} {r['impl']:>9} {r['threads']:>7} "
+            f"{_size(r['size_bytes']):>8} {r['bits']:>4} {r['block_size']:>6} {r['impl']:>9} "
+            f"{r.get('rounding', 'independent'):>11} {r['threads']:>7} "
             f"{r['encode_ms']:>10.1f} {r['decode_ms']:>10.1f} {r['GBps']:>7.2f} {r['copy_GBps']:>10.2f} "
             f"{r['wire_ratio']:>9.2f} {r['vnmse']:>9.2e}"
         )

@@ -150,11 +150,11 @@ class Runner:
 
             if method.name not in states:  # one per method for the whole sweep: its sub-groups are made once
                 states[method.name] = THCState(bits=method.bits, block_size=block_size, seed=seed,
-                                               topology=method.topology)
+                                               topology=method.topology, rounding=method.rounding or "correlated")
                 states[method.name].node_layout()  # one all-gather, the same on every rank
             self.state = states[method.name]
         elif method.kind == "thc":
-            self.codec = THCCodec(method.bits, block_size, seed, comm.size)
+            self.codec = THCCodec(method.bits, block_size, seed, comm.size, method.rounding or "correlated")
             vector = self.codec.handshake_vector(dev)
             comm.allreduce(vector, "max")
             self.codec.check_handshake(vector)
@@ -196,7 +196,7 @@ class Runner:
             prepared = codec.prepare(self.x)
             timer.lap("encode")
             agreed = timer.collective("scales", lambda: comm.allreduce(prepared.scales, "max"), self.barrier)
-            key = rng.stream_key(self.seed, comm.rank, self.calls)
+            key = codec.stream(comm.rank, self.calls)
             self.calls += 1
             words = codec.quantize(prepared, agreed, key)
             timer.lap("encode")

@@ -6,7 +6,8 @@ The kinds and their options::
 
     fp32, fp16, bf16, zlib                              none
     powersgd[:RANK]
-    thc[:BITS[:MODE]][:chunk=MB][:topology=T]           BITS 1..8 or auto, MODE agreed|predicted, T flat|auto|K
+    thc[:BITS[:MODE]][:chunk=MB][:topology=T][:rounding=R]   BITS 1..8 or auto, MODE agreed|predicted,
+                                                        T flat|auto|K, R correlated|independent
     sbc[:p=P][:delay=H], lgc[:k=K][:dense=N][:topk=N][:ae=N]   (hhook.baselines)
 
 A subcommand passes the :class:`Kind` objects it accepts (its measurement knows how to
@@ -16,7 +17,7 @@ hhook's DDP hook and takes every THC option (:data:`THC`), ``thc:auto`` included
 (``hhook.register``'s default: the hook measures and picks THC's width or a dense
 exchange, :mod:`hhook.decision`). THC's options are
 :class:`hhook.THCState`'s (``bits``, ``scales``, ``chunk_mb``, ``topology``: flat, auto or
-K ranks per node) and are checked by it. A bad entry raises ValueError naming it.
+K ranks per node, ``rounding``) and are checked by it. A bad entry raises ValueError naming it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Method:
     rank: int | None = None  # powersgd's matrix approximation rank
     chunk_mb: float | None = None  # thc: hhook's chunk_mb= (None: its default)
     topology: str | int | None = None  # thc: hhook's topology= (None: not given, flat)
+    rounding: str | None = None  # thc: hhook's rounding= (None: its default)
     options: dict | None = dataclasses.field(default=None, compare=False, hash=False)  # sbc/lgc
 
     @property
@@ -168,7 +170,8 @@ def _thc(entry: Entry, kind: Kind, defaults: dict) -> Method:
         except ValueError:
             raise entry.error(f"chunk= takes a number of megabytes; expected {kind.usage}") from None
     topology = _topology(entry, given["topology"]) if "topology" in given else None
-    options = {"bits": bits, "scales": scales, "chunk_mb": chunk, "topology": topology}
+    rounding = given.get("rounding")
+    options = {"bits": bits, "scales": scales, "chunk_mb": chunk, "topology": topology, "rounding": rounding}
     try:  # hhook's own checks, before any communication
         THCState.validate(**{k: v for k, v in options.items() if v is not None})
     except (ValueError, TypeError) as e:
@@ -176,8 +179,9 @@ def _thc(entry: Entry, kind: Kind, defaults: dict) -> Method:
     named = "bits" in given or "bits" not in defaults
     name = "thc" + (f":{bits}" if named else "") + (f":{scales}" if scales else "") \
         + (f":chunk={chunk:g}" if chunk is not None else "") \
-        + (f":topology={topology}" if topology is not None else "")
-    return Method(name, "thc", bits=bits, scales=scales, chunk_mb=chunk, topology=topology)
+        + (f":topology={topology}" if topology is not None else "") \
+        + (f":rounding={rounding}" if rounding is not None else "")
+    return Method(name, "thc", bits=bits, scales=scales, chunk_mb=chunk, topology=topology, rounding=rounding)
 
 
 def _baseline(entry: Entry, kind: Kind, defaults: dict) -> Method:
@@ -201,9 +205,10 @@ def _baseline(entry: Entry, kind: Kind, defaults: dict) -> Method:
 
 FP32, FP16, BF16, ZLIB = plain("fp32"), plain("fp16"), plain("bf16"), plain("zlib")
 POWERSGD = Kind("powersgd", positional=("rank",), build=_powersgd, usage="powersgd[:RANK]")
-THC = Kind("thc", positional=("bits", "scales"), keywords=("chunk", "topology"), build=_thc,
-           usage="thc[:BITS|auto[:agreed|predicted]][:chunk=MB][:topology=flat|auto|K]", auto=True)
-THC_BITS = Kind("thc", positional=("bits",), keywords=("topology",), build=_thc,
-                usage="thc[:BITS][:topology=flat|auto|K]")  # allreduce: the codec, or thc_allreduce with topology=
+THC = Kind("thc", positional=("bits", "scales"), keywords=("chunk", "topology", "rounding"), build=_thc,
+           usage="thc[:BITS|auto[:agreed|predicted]][:chunk=MB][:topology=flat|auto|K]"
+                 "[:rounding=correlated|independent]", auto=True)
+THC_BITS = Kind("thc", positional=("bits",), keywords=("topology", "rounding"), build=_thc,
+                usage="thc[:BITS][:topology=flat|auto|K][:rounding=correlated|independent]")  # allreduce: the codec, or thc_allreduce with topology=
 SBC, LGC = (Kind(name, keywords=tuple(BASELINE_OPTIONS[name]), build=_baseline, usage=BASELINE_USAGE[name])
             for name in ("sbc", "lgc"))

@@ -230,8 +230,8 @@ def _thc(method: dict, ddp, seed: int):
     import hhook
 
     options = {"bits": method["bits"], "seed": seed}
-    for name in ("scales", "chunk_mb", "topology"):  # hhook's defaults unless the method names one
-        if method[name] is not None:
+    for name in ("scales", "chunk_mb", "topology", "rounding"):  # hhook's defaults unless the method names one
+        if method.get(name) is not None:
             options[name] = method[name]
     return hhook.register(ddp, **options)
 
@@ -306,8 +306,9 @@ def attach_fsdp(method: dict, model, seed: int, device, hsdp: bool = False, rank
     import hhook.fsdp
 
     options = {"bits": method["bits"], "seed": seed}
-    if method["chunk_mb"] is not None:
-        options["chunk_mb"] = method["chunk_mb"]
+    for name in ("chunk_mb", "rounding"):
+        if method.get(name) is not None:
+            options[name] = method[name]
     if hsdp:
         return hhook.fsdp.register_hsdp(model, mesh2d["replicate"].get_group(), **options)[0]
     return hhook.fsdp.register(model, **options)

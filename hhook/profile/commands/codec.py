@@ -31,11 +31,13 @@ def add_parser(sub) -> None:
                     help="torch threads, e.g. 1,2 (default: torch's own)")
     cd.add_argument("--impl", type=word_list, metavar="LIST",
                     help="fused,reference (default: both where a fused backend works here)")
+    cd.add_argument("--rounding", type=word_list, metavar="LIST", default=["correlated", "independent"],
+                    help="correlated,independent (default: both, A/B in one run)")
     add_output_options(cd)
 
 
 def check(args, env) -> dict:
-    from ...codec import THCCodec
+    from ...codec import ROUNDINGS, THCCodec
     from ..codec_bench import IMPLS, fused_available
 
     check_sizes(args.sizes, float32=True)
@@ -57,6 +59,9 @@ def check(args, env) -> dict:
         raise UsageError(f"--impl takes {','.join(IMPLS)}, got {','.join(impls) or 'nothing'}")
     if "fused" in impls and not fused_available(args.device):
         raise UsageError(f"--impl fused: no fused codec backend works for {args.device} here (see the log above)")
+    bad = [r for r in args.rounding if r not in ROUNDINGS]
+    if bad or not args.rounding:
+        raise UsageError(f"--rounding takes {','.join(ROUNDINGS)}, got {','.join(args.rounding) or 'nothing'}")
     return {"world": world, "impls": impls, "threads": args.threads or [None], "rank0": env.rank == 0}
 
 
@@ -70,11 +75,12 @@ def _measure(args, cfg) -> tuple[dict, list[dict]]:
     from .. import codec_bench, plot
     from ..progress import Progress
 
-    total = len(args.sizes) * len(args.bits) * len(args.block_sizes) * len(cfg["threads"]) * len(cfg["impls"])
+    total = (len(args.sizes) * len(args.bits) * len(args.block_sizes) * len(cfg["threads"]) * len(cfg["impls"])
+             * len(args.rounding))
     progress = Progress(total, enabled=not args.quiet)
     try:
         rows = codec_bench.codec_rows(args.sizes, args.bits, args.block_sizes, cfg["world"], args.repeats,
-                                      args.device, cfg["threads"], cfg["impls"], progress)
+                                      args.device, cfg["threads"], cfg["impls"], progress, args.rounding)
     finally:
         progress.close()
     if cpu_kernels.build_info:

@@ -132,7 +132,8 @@ def _percentile(values: list[float], q: float) -> float:
 def summarize(method: Method, status: str, message: str, results: list[dict], warmup: int, target: float) -> dict:
     """The row of ``method``: figures from rank 0's timings and evaluations."""
     row = {"method": method.name, "kind": method.kind, "bits": method.bits, "scales": method.scales,
-           "topology": method.topology, "powersgd_rank": method.rank, "status": status, "message": message,
+           "topology": method.topology, "rounding": method.rounding, "powersgd_rank": method.rank,
+           "status": status, "message": message,
            "wall_s": max((r.get("wall_s", 0.0) for r in results), default=None)}
     if status != "ok":
         return row
