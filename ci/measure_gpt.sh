@@ -2,7 +2,7 @@
 # The transformer benchmark of docs/train.md ("A transformer"): hhook-profile train --model gpt
 # (a 3.3M-parameter decoder-only transformer on the Python help topics, no download) on the
 # emulated cluster (ci/netcluster.sh) at 1 Gbit/s and 100 Mbit/s, 2 and 4 ranks: fp32, the
-# fp16 and bf16 hooks, THC at 2, 3 and 4 bits, and bare `thc` (hhook.register's default).
+# fp16 and bf16 hooks, THC at 2, 3 and 4 bits, and thc:auto (hhook.register's default).
 # Each run writes bench/gpt-RANKSx-RATE.json and .png: validation loss against training time
 # (evals[].val_loss, time_s). Needs root, ip netns and tc. Usage: bash ci/measure_gpt.sh [OUTDIR]
 # (default bench); STEPS=N steps per method (default 150), EVAL=K evaluate every K steps (default 15).
@@ -12,7 +12,7 @@ OUT="${1:-bench}"
 STEPS="${STEPS:-150}"
 EVAL="${EVAL:-15}"
 PY="${PYTHON:-python3}"
-METHODS="fp32,fp16,bf16,thc:2,thc:3,thc:4,thc"
+METHODS="fp32,fp16,bf16,thc:2,thc:3,thc:4,thc:auto"
 mkdir -p "$OUT"
 trap 'bash ci/netcluster.sh down >/dev/null 2>&1 || true' EXIT
 
