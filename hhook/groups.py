@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import os
 import threading
 
 import torch
@@ -101,7 +102,11 @@ class SecondGroup:
         with _lock:
             index = _made.get(parent.group_name, 0)
             _made[parent.group_name] = index + 1
-        store = dist.PrefixStore(f"hhook/second/{parent.group_name}/{index}/", dist.distributed_c10d._get_default_store())
+        # torchrun's restarts may share one store: an attempt's keys are its own (a stale
+        # address of the failed attempt would be read as a live peer's).
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"hhook/second/{attempt}/{parent.group_name}/{index}/",
+                                 dist.distributed_c10d._get_default_store())
         # The parent's timeout: a stalled peer fails these SUMs when it fails the job's own
         # collectives, not 30 minutes later.
         self.timeout = timeout = timeout_of(parent)

@@ -207,6 +207,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
 
     Picks NCCL and the local GPU (``cuda:local_rank``) when CUDA is available, Gloo
     otherwise, unless ``backend`` says which. Does nothing if already initialised.
+    ``timeout_s`` bounds every collective of the job, hhook's own included: a stalled
+    peer raises :class:`~hhook.errors.PeerTimeoutError` that long after. Under
+    ``torchrun --max-restarts`` each restart meets under its own keys of the agent's store.
 
     Example::
         >>> env = hhook.init_distributed()
@@ -219,11 +222,23 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    timeout = datetime.timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts: the Gloo addresses of the
+        # attempt that failed are still in it, and a restarted rank that read one before
+        # its peer rewrote it failed with "connectFullMesh ... Connection refused" (3 of 5
+        # restarts here). Each attempt gets its own keys.
+        store = dist.PrefixStore(f"/hhook/attempt_{attempt}/", dist.TCPStore(
+            info.master_addr, info.master_port, info.world_size, is_master=False, timeout=timeout))
+        dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size,
+                                timeout=timeout)
+        return info
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{info.master_addr}:{info.master_port}",
         rank=info.rank,
         world_size=info.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
     return info

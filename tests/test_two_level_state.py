@@ -3,7 +3,6 @@
 beside the program's own sub-groups, with heterogeneous ranks, checkpointed, and refused
 where the layout cannot hold (on every rank, at registration)."""
 
-import copy
 import io
 import os
 
