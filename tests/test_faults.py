@@ -3,6 +3,7 @@ killed rank (with and without torchrun's restarts), an elastic restart with fewe
 Every run is ``examples/resilient_train.py`` on loopback, as a user would launch it; each
 test bounds how long every process may take, so a hang fails it."""
 
+import glob
 import json
 import os
 import re
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port, subprocess_env
+from tests.distributed import free_port, run_world, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "resilient_train.py")
@@ -144,3 +145,55 @@ def test_an_elastic_restart_with_fewer_ranks_resumes_and_starts_the_hook_state_a
     assert ref.returncode == 0, ref.stderr[-3000:]
     reference = json.loads(ref_out.read_text())
     assert abs(resumed["accuracy"] - reference["accuracy"]) < 0.03, (resumed, reference)
+
+
+def _usage(prefix: str | None) -> tuple:
+    """(resident bytes, open file descriptors, this job's files in /dev/shm) of this process."""
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    shm = len(glob.glob(f"/dev/shm/{prefix}*")) if prefix else 0
+    return rss, len(os.listdir("/proc/self/fd")), shm
+
+
+def _long_run_worker(rank, world, topology, steps, marks):
+    import torch
+
+    import hhook
+
+    state = hhook.THCState(bits=4, topology=topology)
+    layout = state.node_layout()
+    prefix = layout.node_memory.prefix if layout.two_level and layout.node_memory is not None else None
+    g = torch.Generator().manual_seed(rank)
+    usage = {}
+    for step in range(steps):
+        scale = 10.0 if rank == 1 else 0.0 if rank == world - 1 else 1.0  # heterogeneous ranks
+        hhook.thc_allreduce(torch.randn(20000, generator=g) * scale, state, key="w")
+        hhook.thc_allreduce(torch.randn(3000, generator=g), state)  # keyless: a fresh region each call
+        if step + 1 in marks:
+            usage[step + 1] = _usage(prefix)
+    return usage, prefix is not None
+
+
+@pytest.mark.parametrize("world,topology", [(2, "flat"), (4, 2)])
+def test_a_long_run_keeps_memory_descriptors_and_shared_memory_flat(world, topology):
+    """1,000 steps (the drill runs 2,000): resident memory grows under 2% from step 250
+    on, open files and this job's /dev/shm files not at all (two-level: 2 nodes x 2)."""
+    marks = (250, 1000)
+    for rank, (usage, shared) in enumerate(run_world(_long_run_worker, world, topology, 1000, marks, timeout=400)):
+        (rss0, fds0, shm0), (rss1, fds1, shm1) = usage[250], usage[1000]
+        assert rss1 < 1.02 * rss0, f"rank {rank}: resident {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB"
+        assert fds1 == fds0 and shm1 == shm0, (rank, usage)
+        assert shared == (topology != "flat")
+
+
+def test_no_shared_memory_is_left_behind_when_a_rank_is_killed():
+    """Two-level (2 nodes x 2, node-shared memory): rank 3 is killed mid-run; once the job
+    has ended, none of its files is left in /dev/shm."""
+    procs = launch(4, "--steps", "40", "--bits", "4", "--topology", "2", "--timeout", "30", "--kill-at", "10",
+                   "--fault-rank", "3")
+    results = finish(procs, limit=150)
+    prefixes = {m.group(1) for _, out, _ in results for m in re.finditer(r"shared memory: (\S+)\*", out)}
+    assert len(prefixes) == 2, [out for _, out, _ in results]
+    assert results[3][0] == -signal.SIGKILL
+    for prefix in prefixes:
+        assert glob.glob(prefix + "*") == [], prefix
