@@ -113,6 +113,11 @@ def stall(seconds: float) -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def die() -> None:
+    print(f"fault: rank killed at t={time.time():.3f}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def kill_in_collective() -> None:
     """SIGKILL this process right after its next torch.distributed all_reduce is launched
     (inside the comm hook: the peers are in the collective)."""
@@ -120,7 +125,7 @@ def kill_in_collective() -> None:
 
     def then_die(*args, **kwargs):
         work = launch(*args, **kwargs)
-        os.kill(os.getpid(), signal.SIGKILL)
+        die()
         return work
 
     dist.all_reduce = then_die
@@ -182,7 +187,8 @@ def main() -> int:
         print(f"shared memory: {layout.node_memory.directory}/{layout.node_memory.prefix}*", flush=True)
     if rank == 0:
         print(f"attempt {attempt}: {world} ranks, start at step {start}"
-              + (f" (checkpoint of {saved['world_size']} ranks)" if saved is not None else ""), flush=True)
+              + (f" (checkpoint of {saved['world_size']} ranks)" if saved is not None else "")
+              + f" t={time.time():.3f}", flush=True)
 
     times = []
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -196,7 +202,7 @@ def main() -> int:
                 if args.kill_in == "hook":
                     kill_in_collective()
                 else:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    die()
             if rank == args.fault_rank and attempt == 0 and step == args.stall_at:
                 stall(args.stall_s)
             opt.zero_grad()

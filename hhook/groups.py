@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import os
+import secrets
 import threading
 
 import torch
@@ -102,10 +102,13 @@ class SecondGroup:
         with _lock:
             index = _made.get(parent.group_name, 0)
             _made[parent.group_name] = index + 1
-        # torchrun's restarts may share one store: an attempt's keys are its own (a stale
-        # address of the failed attempt would be read as a live peer's).
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"hhook/second/{attempt}/{parent.group_name}/{index}/",
+        # A store may outlive a job's attempt (torchrun's restarts): the keys of this one
+        # carry a number rank 0 drew now, so a stale address of a failed attempt is never
+        # read as a live peer's. The members are all here (a blocking handshake).
+        nonce = torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64,
+                             device=torch.device(device_type))
+        dist.all_reduce(nonce, dist.ReduceOp.MAX, group=parent)
+        store = dist.PrefixStore(f"hhook/second/{parent.group_name}/{index}/{int(nonce.item()):x}/",
                                  dist.distributed_c10d._get_default_store())
         # The parent's timeout: a stalled peer fails these SUMs when it fails the job's own
         # collectives, not 30 minutes later.

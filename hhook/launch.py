@@ -202,6 +202,22 @@ def launcher_layout(environ=None) -> LauncherLayout | None:
     return found
 
 
+def attempt_prefix(store, world_size: int) -> str:
+    r"""Store keys of this torchrun attempt of the job: ``"/hhook/w2/g3/"``.
+
+    torchrun's agents keep their store across restarts (one node or several): the Gloo
+    addresses of the attempt that failed are still in it, and a restarted rank that read
+    one before its peer rewrote it failed with "connectFullMesh ... Connection refused"
+    (3 of 5 single-node restarts here, plain DDP too; every multi-node one). Each rank
+    counts itself into the store once per attempt, so the ``world_size`` ranks of attempt
+    ``g`` draw the numbers ``g * world_size + 1 .. (g + 1) * world_size``, whichever node
+    restarted. (A rank that dies before it gets here shifts the count: the next attempts
+    then time out meeting, and the job stops.)
+    """
+    joined = store.add(f"/hhook/joins/w{world_size}", 1)
+    return f"/hhook/w{world_size}/g{(joined - 1) // world_size}/"
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> DistributedEnv:
     r"""Initialise the default process group from the launcher's environment.
 
@@ -223,14 +239,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=timeout_s)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent keeps one store across restarts: the Gloo addresses of the
-        # attempt that failed are still in it, and a restarted rank that read one before
-        # its peer rewrote it failed with "connectFullMesh ... Connection refused" (3 of 5
-        # restarts here). Each attempt gets its own keys.
-        store = dist.PrefixStore(f"/hhook/attempt_{attempt}/", dist.TCPStore(
-            info.master_addr, info.master_port, info.world_size, is_master=False, timeout=timeout))
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False, timeout=timeout)
+        store = dist.PrefixStore(attempt_prefix(store, info.world_size), store)
         dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size,
                                 timeout=timeout)
         return info
