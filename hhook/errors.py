@@ -30,7 +30,7 @@ class PeerLostError(ConnectionError):
 
 # Gloo's messages for the two faults (torch 2.13): a receive that timed out, and a pair
 # whose socket the peer closed. Other backends' errors are passed on as they are.
-_TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for (\w+) operation")
+_TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for \w+ operation|Application timeout caused pair closure")
 _CLOSED = re.compile(r"Connection closed by peer \[?([^\s\]]+?)\]?:(\d+)|Connection reset by peer|Broken pipe")
 
 
@@ -49,9 +49,9 @@ def explain(exc: BaseException, what: str, timeout_s: float | None = None, peers
     limit = f"{timeout_s:g} s" if timeout_s is not None else "the process group's timeout"
     found = _TIMED_OUT.search(text)
     if found:
+        waited = f"{int(found.group(1)) / 1000:g} s; the group's is {limit}" if found.group(1) else limit
         err = PeerTimeoutError(
-            f"hhook: {what} did not complete within the timeout ({int(found.group(1)) / 1000:g} s; the group's "
-            f"is {limit}): a peer{f' ({peers})' if peers else ' of the group'} stalled or is far behind (stopped, swapping, or "
+            f"hhook: {what} did not complete within the timeout ({waited}): a peer{f' ({peers})' if peers else ' of the group'} stalled or is far behind (stopped, swapping, or "
             "stuck). Set the timeout with hhook.init_distributed(timeout_s=...) or "
             f"torch.distributed.init_process_group(timeout=...). Transport: {_first_line(text)}")
     else:
