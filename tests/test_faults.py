@@ -197,3 +197,49 @@ def test_no_shared_memory_is_left_behind_when_a_rank_is_killed():
     assert results[3][0] == -signal.SIGKILL
     for prefix in prefixes:
         assert glob.glob(prefix + "*") == [], prefix
+
+
+def _subgroup_timeout_worker(rank, world, scales):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import hhook
+    from hhook.groups import timeout_of
+
+    both = hhook.THCState(bits=4, scales=scales)  # WORLD (torch's default timeout) beside a subgroup
+    hhook.thc_allreduce(torch.randn(4000) * (10.0 if rank == 1 else 1.0), both)
+    sub = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    if rank == 2:
+        return None
+    state = hhook.THCState(sub, bits=4, scales=scales)
+    hhook.thc_allreduce(torch.randn(4000) * (0.0 if rank == 1 else 1.0), state)  # builds the second communicator
+    second = state.second_group(torch.device("cpu"))
+    out = {"second_timeout": second.timeout.total_seconds(), "world_second": timeout_of(both.second_group(
+        torch.device("cpu"))).total_seconds()}
+    if rank == 1:
+        time.sleep(8)  # stalls: never joins the SUM below
+        return out
+    tic = time.monotonic()
+    try:
+        t = torch.ones(10)
+        hhook.futures.then(second.all_reduce(t).get_future(), lambda v: v[0], t, "a test SUM", second).wait()
+        out["error"] = None
+    except hhook.PeerTimeoutError as e:
+        out["error"] = str(e)
+    out["waited"] = time.monotonic() - tic
+    return out
+
+
+@pytest.mark.parametrize("scales", ["agreed", "predicted"])
+def test_the_second_communicator_of_a_subgroup_waits_the_subgroup_s_timeout(scales):
+    """A subgroup beside WORLD with a 3 s timeout: its second communicator takes those 3 s
+    (not torch's 30 minutes, nor WORLD's), and a SUM whose peer stalls raises
+    PeerTimeoutError naming the peer and the timeout within them."""
+    res = run_world(_subgroup_timeout_worker, 3, scales, timeout=120)
+    assert res[2] is None
+    for r in res[:2]:
+        assert r["second_timeout"] == 3.0 and r["world_second"] == 1800.0, r
+    assert res[0]["error"] and "a peer (rank 1) stalled" in res[0]["error"] and "3 s" in res[0]["error"], res[0]
+    assert res[0]["waited"] < 3.0 + 5, res[0]["waited"]
