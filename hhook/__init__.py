@@ -11,7 +11,7 @@ from .allreduce import thc_allreduce, thc_allreduce_async
 from .codec import CODEC_VERSION, THCCodec
 from .ddp_hook import register, thc_hook
 from .launch import detect_env, init_distributed
-from .errors import ConfigMismatchError, OpMismatchError, RankFailedError
+from .errors import ConfigMismatchError, OpMismatchError, PeerLostError, PeerTimeoutError, RankFailedError
 from .state import THCState
 
 __version__ = "0.1.0"
@@ -20,6 +20,8 @@ __all__ = [
     "CODEC_VERSION",
     "ConfigMismatchError",
     "OpMismatchError",
+    "PeerLostError",
+    "PeerTimeoutError",
     "RankFailedError",
     "THCCodec",
     "THCState",

@@ -43,7 +43,8 @@ class FrameworkHook:
         options: :class:`hhook.THCState`'s options (topology, warm-up ``start_iter``, ...).
 
     :meth:`state_dict` gathers every rank's state (frameworks save their checkpoint from
-    rank 0; residuals differ between ranks), :meth:`load_state_dict` takes this rank's.
+    rank 0; residuals differ between ranks), :meth:`load_state_dict` takes this rank's (rank 0's in a run of another size, whose per-key
+    state then starts afresh).
     """
 
     def __init__(self, framework: str, **options):
@@ -77,8 +78,7 @@ class FrameworkHook:
 
     def load_state_dict(self, saved: dict) -> None:
         ranks = saved["ranks"]
-        world = dist.get_world_size(self._group()) if dist.is_initialized() else 1
-        if len(ranks) != world:
-            raise ValueError(f"hhook: the checkpoint holds the THC state of {len(ranks)} ranks, this run has {world}; "
-                             "resume with as many ranks, or leave the hook state out of the checkpoint")
-        self.state.load_state_dict(ranks[dist.get_rank(self._group()) if dist.is_initialized() else 0])
+        rank = dist.get_rank(self._group()) if dist.is_initialized() else 0
+        # A run with another number of ranks (an elastic restart) takes rank 0's: the state
+        # then finds another layout and starts its per-key state afresh, with one log line.
+        self.state.load_state_dict(ranks[rank] if len(ranks) > rank else ranks[0])

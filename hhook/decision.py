@@ -53,6 +53,7 @@ import torch.distributed as dist
 from .allreduce import thc_allreduce_async
 from .errors import ConfigMismatchError
 from .flat import cast_allreduce, dense_allreduce
+from .groups import explain
 from .state import THCState
 
 logger = logging.getLogger(__name__)
@@ -340,6 +341,7 @@ class Prober:
         self.inflight = None  # (iteration, fingerprint, work, vector, host copy, event)
         self.method = None  # the running iteration's method
         self.verified = False
+        self.group = None  # the group of the reduction in flight (for messages)
 
     def verify(self, state: THCState, decision: Decision, device: torch.device) -> None:
         """Once per process, at the hook's first call (a blocking point already): the
@@ -366,6 +368,7 @@ class Prober:
             fp = float(decision.fingerprint())
             vector = torch.tensor([period, fp, -fp], dtype=torch.float64, device=device)
             work = dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)
+            self.group = state.process_group
             state.count(None, 0, vector.nbytes)
             host = event = None
             if vector.is_cuda:  # read later from pinned memory: no host read of the stream now
@@ -390,7 +393,10 @@ class Prober:
             event.synchronize()
             values = host.tolist()
         else:
-            work.wait()
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - a stalled or lost peer, said plainly
+                raise explain(exc, "bits='auto''s step-time reduction", self.group) from exc
             values = vector.tolist()
         period, high, low = values
         if high != -low:

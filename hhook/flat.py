@@ -37,7 +37,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .futures import completed, new_future, settle, then
+from .futures import completed, new_future, settle, then, value_of
+from .groups import explain
 from .layout import SUPPORTED_DTYPES
 from .state import THCState
 
@@ -74,7 +75,7 @@ def plain_allreduce(tensor: torch.Tensor, group, world_size: int) -> torch.futur
     ``group``; the future holds ``tensor``."""
     tensor.div_(world_size)
     fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    return then(fut, lambda value: value[0], tensor, f"the plain allreduce of {tensor.numel()} elements", group)
 
 
 def check_tensor(tensor: torch.Tensor) -> None:
@@ -113,7 +114,8 @@ def cast_allreduce(state: THCState, tensor: torch.Tensor, dtype: torch.dtype) ->
     low = tensor.div(state.world_size).to(dtype)
     state.count("dense_calls", 4 * tensor.numel(), low.nbytes)
     fut = dist.all_reduce(low, group=state.process_group, async_op=True).get_future()
-    return then(fut, lambda value: tensor.copy_(value[0]), tensor)
+    return then(fut, lambda value: tensor.copy_(value[0]), tensor, f"the {dtype} allreduce of {tensor.numel()} elements",
+                state.process_group)
 
 
 def flat_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=None,
@@ -159,6 +161,7 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=N
     plan = policy.begin(target, key, state.rank, state.world_size, state.next_call(), state.config_id(), layout,
                         failed)
     defer = state.defer if target.is_cuda or state._defer_on_cpu else None
+    what = f"the THC allreduce of {target.numel()} elements (key {key!r})"
 
     def decode(sums: torch.Tensor) -> torch.Tensor:
         _, nonfinite = policy.decode(sums, plan, target, defer)
@@ -170,7 +173,7 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=N
         words = policy.finish(plan)
         state.count("compressed_calls", 4 * target.numel(), words.nbytes)
         fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=state.process_group, async_op=True).get_future()
-        return then(fut, lambda value: decode(value[0]), target)
+        return then(fut, lambda value: decode(value[0]), target, f"the SUM of the codes of {what}", state.process_group)
 
     ticket = state._sequencer.ticket()
     second = state.second_group(target.device)
@@ -183,13 +186,14 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=N
             agreed = f.value()[0]
         except BaseException as exc:  # the MAX itself failed: no rank can go on with this ticket
             state._sequencer.launch(ticket, None)
-            result.set_exception(exc)
+            result.set_exception(explain(exc, f"the MAX of the block scales of {what}", state.process_group))
             return
         words = policy.finish(plan, agreed)  # never raises: a local failure sends filler
 
         def launch() -> None:
             try:
-                second.all_reduce(words).get_future().then(lambda g: settle(result, lambda: decode(g.value()[0])))
+                second.all_reduce(words).get_future().then(
+                    lambda g: settle(result, lambda: decode(value_of(g, f"the SUM of the codes of {what}", second)[0])))
             except BaseException as exc:
                 result.set_exception(exc)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .groups import explain
+
 
 def new_future(like: torch.Tensor) -> torch.futures.Future:
     """A future that may hold ``like``'s device (a CUDA result needs a CUDA-aware future)."""
@@ -30,9 +32,24 @@ def settle(result: torch.futures.Future, fn, *args) -> None:
     result.set_result(value)
 
 
-def then(fut: torch.futures.Future, fn, like: torch.Tensor) -> torch.futures.Future:
+def value_of(fut: torch.futures.Future, what: str | None = None, group=None):
+    """``fut.value()``; where ``what`` names the collective that ``fut`` completes, a
+    stalled or lost peer of ``group`` raises as :class:`~hhook.errors.PeerTimeoutError` or
+    :class:`~hhook.errors.PeerLostError` saying so (:func:`hhook.groups.explain`)."""
+    try:
+        return fut.value()
+    except BaseException as exc:  # noqa: BLE001 - re-raised, explained where it can be
+        if what is None:
+            raise
+        explained = explain(exc, what, group)
+        if explained is exc:
+            raise
+        raise explained from exc
+
+
+def then(fut: torch.futures.Future, fn, like: torch.Tensor, what: str | None = None, group=None) -> torch.futures.Future:
     """``fut.then(fn)`` where ``fn`` takes ``fut``'s value and its exception (or ``fut``'s)
-    reaches the waiter unwrapped."""
+    reaches the waiter unwrapped; ``what`` and ``group`` as :func:`value_of`."""
     result = new_future(like)
-    fut.then(lambda f: settle(result, lambda: fn(f.value())))
+    fut.then(lambda f: settle(result, lambda: fn(value_of(f, what, group))))
     return result

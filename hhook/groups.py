@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import secrets
 import threading
 
+import torch
 import torch.distributed as dist
+
+from . import errors
 
 _lock = threading.Lock()
 _made: dict = {}  # parent group name -> second communicators made for it in this process
@@ -47,6 +51,41 @@ def _shut_down() -> None:
             pass
 
 
+def timeout_of(group) -> datetime.timedelta:
+    """The collective timeout of ``group`` (None: the default group), as the job set it
+    (``init_process_group(timeout=...)``, ``new_group(timeout=...)``); a
+    :class:`SecondGroup` has its parent's. Falls back to torch's default."""
+    if isinstance(group, SecondGroup):
+        return group.timeout
+    group = group if group is not None else dist.group.WORLD
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - a backend without CPU or without options (MPI)
+        pass
+    try:
+        return group._get_backend(torch.device("cuda")).options._timeout
+    except Exception:  # noqa: BLE001
+        return dist.default_pg_timeout
+
+
+def peers_of(group) -> str:
+    """Who can be at fault when a collective of ``group`` fails, for messages: the
+    global ranks of the group other than this one."""
+    group = getattr(group, "parent", group)
+    try:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        me = dist.get_rank()
+    except Exception:  # noqa: BLE001 - not a group of this process
+        return ""
+    others = [r for r in ranks if r != me]
+    return f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+
+
+def explain(exc: BaseException, what: str, group) -> BaseException:
+    """:func:`hhook.errors.explain` with ``group``'s timeout and peers."""
+    return errors.explain(exc, what, timeout_of(group).total_seconds(), peers_of(group))
+
+
 def _gloo_for_cuda(parent: dist.ProcessGroup) -> bool:
     """Whether ``parent`` reduces CUDA tensors over Gloo (ranks sharing one GPU, which
     NCCL refuses): the second communicator then uses Gloo too."""
@@ -63,14 +102,26 @@ class SecondGroup:
         with _lock:
             index = _made.get(parent.group_name, 0)
             _made[parent.group_name] = index + 1
-        store = dist.PrefixStore(f"hhook/second/{parent.group_name}/{index}/", dist.distributed_c10d._get_default_store())
-        timeout = datetime.timedelta(minutes=30)
+        # A store may outlive a job's attempt (torchrun's restarts): the keys of this one
+        # carry a number rank 0 drew now, so a stale address of a failed attempt is never
+        # read as a live peer's. The members are all here (a blocking handshake).
+        nonce = torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64,
+                             device=torch.device(device_type))
+        dist.all_reduce(nonce, dist.ReduceOp.MAX, group=parent)
+        store = dist.PrefixStore(f"hhook/second/{parent.group_name}/{index}/{int(nonce.item()):x}/",
+                                 dist.distributed_c10d._get_default_store())
+        # The parent's timeout: a stalled peer fails these SUMs when it fails the job's own
+        # collectives, not 30 minutes later.
+        self.timeout = timeout = timeout_of(parent)
         if device_type == "cuda" and not _gloo_for_cuda(parent):
             if not dist.is_nccl_available():
                 raise RuntimeError("hhook: CUDA tensors need NCCL for the agreed-scale SUMs")
-            self.backend = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.backend = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             self.backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.parent = parent
         self.parent_name = parent.group_name
         self.index = index
         with _lock:

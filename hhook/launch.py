@@ -202,11 +202,30 @@ def launcher_layout(environ=None) -> LauncherLayout | None:
     return found
 
 
+def attempt_prefix(store, world_size: int) -> str:
+    r"""Store keys of this torchrun attempt of the job: ``"/hhook/w2/g3/"``.
+
+    torchrun's agents keep their store across restarts (one node or several): the Gloo
+    addresses of the attempt that failed are still in it, and a restarted rank that read
+    one before its peer rewrote it failed with "connectFullMesh ... Connection refused"
+    (3 of 5 single-node restarts here, plain DDP too; every multi-node one). Each rank
+    counts itself into the store once per attempt, so the ``world_size`` ranks of attempt
+    ``g`` draw the numbers ``g * world_size + 1 .. (g + 1) * world_size``, whichever node
+    restarted. (A rank that dies before it gets here shifts the count: the next attempts
+    then time out meeting, and the job stops.)
+    """
+    joined = store.add(f"/hhook/joins/w{world_size}", 1)
+    return f"/hhook/w{world_size}/g{(joined - 1) // world_size}/"
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> DistributedEnv:
     r"""Initialise the default process group from the launcher's environment.
 
     Picks NCCL and the local GPU (``cuda:local_rank``) when CUDA is available, Gloo
     otherwise, unless ``backend`` says which. Does nothing if already initialised.
+    ``timeout_s`` bounds every collective of the job, hhook's own included: a stalled
+    peer raises :class:`~hhook.errors.PeerTimeoutError` that long after. Under
+    ``torchrun --max-restarts`` each restart meets under its own keys of the agent's store.
 
     Example::
         >>> env = hhook.init_distributed()
@@ -219,11 +238,18 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False, timeout=timeout)
+        store = dist.PrefixStore(attempt_prefix(store, info.world_size), store)
+        dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size,
+                                timeout=timeout)
+        return info
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{info.master_addr}:{info.master_port}",
         rank=info.rank,
         world_size=info.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
     return info

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from . import rng
-from .codec import THCCodec
-from .groups import SecondGroup
+from .codec import CODEC_VERSION, THCCodec
+from .groups import SecondGroup, explain
 from .errors import ConfigMismatchError
 from .scales import ScalePolicy
 from .sequencer import Sequencer
@@ -144,6 +144,7 @@ class THCState:
         "inter",
         "_intra",
         "_saved_layout",
+        "_saved_origin",
         # bits="auto" in the DDP hook (hhook.decision): the decision (plain data) and the
         # THC state of each width it tried (sharing this state's counters and transport)
         "decision",
@@ -220,6 +221,7 @@ class THCState:
         self.inter: THCState | None = None
         self._intra = Counters()
         self._saved_layout = None
+        self._saved_origin = None
         self.decision = None
         self.variants: dict[int, THCState] = {}
         self._reset_derived()
@@ -258,8 +260,9 @@ class THCState:
         """
         if self._prober is not None and self.decision is not None and not isinstance(self.decision, dict):
             self._prober.checkpoint(self.decision)  # the reduction in flight is applied, not lost
-        saved = {"format": STATE_FORMAT,
-                 "layout": self._topo.record() if self._topo is not None else self._saved_layout}
+        saved = {"format": STATE_FORMAT, "codec_version": CODEC_VERSION,
+                 "layout": self._topo.record() if self._topo is not None else self._saved_layout,
+                 "origin": self._origin()}
         for name in self._PICKLED:
             value = getattr(self, name)
             if name == "policies":
@@ -273,11 +276,16 @@ class THCState:
 
     def load_state_dict(self, saved: dict) -> None:
         """Continue from :meth:`state_dict` (or an older hhook's pickled state): options,
-        counters and per-key state are replaced; this state's process group stays. A node
-        layout already found here is checked against the saved one
-        (:class:`~hhook.topology.TopologyError` on every rank when they differ); else the
-        check runs when the layout is found. A component that has ``load_state_dict``
-        (built by ``__init__``) loads its part in place."""
+        counters and per-key state are replaced (one log line names the options that
+        change); this state's process group and the model :func:`hhook.register` gave it
+        stay. Per-key state that cannot describe this run starts afresh with one log line:
+        a checkpoint of another node layout or world size (compared when the layout is
+        found, or now if it is known) or of another codec version; another rank's
+        residuals. A component that has ``load_state_dict`` (built by ``__init__``) loads
+        its part in place."""
+        self._load(saved, announce=True)
+
+    def _load(self, saved: dict, announce: bool) -> None:
         if not isinstance(saved, dict) or "bits" not in saved:
             raise ValueError(f"hhook: not a THCState.state_dict(): {type(saved).__name__} "
                              f"with keys {sorted(saved) if isinstance(saved, dict) else '-'}")
@@ -286,11 +294,15 @@ class THCState:
                              f"this one reads up to {STATE_FORMAT})")
         options = {name: saved.get(name, getattr(self, name)) for name in _OPTIONS}
         THCState.validate(**options)  # before anything changes
-        topo = self._topo
-        registered = self._param_names, self._ddp_iterations  # the model it hooks, not the checkpoint's
+        changed = [f"{name} {getattr(self, name)!r} -> {options[name]!r}" for name in _OPTIONS
+                   if options[name] != getattr(self, name)]
+        if changed and announce:
+            logger.warning("hhook: the checkpoint's THC options replace this state's: %s", ", ".join(changed))
+        topo, names, iterations = self._topo, self._param_names, self._ddp_iterations
         self._reset_derived()
-        self._param_names, self._ddp_iterations = registered
+        self._param_names, self._ddp_iterations = names, iterations
         self._saved_layout = saved.get("layout")
+        self._saved_origin = saved.get("origin")
         for name in self._PICKLED:
             if name not in saved:  # saved before this component existed: it starts afresh
                 continue
@@ -308,6 +320,9 @@ class THCState:
                 current.load_state_dict(value)
                 continue
             setattr(self, name, value)
+        version = saved.get("codec_version", CODEC_VERSION)
+        if version != CODEC_VERSION:
+            self._start_afresh(f"it was saved by codec version {version}, this hhook's is {CODEC_VERSION}")
         if topo is not None:
             self._adopt_layout(topo)
 
@@ -327,7 +342,7 @@ class THCState:
                 saved.pop("predicted", None)
                 logger.warning("hhook: a THCState saved by an older hhook: its residuals and predicted scales "
                                "start afresh")
-        self.load_state_dict(saved)
+        self._load(saved, announce=False)
 
     def policy(self, mode: str, world_size: int | None = None) -> ScalePolicy:
         """The scale policy of ``mode`` ("agreed" or "predicted"), with its per-key state,
@@ -441,10 +456,52 @@ class THCState:
             self._adopt_layout(detect_topology(self.process_group, ranks_per_node=self.topology))
         return self._topo
 
+    def _origin(self) -> dict | None:
+        """Which rank of how many this state belongs to (None before torch.distributed)."""
+        if not dist.is_initialized():
+            return None
+        return {"rank": self.rank, "world_size": self.world_size}
+
+    def _start_afresh(self, why: str) -> None:
+        """Drop what a checkpoint carried per key (residuals, predicted scales, the
+        two-level shards' state, ``bits="auto"``'s widths and measurements), with one log
+        line: options and counters stay. Nothing carried is then used on a tensor it does
+        not describe."""
+        logger.warning("hhook: the THC state from the checkpoint starts afresh (residuals, predicted scales, "
+                       "bits='auto' measurements): %s", why)
+        self.policies, self.inter, self.variants, self.decision = {}, None, {}, None
+
+    def _drop_residuals(self) -> int:
+        """Forget every error-feedback residual (this rank's own), returns how many."""
+        dropped = 0
+        for state in (self, self.inter, *self.variants.values()):
+            if state is None:
+                continue
+            for policy in state.policies.values():
+                for key_state in policy.keys.values():
+                    if key_state.residual is not None:
+                        key_state.residual = None
+                        dropped += 1
+        return dropped
+
     def _adopt_layout(self, topo: Topology) -> None:
-        """Use ``topo``: check it against a checkpoint's layout, build or reattach
-        :attr:`inter`."""
-        topo.check_record(self._saved_layout)
+        """Use ``topo``: compare it with a checkpoint's layout and rank, build or reattach
+        :attr:`inter`.
+
+        A checkpoint of another layout (another world size: an elastic restart with fewer
+        or more ranks; other nodes) starts its per-key state afresh with one log line; one
+        saved by another rank of the same layout keeps its scales (the same on every rank)
+        but not its residuals (that rank's own rounding errors)."""
+        try:
+            topo.check_record(self._saved_layout)
+        except TopologyError as exc:
+            self._start_afresh(str(exc).split(". Per-shard", 1)[0].replace("hhook: the checkpoint", "the checkpoint"))
+        else:
+            origin = self._saved_origin
+            if origin is not None and origin.get("rank") != topo.rank and self._drop_residuals():
+                logger.warning("hhook: this rank (%d) loaded the THC state of rank %s: its error-feedback residuals "
+                               "start afresh (save every rank's state to keep them)", topo.rank, origin.get("rank"))
+        self._saved_layout, self._saved_origin = None, None
         if topo.two_level:
             if self.inter is None:
                 bits = (auto_bits(topo.n_nodes, topo.ranks_per_node, rounding=self.rounding) if self.bits == "auto"
@@ -525,7 +582,10 @@ class THCState:
         warm_up(device)
         f = float(rng.mix32(codec.fingerprint() ^ self.config_id()) >> 8)  # 24 bits: exact in float32
         vector = torch.tensor([f, -f], dtype=torch.float32, device=device)
-        dist.all_reduce(vector, dist.ReduceOp.MAX, group=group)
+        try:
+            dist.all_reduce(vector, dist.ReduceOp.MAX, group=group)
+        except BaseException as exc:  # noqa: BLE001 - a stalled or lost peer, said plainly
+            raise explain(exc, "hhook's options handshake", group) from exc
         self.count(None, 0, vector.nbytes)
         if vector[0].item() != -vector[1].item():
             raise ConfigMismatchError(
@@ -656,5 +716,5 @@ def _loaded(saved: dict) -> THCState:
     """A state built from a :meth:`THCState.state_dict` (a component: not reported idle)."""
     state = THCState()
     _LIVE.discard(state)
-    state.load_state_dict(saved)
+    state._load(saved, announce=False)
     return state

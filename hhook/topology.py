@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from . import rng
+from .groups import timeout_of
 from .launch import launcher_layout
 from .node_memory import SHM_DIR, NodeMemory, budget_bytes, free_bytes, sweep_stale, unlink_quietly
 
@@ -404,17 +405,19 @@ def detect_topology(group=None, ranks_per_node="auto", environ=None, hostname: s
             logger.warning("hhook: topology %r: %s: the flat THC path is used", ranks_per_node, plan.reason)
         return Topology(group, world, rank, plan)
     mine: dict = {}
+    # The sub-groups wait as long as the parent (new_group's default is torch's 30 minutes).
+    timeout = timeout_of(group)
     for node in plan.nodes:  # the same calls, in the same order, on every rank
-        g = dist.new_group(list(node))
+        g = dist.new_group(list(node), timeout=timeout)
         if rank in node:
             mine["intra"] = g
     for node in plan.nodes:
-        g = dist.new_group(list(node))
+        g = dist.new_group(list(node), timeout=timeout)
         if rank in node:
             mine["gather"] = g
     for j in range(len(plan.nodes[0])):
         ring = [node[j] for node in plan.nodes]
-        g = dist.new_group(ring)
+        g = dist.new_group(ring, timeout=timeout)
         if rank in ring:
             mine["inter"] = g
     first = plan.nodes[next(i for i, n in enumerate(plan.nodes) if rank in n)][0]

@@ -48,8 +48,9 @@ import torch
 import torch.distributed as dist
 
 from .flat import check_tensor, flat_allreduce_async, payload_bytes, plain_allreduce
-from .errors import RankFailedError
-from .futures import completed, new_future
+from .errors import PeerTimeoutError, RankFailedError
+from .futures import completed, new_future, value_of
+from .groups import explain, timeout_of
 from .layout import SUPPORTED_DTYPES
 from .stats import Counters
 from .node_memory import unlink_quietly
@@ -73,7 +74,13 @@ def ensure_handshake(state, device: torch.device, sequencer) -> None:
         return
     turn = threading.Event()
     sequencer.launch(sequencer.ticket(), turn.set)
-    turn.wait()  # earlier tickets launch from continuations, which never wait for this thread
+    # Earlier tickets launch from continuations, which never wait for this thread; they
+    # run once collectives complete or fail, so within the group's timeout.
+    timeout = timeout_of(state.process_group).total_seconds()
+    if not turn.wait(timeout + 5.0):
+        raise PeerTimeoutError(
+            f"hhook: the two-level handshake waited {timeout + 5:g} s for the earlier collectives between nodes "
+            "(the group's timeout and 5 s): a peer stalled")
     state.handshake(device)
 
 
@@ -210,7 +217,7 @@ def two_level_allreduce_async(
         raises (that rank its own exception)."""
         try:
             if h is not None:
-                h.value()
+                value_of(h, f"the node's all-gather of a two-level tensor of {d} elements", topo.gather_group)
             if failure:
                 raise failure[0]
             if status is None:  # statuses travelled with the shards
@@ -296,7 +303,8 @@ def two_level_allreduce_async(
                 unlink_quietly(new_file)  # not every rank may have mapped it: nobody will now
             inter_seq.launch(inter_ticket, None)
             gather_seq.launch(gather_ticket, None)
-            result.set_exception(exc)
+            result.set_exception(explain(exc, f"the node's reduce-scatter of a two-level tensor of {d} elements",
+                                         topo.intra_group))
             return
         if shm and new_file is not None and j == 0:
             unlink_quietly(new_file)  # every rank of the node has mapped it: the memory lives on

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import pickle
 import queue
@@ -93,3 +95,21 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0, backend: str =
 
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+@contextlib.contextmanager
+def logged(name: str, level: int = logging.WARNING):
+    """Collect the messages of logger ``name`` (and its children) at ``level`` or above."""
+    lines: list = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler = _Keep(level)
+    log = logging.getLogger(name)
+    log.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)

@@ -3,7 +3,6 @@
 beside the program's own sub-groups, with heterogeneous ranks, checkpointed, and refused
 where the layout cannot hold (on every rank, at registration)."""
 
-import copy
 import io
 import os
 
@@ -15,7 +14,7 @@ import torch.nn as nn
 import hhook
 from hhook.simulation import heavy_tailed, vnmse
 from hhook.topology import TopologyError, auto_bits
-from tests.distributed import run_world
+from tests.distributed import logged, run_world
 
 MODES = ["agreed", "predicted"]
 
@@ -107,15 +106,14 @@ def _api_worker(rank, world):
     hhook.thc_allreduce(c, from_dict, key="w")
     out["resumed_identical"] = torch.equal(a, b) and torch.equal(a, c)
     out["residual_keys"] = sorted(str(k) for p in loaded.inter.policies.values() for k in p.keys)
-    # the same checkpoint on another layout: refused on every rank
-    other = copy.deepcopy(loaded)
-    other._reset_derived()
-    other.topology = 4  # one node of 4: flat
-    try:
-        other.node_layout()
-        out["relayout"] = "no error"
-    except TopologyError as e:
-        out["relayout"] = str(e)
+    # the same checkpoint on another layout (an elastic restart): its per-key state starts afresh
+    other = hhook.THCState(topology=4)  # one node of 4: flat
+    saved = loaded.state_dict()
+    saved["topology"] = 4
+    other.load_state_dict(saved)
+    with logged("hhook.state") as lines:
+        two_level = other.node_layout().two_level
+    out["relayout"] = (two_level, other.inter, other.policies, lines)
     return out
 
 
@@ -127,7 +125,9 @@ def test_thc_allreduce_two_level_auto_bits_and_checkpoints():
         assert r["inter_bits"] == auto_bits(2, 2) and r["flat_auto_bits"] == auto_bits(4) == 4
         assert r["resumed_identical"]
         assert r["residual_keys"], "the shards' residuals travel in the checkpoint"
-        assert "checkpoint was saved with 4 ranks, two-level 2 nodes x 2" in r["relayout"], r["relayout"]
+        two_level, inter, policies, lines = r["relayout"]
+        assert not two_level and inter is None and policies == {}, r["relayout"]
+        assert len(lines) == 1 and "saved with 4 ranks, two-level 2 nodes x 2" in lines[0], lines
 
 
 def _bad_worker(rank, world):

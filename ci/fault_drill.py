@@ -1,0 +1,234 @@
+r"""The fault drill: each fault of docs/reliability.md injected into a training job with
+``hhook.register(model)`` (``examples/resilient_train.py``: checkpoints of the model, the
+optimizer and the hook state every ``--every`` steps), one row per fault.
+
+Run through ``ci/fault_drill.sh`` (root: it brings the emulated cluster up, 2 nodes of one
+rank at 1 Gbit/s, and down again). Rows: what was injected, what happened, the time to
+detect (from the fault to the first rank's error), the time to recover (from the fault to
+the restarted job's first step), steps lost (redone after the restart), and the final
+accuracy against a fault-free run of the same seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NETCLUSTER = [str(ROOT / "ci" / "netcluster.sh")]
+SCRIPT = str(ROOT / "examples" / "resilient_train.py")
+MASTER = "10.77.0.1"
+NODES = 2
+
+
+def node_cmd(i: int, port: int, *argv: str, launcher: str = "plain", restarts: int = 0) -> list[str]:
+    """Rank ``i`` (one per node) of a job in the node's namespace."""
+    env = ["env", f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1", "GLOO_SOCKET_IFNAME=eth0"]
+    if launcher == "torchrun":
+        run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", "1",
+               "--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{MASTER}:{port}",
+               "--rdzv-id", f"drill{port}", SCRIPT]
+    else:
+        env += [f"RANK={i}", f"WORLD_SIZE={NODES}", f"MASTER_ADDR={MASTER}", f"MASTER_PORT={port}"]
+        run = [sys.executable, SCRIPT]
+    return [*NETCLUSTER, "exec", str(i), *env, *run, *argv]
+
+
+class Job:
+    """One job over the nodes; ``wait`` bounds it (a hang is a row of its own)."""
+
+    port = 29700
+
+    def __init__(self, argv: list[str], launcher="plain", restarts=0, limit=600.0):
+        Job.port += 1
+        self.started = time.time()
+        self.procs = [subprocess.Popen(node_cmd(i, Job.port, *argv, launcher=launcher, restarts=restarts),
+                                       cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       start_new_session=True) for i in range(NODES)]
+        self.limit = limit
+
+    def wait(self) -> tuple[list, bool]:
+        out, hung = [], False
+        for p in self.procs:
+            try:
+                stdout, stderr = p.communicate(timeout=max(1.0, self.started + self.limit - time.time()))
+            except subprocess.TimeoutExpired:
+                hung = True
+                os.killpg(p.pid, 9)
+                stdout, stderr = p.communicate()
+            out.append((p.returncode, stdout + stderr))
+        self.ended = time.time()
+        return out, hung
+
+
+def result_of(text: str) -> dict | None:
+    found = [json.loads(line) for line in text.splitlines() if line.startswith("{\"ranks\"")]
+    return found[-1] if found else None
+
+
+def times(pattern: str, text: str) -> list[float]:
+    return [float(m.group(1)) for m in re.finditer(pattern, text)]
+
+
+def row(fault, injected, outcome, detect=None, recover=None, lost=None, accuracy=None, reference=None):
+    acc = "-" if accuracy is None else f"{accuracy:.4f}" + (f" ({reference:.4f})" if reference is not None else "")
+    print(f"| {fault} | {injected} | {outcome} | {'-' if detect is None else f'{detect:.1f}'} | "
+          f"{'-' if recover is None else f'{recover:.1f}'} | {'-' if lost is None else lost} | {acc} |", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--every", type=int, default=50)
+    p.add_argument("--timeout", type=float, default=20.0, help="collective timeout of the jobs (s)")
+    p.add_argument("--long-steps", type=int, default=2000, help="steps of the leak check")
+    p.add_argument("--bits", default="auto", help="the hook's bits (auto: hhook.register's default, a timed choice "
+                   "that differs between runs; 4: restarted runs end bit for bit as the reference)")
+    p.add_argument("--only", default="", help="comma-separated rows: reference,kill,stall,link,checkpoint,leak")
+    args = p.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    want = lambda name: not only or name in only  # noqa: E731
+    base = ["--steps", str(args.steps), "--every", str(args.every), "--timeout", str(args.timeout), "--bits", args.bits]
+    kill_step = args.every * 2 + args.every // 2  # half an interval after a checkpoint
+    print("| fault | injected | what happened | detect s | recover s | steps lost | accuracy (fault-free) |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+
+    ref_acc = None
+    with tempfile.TemporaryDirectory() as tmp:
+        if want("reference") or want("kill"):
+            out, hung = Job([*base, "--ckpt", f"{tmp}/ref"], limit=900).wait()
+            res = result_of(out[0][1])
+            ref_acc = res["accuracy"] if res else None
+            row("none", "fault-free reference, same seed", "hung" if hung else f"completed, {res['median_step_ms']:.1f} "
+                "ms/step" if res else "failed", accuracy=ref_acc)
+        if want("kill"):
+            for where in ("step", "hook"):
+                argv = [*base, "--ckpt", f"{tmp}/kill-{where}", "--kill-at", str(kill_step), "--kill-in", where]
+                job = Job(argv, launcher="torchrun", restarts=2, limit=900)
+                out, hung = job.wait()
+                text = "".join(t for _, t in out)
+                killed = times(r"fault: rank killed at t=([\d.]+)", text)
+                errors = times(r"rank \d+: step \d+: t=([\d.]+)", text)
+                # a resumed start (the surviving node's agent does not count a restart of its own)
+                resumed = times(r"attempt \d+: [^\n]*start at step [1-9]\d*[^\n]* t=([\d.]+)", text)
+                res = next((r for r in (result_of(t) for _, t in out) if r), None)
+                ok = not hung and res is not None and all(code == 0 for code, _ in out)
+                if not ok and os.environ.get("DRILL_VERBOSE"):
+                    print(text[-6000:], file=sys.stderr)
+                lost = kill_step - res["resumed_from"] if res else None
+                good = ok and ref_acc is not None and abs(res["accuracy"] - ref_acc) <= 0.005 and lost <= args.every
+                row(f"killed rank ({where})", f"SIGKILL to rank 1 at step {kill_step} "
+                    f"({'mid-step' if where == 'step' else 'inside the hook collectives'}), torchrun --max-restarts 2",
+                    ("recovered, accuracy within 0.5 point, at most one checkpoint interval lost" if good else
+                     "hung" if hung else "NOT RECOVERED as promised"),
+                    detect=(min(errors) - killed[0]) if errors and killed else None,
+                    recover=(resumed[0] - killed[0]) if resumed and killed else None, lost=lost,
+                    accuracy=res["accuracy"] if res else None, reference=ref_acc)
+            out, hung = Job([*base, "--kill-at", str(kill_step), "--kill-in", "hook"], limit=600).wait()
+            row("killed rank, no restarts", f"SIGKILL to rank 1 at step {kill_step}, plain launch (as mpirun)",
+                _stopped(out, hung, args.timeout, r"fault: rank killed at t=([\d.]+)"), detect=_detect(out, r"fault: rank killed at t=([\d.]+)"))
+        if want("stall"):
+            stall = 2 * args.timeout
+            out, hung = Job([*base, "--stall-at", str(kill_step), "--stall-s", str(stall)], limit=600).wait()
+            row("stalled rank", f"SIGSTOP to rank 1 at step {kill_step} for {stall:g} s (timeout {args.timeout:g} s), "
+                "then SIGCONT", _stopped(out, hung, args.timeout, r"fault: rank stopped at t=([\d.]+)"),
+                detect=_detect(out, r"fault: rank stopped at t=([\d.]+)"))
+        if want("link"):
+            _links(base, ref_acc)
+        if want("checkpoint"):
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_checkpoint_faults.py"], cwd=ROOT,
+                                  text=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-200:]
+            row("bad checkpoints", "truncated file; other world size, codec version, rank, bits, scale mode",
+                ("clear error or fresh start with one log line, gradients the mean: " if proc.returncode == 0
+                 else "FAILED: ") + summary)
+        if want("leak"):
+            _leaks(args.long_steps)
+    return 0
+
+
+def _detect(out, fault_pattern):
+    text = "".join(t for _, t in out)
+    fault = times(fault_pattern, text)
+    errors = times(r"rank \d+: step \d+: t=([\d.]+)", text)
+    return min(errors) - fault[0] if fault and errors else None
+
+
+def _stopped(out, hung, timeout, fault_pattern) -> str:
+    """The row's verdict for a job that must stop: every other rank with hhook's error
+    within the timeout + 10 s of the fault; the faulty rank (stalled, then continued)
+    ends too, and what it said is reported."""
+    if hung:
+        return "HUNG"
+    text = "".join(t for _, t in out)
+    fault = times(fault_pattern, text)
+    verdicts, late, kinds = [], [], set()
+    for code, t in out:
+        said = re.search(r"rank (\d+): step \d+: t=([\d.]+): \w+: .*?hhook: ", t)
+        if "fault: rank" in t:  # the faulty rank itself
+            if "fault: rank stopped" in t:
+                verdicts.append("the stalled rank, continued, " + ("raised hhook's error" if said else
+                                                                   f"exited with {code}"))
+            continue
+        if not said:
+            if os.environ.get("DRILL_VERBOSE"):
+                print(t[-6000:], file=sys.stderr)
+            return "a rank stopped without hhook's error"
+        kinds.add("timeout" if "did not complete" in t else "peer lost")
+        if fault and float(said.group(2)) - fault[0] > timeout + 10:
+            late.append(float(said.group(2)) - fault[0])
+    if late:
+        return f"stopped, but {max(late):.1f} s after the fault"
+    return ("stopped with a clear error on every rank within timeout + 10 s (" + ", ".join(sorted(kinds)) + ")"
+            + "".join("; " + v for v in verdicts))
+
+
+def _links(base, ref_acc) -> None:
+    """Loss and delay on every node's link (tc netem on eth0, beside the 1 Gbit/s shaping at
+    the switch): step time of fp32, the fp16 hook and THC (bits=4) under each."""
+    probe = subprocess.run(["ip", "netns", "exec", "hh0", "tc", "qdisc", "replace", "dev", "eth0", "root", "handle",
+                            "1:", "netem", "loss", "0%"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        row("bad link", "1% / 5% loss, 5 ms +- 2 ms delay with reordering",
+            f"SKIPPED: this kernel has no netem ({probe.stderr.strip()})")
+        return
+    for name, spec in (("1% loss", ["loss", "1%"]), ("5% loss", ["loss", "5%"]),
+                       ("5 ms +- 2 ms, reordering", ["delay", "5ms", "2ms", "reorder", "25%", "50%"])):
+        for i in range(NODES):
+            subprocess.run(["ip", "netns", "exec", f"hh{i}", "tc", "qdisc", "replace", "dev", "eth0", "root", "handle",
+                            "1:", "netem", *spec], check=True)
+        cells = []
+        for hook, extra in (("fp32", ["--hook", "fp32"]), ("fp16", ["--hook", "fp16"]), ("THC", ["--bits", "4"])):
+            out, hung = Job([*base, "--width", "1024", *extra], limit=900).wait()
+            res = result_of(out[0][1])
+            cells.append(f"{hook} {res['median_step_ms']:.1f} ms acc {res['accuracy']:.4f}" if res else f"{hook} failed")
+        row(f"bad link: {name}", "tc netem on every node's link", "; ".join(cells))
+    subprocess.run([*NETCLUSTER, "reshape", "1gbit"], check=False)
+
+
+def _leaks(steps: int) -> None:
+    sys.path.insert(0, str(ROOT))
+    from tests.distributed import run_world
+    from tests.test_faults import _long_run_worker
+
+    first = steps // 4
+    for world, topology in ((2, "flat"), (4, 2)):
+        res = run_world(_long_run_worker, world, topology, steps, (first, steps), timeout=3600)
+        growth = max(u[steps][0] / u[first][0] - 1 for u, _ in res)
+        fds = max(u[steps][1] - u[first][1] for u, _ in res)
+        shm = max(u[steps][2] - u[first][2] for u, _ in res)
+        row(f"long run ({'flat' if topology == 'flat' else 'two-level 2x2'}, loopback)",
+            f"{steps} steps of thc_allreduce, {world} ranks",
+            f"resident memory {100 * growth:+.2f}% from step {first} to {steps}, descriptors {fds:+d}, "
+            f"/dev/shm files {shm:+d}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
