@@ -230,13 +230,18 @@ def _hsdp(rank, world):
     hhook.fsdp.register_hsdp(model, mesh["replicate"].get_group(), bits=8)
     _step(model, x, y)
     local = [p.grad.to_local().clone() for p in model.parameters()]
+    return [p.grad.full_tensor() for p in model.parameters()], _exact_mean_grads(x, y, world), local
+
+
+def _exact_mean_grads(x, y, world):
+    """The gradients of the unsharded model on this rank's batch, averaged exactly over the world."""
     ref = _model()
     _step(ref, x, y)
     full = [p.grad.clone() for p in ref.parameters()]
     for g in full:
         dist.all_reduce(g)
         g.div_(world)
-    return [p.grad.full_tensor() for p in model.parameters()], full, local
+    return full
 
 
 def test_custom_hsdp():
@@ -368,12 +373,7 @@ def _hsdp_states(rank, world):
     out = {}
     torch.manual_seed(100 + rank)
     x, y = torch.randn(32, 6), torch.randn(32, 5) * (10.0 if rank == 1 else 0.0 if rank == 2 else 1.0)
-    ref = _model()
-    _step(ref, x, y)
-    full = [p.grad.clone() for p in ref.parameters()]
-    for g in full:
-        dist.all_reduce(g)
-        g.div_(world)
+    full = _exact_mean_grads(x, y, world)
     for bits in (8, "auto"):
         model = _shard(_model(), mesh=mesh["shard"])
         state, replica = hhook.fsdp.register_hsdp(model, mesh["replicate"].get_group(), bits=bits,
