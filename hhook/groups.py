@@ -105,9 +105,12 @@ class SecondGroup:
         # A store may outlive a job's attempt (torchrun's restarts): the keys of this one
         # carry a number rank 0 drew now, so a stale address of a failed attempt is never
         # read as a live peer's. The members are all here (a blocking handshake).
+        # On the host wherever the parent has Gloo (CUDA tensors over Gloo too: ranks sharing a GPU).
+        backend = str(dist.get_backend(parent))
         nonce = torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64,
-                             device=torch.device(device_type))
+                             device=torch.device("cpu" if "gloo" in backend or "mpi" in backend else device_type))
         dist.all_reduce(nonce, dist.ReduceOp.MAX, group=parent)
+        self.handshake_bytes = nonce.nbytes  # handed to a collective: the owner counts it
         store = dist.PrefixStore(f"hhook/second/{parent.group_name}/{index}/{int(nonce.item()):x}/",
                                  dist.distributed_c10d._get_default_store())
         # The parent's timeout: a stalled peer fails these SUMs when it fails the job's own

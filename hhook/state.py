@@ -567,7 +567,8 @@ class THCState:
         (predicted keys take one at their first call, too)."""
         self.check_options(self.process_group, device)
         if device.type not in self._second:
-            self._second[device.type] = SecondGroup(self.process_group, device.type)
+            second = self._second[device.type] = SecondGroup(self.process_group, device.type)
+            self.count(None, 0, second.handshake_bytes)
         self._verified.add(device.type)
 
     def check_options(self, group, device: torch.device) -> None:
