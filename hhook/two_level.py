@@ -236,9 +236,11 @@ def two_level_allreduce_async(
                     "that rank raises its own exception"
                 )
             elif bad:
-                out = torch.full((k * s,), float("nan"), dtype=dtype, device=out.device)
+                tensor.fill_(float("nan"))
                 if intra_stats is not None:
                     intra_stats.add("nonfinite_calls")
+                result.set_result(tensor)
+                return
             if out.dim() == 2:  # row by row: one pass over the tensor
                 flat_out = tensor.view(-1) if flat is not None else torch.empty(d, dtype=dtype, device=out.device)
                 for i in range(k):
@@ -247,7 +249,7 @@ def two_level_allreduce_async(
                         flat_out[i * s:stop].copy_(out[i, :stop - i * s])
                 if flat is None:
                     tensor.copy_(flat_out.view(tensor.shape))
-            elif out.data_ptr() != tensor.data_ptr():
+            else:  # the node's shared result row
                 tensor.copy_(out[:d].view(tensor.shape))
             result.set_result(tensor)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
