@@ -5,8 +5,11 @@ whether it is (a GPU fabric makes the wire free; CPU ranks sharing cores make th
 dear). So the hook measures the job itself:
 
 * **Candidates** (:func:`candidates`): THC at :func:`hhook.topology.auto_bits`'s width for
-  this world (or node count), THC at the :data:`LOWER_WIDTHS` widths below it, a bf16
-  dense allreduce and DDP's plain fp32 allreduce.
+  this world (or node count) and every narrower width down to :data:`MIN_WIDTH`, a bf16
+  dense allreduce and DDP's plain fp32 allreduce. The auto width and the one below it
+  always take a turn; each narrower one only while narrowing pays (the width above it
+  was :data:`DESCEND_GAIN` faster than the one above that): on a slow wire the descent
+  reaches 2 bits, where the codec or the compute is the cost it stops after one step.
 * **Lockstep probing**: the candidates take turns for :data:`WINDOW` iterations each
   (the first of a turn is not measured: it pays the switch), switching on DDP's iteration
   counter, which every rank holds alike.
@@ -58,9 +61,11 @@ from .state import THCState
 
 logger = logging.getLogger(__name__)
 
-#: THC widths tried below the auto rule's (fewer bytes, more rounding error): 2 means
-#: auto, auto - 1 and auto - 2 (never below 2 bits).
-LOWER_WIDTHS = 2
+#: The narrowest THC width tried (fewer bytes, more rounding error).
+MIN_WIDTH = 2
+#: A width below auto - 1 takes a turn only if the width above it was at least this
+#: fraction faster than the one above that: fewer bytes must still be buying time.
+DESCEND_GAIN = 0.03
 #: Iterations per candidate's turn; the first of each turn is not measured. Five samples
 #: per candidate: a median of three let one noisy step (a shared host) pick the wrong one.
 WINDOW = 6
@@ -80,15 +85,15 @@ KEPT_DECISIONS = 8
 PLAIN, FP32, BF16 = "plain", "fp32", "bf16"
 
 
-def candidates(auto_width: int, lower: int = LOWER_WIDTHS) -> list[str]:
-    """The candidates in probing order: THC at ``auto_width`` and the ``lower`` widths
-    below it (at least 2 bits), bf16, fp32.
+def candidates(auto_width: int, floor: int = MIN_WIDTH) -> list[str]:
+    """The candidates in probing order: THC from ``auto_width`` down to ``floor`` bits
+    (the narrow ones are tried only while narrowing pays), bf16, fp32.
 
     Example::
         >>> candidates(5)
-        ['thc:5', 'thc:4', 'thc:3', 'bf16', 'fp32']
+        ['thc:5', 'thc:4', 'thc:3', 'thc:2', 'bf16', 'fp32']
     """
-    widths = sorted({max(2, auto_width - k) for k in range(lower + 1)} | {auto_width}, reverse=True)
+    widths = range(auto_width, min(floor, auto_width) - 1, -1)
     return [f"thc:{b}" for b in widths] + [BF16, FP32]
 
 
@@ -200,6 +205,10 @@ class Decision:
             if bound is not None and best is not None and bound > 2 * o["drop_ratio"] * best:
                 self.dropped[self.current] = bound
                 self._log_drop(self.current, bound, best, "model")
+            elif not self._narrowing_pays(self.current):
+                wider = f"thc:{thc_bits(self.current) + 1}"
+                self.dropped[self.current] = self.dropped.get(wider) or self.estimates().get(wider) or 0.0
+                logger.info("hhook: bits='auto' skips %s (one bit more was no faster than two more)", self.current)
         self.current = None
         self._maybe_decide(iteration)
         method = self.choice if self.phase == "exploit" else self._hold()
@@ -258,6 +267,23 @@ class Decision:
         if fp32 is None:
             return None
         return {FP32: fp32, BF16: fp32 / 2}.get(method)
+
+    def _narrowing_pays(self, method: str) -> bool:
+        """Whether THC ``method`` should take its turn: always for dense candidates, the
+        auto width and the one below it; a narrower width only while the width above it
+        ran :data:`DESCEND_GAIN` faster than the one above that (fewer bytes still buy
+        time). A width above it that was dropped or skipped stops the descent."""
+        bits = thc_bits(method)
+        order = self.options["candidates"]
+        wider, widest = f"thc:{bits + 1}" if bits else None, f"thc:{bits + 2}" if bits else None
+        if bits is None or widest not in order:
+            return True
+        if wider in self.dropped:
+            return False
+        est = self.estimates()
+        if widest in self.dropped or est.get(widest) is None or est.get(wider) is None:
+            return widest in self.dropped and est.get(wider) is not None
+        return est[wider] <= (1 - DESCEND_GAIN) * est[widest]
 
     def _best(self, exclude: str | None = None) -> float | None:
         values = [v for m, v in self.estimates().items() if m != exclude]

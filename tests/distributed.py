@@ -50,6 +50,11 @@ def _worker(rank, world_size, port, backend, cuda, fn, args, results):
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
+        # The answer is on the pipe before teardown: Gloo's teardown sometimes aborts the
+        # process (torch 2.13, with or without hhook), and a put still in the queue's
+        # feeder thread died with it (a CI run lost a rank's answer that way).
+        results.close()
+        results.join_thread()
         if dist.is_initialized():
             dist.destroy_process_group()
 
