@@ -45,6 +45,9 @@
 #   ci/netcluster.sh reshape RATE    # change every link's rate of the running
 #                                    # cluster (jobs keep running: a link that
 #                                    # slows down mid-run); "none" = unshaped
+#   ci/netcluster.sh loss PERCENT    # every node drops that share of the packets it
+#                                    # receives (nftables, random; works where the
+#                                    # kernel has no netem); 0 = no loss
 #   ci/netcluster.sh exec I CMD...   # run CMD inside namespace hhI
 #   ci/netcluster.sh hosts [N]       # one address per line (MPI hostfile material)
 #   ci/netcluster.sh measure [MB] [--duplex]   # TCP throughput hh0 -> hh1, prints MB/s
@@ -223,6 +226,26 @@ cmd_reshape() {  # reshape RATE: the running cluster's links, in place
         fi
     done
     log "reshape: every link now ${rate}${burst:+ burst ${burst}b}"
+}
+
+cmd_loss() {  # loss PERCENT: each node drops that share of what it receives on its link
+    local pct=${1:-} per_million i
+    pct=${pct%\%}
+    [[ $pct =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "usage: loss PERCENT (e.g. 1 or 5%; 0 removes the loss)"
+    [[ $(id -u) == 0 ]] || die "must run as root (needs CAP_NET_ADMIN)"
+    [[ -n $(existing_ranks) ]] || die "loss: no cluster is up"
+    command -v nft >/dev/null || die "loss needs nftables (apt-get install nftables)"
+    per_million=$(awk -v p="$pct" 'BEGIN { printf "%d", p * 10000 }')
+    (( per_million <= 1000000 )) || die "loss: at most 100%"
+    for i in $(existing_ranks); do
+        ip netns exec "hh$i" nft delete table inet hhloss 2>/dev/null || true
+        (( per_million > 0 )) || continue
+        # On input: the sender sees a real loss (no ACK), and TCP retransmits.
+        ip netns exec "hh$i" nft add table inet hhloss
+        ip netns exec "hh$i" nft add chain inet hhloss input '{ type filter hook input priority 0; policy accept; }'
+        ip netns exec "hh$i" nft add rule inet hhloss input iifname "$IFACE" numgen random mod 1000000 lt "$per_million" drop
+    done
+    log "loss: every node now drops ${pct}% of the packets it receives"
 }
 
 cmd_down() {
@@ -564,6 +587,7 @@ main() {
         up) cmd_up "$@" ;;
         down) cmd_down ;;
         reshape) cmd_reshape "$@" ;;
+        loss) cmd_loss "$@" ;;
         exec) cmd_exec "$@" ;;
         hosts) cmd_hosts "$@" ;;
         measure) cmd_measure "$@" ;;

@@ -77,8 +77,16 @@ REDECIDE_EVERY = 1000
 #: Re-decide when the median of the running method's last DRIFT_WINDOW periods is more
 #: than 1 + DRIFT times its baseline (the median of its first DRIFT_WINDOW periods after
 #: the decision), or less than 1 / (1 + DRIFT) of it.
-DRIFT = 0.3
-DRIFT_WINDOW = 8
+#: 0.5 and 16 (were 0.3 and 8): on a shared 2-core host bursts of a dozen steps 30% slower
+#: re-decided twice in 150 steps, each round costing ~30 steps of slower candidates; a
+#: change that moves the winner (10 Gbit/s to 100 Mbit/s: fp32's step 27x) still shows
+#: within 9 steps, and smaller ones wait for the scheduled round.
+DRIFT = 0.5
+DRIFT_WINDOW = 16
+#: ... and at once when the last JUMP_STEPS periods all moved JUMP times from the
+#: baseline (a link that dropped to a tenth: 3 slow steps, not 9, before the new round).
+JUMP = 3.0
+JUMP_STEPS = 3
 #: Decisions kept in ``stats()`` (and checkpoints).
 KEPT_DECISIONS = 8
 #: The plain iterations' method and the dense candidates.
@@ -173,8 +181,10 @@ class Decision:
         return d
 
     def fingerprint(self) -> int:
-        """24 bits of the whole state (exact in a float32): equal on ranks fed alike."""
-        return zlib.crc32(json.dumps(self.state_dict(), sort_keys=True).encode()) >> 8
+        """24 bits of the whole state (exact in a float32): equal on ranks fed alike.
+        Once per iteration: one JSON pass over the fields, no copy."""
+        fields = {name: getattr(self, name) for name in self._FIELDS}
+        return zlib.crc32(json.dumps(fields, sort_keys=True).encode()) >> 8
 
     def options_digest(self) -> int:
         """24 bits of the options: part of the hook's options handshake."""
@@ -323,22 +333,26 @@ class Decision:
 
     def _maybe_redecide(self, iteration: int) -> None:
         o = self.options
-        reason = None
+        reason, newest = None, None
         if iteration - self.decided_at >= o["redecide_every"]:
             reason = "schedule"
-        elif len(self.recent) >= o["drift_window"]:
-            now = _median(self.recent)
-            if self.baseline is None:  # measured while exploiting: no switching in it
-                self.baseline = now
-            elif now > (1 + o["drift"]) * self.baseline or now < self.baseline / (1 + o["drift"]):
-                reason = f"drift {1e3 * self.baseline:.1f} -> {1e3 * now:.1f} ms"
+        elif len(self.recent) >= o["drift_window"] and self.baseline is None:
+            self.baseline = _median(self.recent)  # measured while exploiting: no switching in it
+        elif self.baseline is not None:
+            now, last = _median(self.recent), self.recent[-JUMP_STEPS:]
+            jumped = len(last) == JUMP_STEPS and (min(last) > JUMP * self.baseline
+                                                  or max(last) < self.baseline / JUMP)
+            if jumped or now > (1 + o["drift"]) * self.baseline or now < self.baseline / (1 + o["drift"]):
+                reason = f"drift {1e3 * self.baseline:.1f} -> {1e3 * (_median(last) if jumped else now):.1f} ms"
+                newest = last if jumped else None
         if reason is not None:
-            self.explore(iteration, reason)
+            self.explore(iteration, reason, newest)
 
-    def explore(self, iteration: int, reason: str) -> None:
-        """Start a new round; the running choice's recent periods stand for it."""
+    def explore(self, iteration: int, reason: str, newest: list | None = None) -> None:
+        """Start a new round; the running choice's recent periods (``newest``, else the
+        newer half: after a drift, the new regime) stand for it."""
         self.phase, self.reason, self.started = "explore", reason, iteration
-        newest = self.recent[len(self.recent) // 2:]  # after a drift, the newer half is the new regime
+        newest = list(newest) if newest is not None else self.recent[len(self.recent) // 2:]
         self.samples = {self.choice: newest} if newest else {}
         self.queue = [m for m in self.options["candidates"] if m not in self.samples]
         self.current, self.assigned, self.dropped, self.recent = None, 0, {}, []

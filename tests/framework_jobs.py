@@ -120,7 +120,9 @@ def accelerate(args):
     model = ReadyOrderMLP(hidden=HIDDEN)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH)
-    ddp, opt, loader = accelerator.prepare(model, opt, loader)
+    # --compile: the model compiled before prepare wraps it in DDP (Accelerate's own
+    # dynamo_backend option compiles the wrapped model the same way)
+    ddp, opt, loader = accelerator.prepare(torch.compile(model) if args.compile else model, opt, loader)
     state = hhook.accelerate.register(accelerator, ddp, **options(args)) if args.hhook else None
     ckpt = os.path.join(args.ckpt, "accelerate")
     first = 0
@@ -223,6 +225,7 @@ def main():
     p.add_argument("--via", default="callback", choices=["callback", "strategy", "fabric"], help="Lightning only")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--scales", default="agreed")
+    p.add_argument("--compile", action="store_true", help="Accelerate only: torch.compile the model")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--stop-at", type=int, default=0, help="save a checkpoint after this many epochs and stop")
     p.add_argument("--resume", type=int, default=0, dest="stop_at_resumed",

@@ -142,6 +142,18 @@ def test_link_drop_switches_to_thc_within_100_steps():
     assert any("drift" in r["reason"] for r in d.decisions)
 
 
+def test_a_burst_of_slow_steps_does_not_redecide():
+    """A shared host: a dozen steps 40% slower (a neighbour's job) is not a new link."""
+    costs = LINKS["loopback"]
+    d = Decision(candidates(5))
+    drive(d, lambda i, m: costs[m] * (1.4 if 100 <= i < 112 else 1.0), 400)
+    assert [r["reason"] for r in d.decisions] == ["start"], d.decisions
+    # the same slowdown for good is a drift
+    d = Decision(candidates(5))
+    drive(d, lambda i, m: costs[m] * (1.6 if i >= 100 else 1.0), 400)
+    assert any(r["reason"].startswith("drift") for r in d.decisions), d.decisions
+
+
 def test_redecides_on_schedule_and_only_then_when_steady():
     d = Decision(candidates(5), redecide_every=200)
     drive(d, lambda i, m: LINKS["1gbit"][m], 780)

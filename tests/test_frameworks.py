@@ -88,6 +88,13 @@ def test_accelerate_register_compresses_and_resumes_from_save_state(tmp_path):
     _trains_and_resumes("accelerate", tmp_path)
 
 
+def test_accelerate_register_on_a_compiled_model(tmp_path):
+    _require("accelerate", "accelerate")
+    _run("accelerate", tmp_path / "thc", "--compile", timeout=400)
+    _run("accelerate", tmp_path / "plain", "--no-hhook")
+    _check_compressed(_results(tmp_path / "thc"), _results(tmp_path / "plain"))
+
+
 def test_transformers_trainer_compresses_and_resumes_from_its_checkpoints(tmp_path):
     _require("transformers", "transformers")
     _trains_and_resumes("transformers", tmp_path)
