@@ -91,7 +91,7 @@ def main() -> int:
     p.add_argument("--long-steps", type=int, default=2000, help="steps of the leak check")
     p.add_argument("--bits", default="auto", help="the hook's bits (auto: hhook.register's default, a timed choice "
                    "that differs between runs; 4: restarted runs end bit for bit as the reference)")
-    p.add_argument("--only", default="", help="comma-separated rows: reference,kill,stall,link,checkpoint,leak")
+    p.add_argument("--only", default="", help="comma-separated rows: reference,kill,mpirun,stall,link,checkpoint,leak")
     args = p.parse_args()
     only = set(filter(None, args.only.split(",")))
     want = lambda name: not only or name in only  # noqa: E731
@@ -134,6 +134,8 @@ def main() -> int:
             out, hung = Job([*base, "--kill-at", str(kill_step), "--kill-in", "hook"], limit=600).wait()
             row("killed rank, no restarts", f"SIGKILL to rank 1 at step {kill_step}, plain launch (as mpirun)",
                 _stopped(out, hung, args.timeout, r"fault: rank killed at t=([\d.]+)"), detect=_detect(out, r"fault: rank killed at t=([\d.]+)"))
+        if want("mpirun"):
+            _mpirun_kill(base, kill_step, args.timeout)
         if want("stall"):
             stall = 2 * args.timeout
             out, hung = Job([*base, "--stall-at", str(kill_step), "--stall-s", str(stall)], limit=600).wait()
@@ -152,6 +154,33 @@ def main() -> int:
         if want("leak"):
             _leaks(args.long_steps)
     return 0
+
+
+def _mpirun_kill(base, kill_step, timeout) -> None:
+    """SIGKILL to rank 1 inside the hook's collectives of an Open MPI job (ci/netcluster.sh
+    mpirun): mpirun is expected to end the whole job and name the killed rank."""
+    Job.port += 1
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="eth0", MASTER_ADDR=MASTER,
+               MASTER_PORT=str(Job.port))
+    started = time.time()
+    try:
+        proc = subprocess.run([*NETCLUSTER, "mpirun", str(NODES), sys.executable, SCRIPT, *base, "--kill-at",
+                               str(kill_step), "--kill-in", "hook"], cwd=ROOT, env=env, text=True,
+                              capture_output=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        row("killed rank under mpirun", f"SIGKILL to rank 1 at step {kill_step}", "HUNG (600 s)")
+        return
+    ended = time.time()
+    text = proc.stdout + proc.stderr
+    killed = times(r"fault: rank killed at t=([\d.]+)", text)
+    named = re.search(r"(process rank 1 .*?signal 9[^\n]*|rank 1[^\n]*(?:Killed|signal 9)[^\n]*)", text, re.S)
+    survivor = re.search(r"rank 0: step \d+: t=[\d.]+: ([^\n]*)", text)
+    outcome = ("stopped" if proc.returncode != 0 else "EXITED 0") + f" (exit {proc.returncode}); "
+    outcome += (f"mpirun: \"{' '.join(named.group(1).split())[:120]}\"" if named else "mpirun named no rank")
+    if survivor:
+        outcome += f"; rank 0: {survivor.group(1)[:120]}"
+    row("killed rank under mpirun", f"SIGKILL to rank 1 at step {kill_step} (inside the hook's collectives), "
+        "Open MPI mpirun", outcome, detect=(ended - killed[0]) if killed else ended - started)
 
 
 def _detect(out, fault_pattern):

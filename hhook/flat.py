@@ -111,7 +111,10 @@ def cast_allreduce(state: THCState, tensor: torch.Tensor, dtype: torch.dtype) ->
     inf/NaN on any rank stays non-finite on every rank. Counted as a dense call."""
     if state.world_size == 1:
         return dense_allreduce(state, tensor)
-    low = tensor.div(state.world_size).to(dtype)
+    # Cast first, then divide the half-size copy in place (as torch's hook): dividing
+    # first allocated a float32 temporary of the bucket, whose fresh pages cost more
+    # than the allreduce on loopback.
+    low = tensor.to(dtype).div_(state.world_size)
     state.count("dense_calls", 4 * tensor.numel(), low.nbytes)
     fut = dist.all_reduce(low, group=state.process_group, async_op=True).get_future()
     return then(fut, lambda value: tensor.copy_(value[0]), tensor, f"the {dtype} allreduce of {tensor.numel()} elements",
