@@ -7,7 +7,7 @@
 #   loopback-2, loopback-4      torchrun on this host, no network to save
 #   2x10gbit, 2x1gbit, 2x100mbit, 4x1gbit   the emulated cluster (ci/netcluster.sh)
 #
-# Then the link-drop run: 2 ranks at 10 Gbit/s, each of fp32, thc:4 and thc:auto launched
+# Then the link-drop run: 2 ranks at 10 Gbit/s, each of fp32, thc:2, thc:4 and thc:auto launched
 # alone, with the links reshaped to 100 Mbit/s DROP_AFTER_S seconds after its launch
 # (ci/netcluster.sh reshape): OUT/decision-drop-METHOD.json.
 # Needs root, ip netns and tc for the cluster parts. Usage:
@@ -45,7 +45,7 @@ for layout in 2x10gbit 2x1gbit 2x100mbit 4x1gbit; do
     bash ci/netcluster.sh launch "$n" "$PY" $(train_args "$STEPS" "$OUT/decision-$layout.json" "$METHODS")
 done
 if want drop; then
-    for method in fp32 thc:4 thc:auto; do
+    for method in fp32 thc:2 thc:4 thc:auto; do
         bash ci/netcluster.sh up 2 10gbit
         ( sleep "$DROP_AFTER_S"; bash ci/netcluster.sh reshape 100mbit ) &
         dropper=$!
