@@ -243,7 +243,7 @@ cmd_loss() {  # loss PERCENT: each node drops that share of what it receives on 
         # On input: the sender sees a real loss (no ACK), and TCP retransmits.
         ip netns exec "hh$i" nft add table inet hhloss
         ip netns exec "hh$i" nft add chain inet hhloss input '{ type filter hook input priority 0; policy accept; }'
-        ip netns exec "hh$i" nft add rule inet hhloss input iifname "$IFACE" numgen random mod 1000000 lt "$per_million" drop
+        ip netns exec "hh$i" nft add rule inet hhloss input iifname "$IFACE" numgen random mod 1000000 lt "$per_million" counter drop
     done
     log "loss: every node now drops ${pct}% of the packets it receives"
 }
