@@ -107,7 +107,7 @@ def dense_allreduce(state: THCState, tensor: torch.Tensor) -> torch.futures.Futu
 
 def cast_allreduce(state: THCState, tensor: torch.Tensor, dtype: torch.dtype) -> torch.futures.Future:
     """A dense allreduce in ``dtype`` (``bits="auto"``'s bf16 candidate, as PyTorch's
-    bf16 hook): divide, cast, SUM-allreduce, copy back. Round-to-nearest, not exact;
+    bf16 hook): cast, divide, SUM-allreduce, copy back. Round-to-nearest, not exact;
     inf/NaN on any rank stays non-finite on every rank. Counted as a dense call."""
     if state.world_size == 1:
         return dense_allreduce(state, tensor)
