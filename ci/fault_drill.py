@@ -135,7 +135,7 @@ def main() -> int:
             row("killed rank, no restarts", f"SIGKILL to rank 1 at step {kill_step}, plain launch (as mpirun)",
                 _stopped(out, hung, args.timeout, r"fault: rank killed at t=([\d.]+)"), detect=_detect(out, r"fault: rank killed at t=([\d.]+)"))
         if want("mpirun"):
-            _mpirun_kill(base, kill_step, args.timeout)
+            _mpirun_kill(base, kill_step)
         if want("stall"):
             stall = 2 * args.timeout
             out, hung = Job([*base, "--stall-at", str(kill_step), "--stall-s", str(stall)], limit=600).wait()
@@ -156,7 +156,7 @@ def main() -> int:
     return 0
 
 
-def _mpirun_kill(base, kill_step, timeout) -> None:
+def _mpirun_kill(base, kill_step) -> None:
     """SIGKILL to rank 1 inside the hook's collectives of an Open MPI job (ci/netcluster.sh
     mpirun): mpirun is expected to end the whole job and name the killed rank."""
     Job.port += 1

@@ -169,8 +169,9 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
 
     ``bits`` defaults to ``"auto"``: the hook measures this job's step with THC at the
     auto rule's width and narrower ones (down to 2 bits, while each bit fewer still buys
-    time), a bf16 and the fp32 allreduce, in turns on every rank alike, keeps the fastest and re-decides on a schedule and on drift
-    (:mod:`hhook.decision`; ``state.stats()["decision"]`` says what and why). An integer
+    time), a bf16 and the fp32 allreduce, in turns on every rank alike, keeps the fastest
+    and re-decides on a schedule and on drift (:mod:`hhook.decision`;
+    ``state.stats()["decision"]`` says what and why). An integer
     ``bits`` always compresses at that width.
 
     The process group defaults to the model's own. With ``topology="auto"`` (or a

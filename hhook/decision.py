@@ -157,9 +157,12 @@ class Decision:
     _FIELDS = ("options", "phase", "reason", "started", "queue", "current", "assigned", "samples", "dropped", "plain",
                "choice", "reference", "baseline", "decided_at", "recent", "history", "last_probe", "observed", "decisions")
 
+    def _fields(self) -> dict:
+        return {name: getattr(self, name) for name in self._FIELDS}
+
     def state_dict(self) -> dict:
         """Everything, as numbers, strings, lists and dicts (copies)."""
-        return json.loads(json.dumps({name: getattr(self, name) for name in self._FIELDS}))
+        return json.loads(json.dumps(self._fields()))
 
     def load_state_dict(self, saved: dict) -> None:
         missing = [name for name in self._FIELDS if name not in saved]
@@ -183,8 +186,7 @@ class Decision:
     def fingerprint(self) -> int:
         """24 bits of the whole state (exact in a float32): equal on ranks fed alike.
         Once per iteration: one JSON pass over the fields, no copy."""
-        fields = {name: getattr(self, name) for name in self._FIELDS}
-        return zlib.crc32(json.dumps(fields, sort_keys=True).encode()) >> 8
+        return zlib.crc32(json.dumps(self._fields(), sort_keys=True).encode()) >> 8
 
     def options_digest(self) -> int:
         """24 bits of the options: part of the hook's options handshake."""
@@ -284,16 +286,15 @@ class Decision:
         ran :data:`DESCEND_GAIN` faster than the one above that (fewer bytes still buy
         time). A width above it that was dropped or skipped stops the descent."""
         bits = thc_bits(method)
-        order = self.options["candidates"]
-        wider, widest = f"thc:{bits + 1}" if bits else None, f"thc:{bits + 2}" if bits else None
-        if bits is None or widest not in order:
+        if bits is None or f"thc:{bits + 2}" not in self.options["candidates"]:
             return True
-        if wider in self.dropped:
-            return False
+        wider, widest = f"thc:{bits + 1}", f"thc:{bits + 2}"
         est = self.estimates()
-        if widest in self.dropped or est.get(widest) is None or est.get(wider) is None:
-            return widest in self.dropped and est.get(wider) is not None
-        return est[wider] <= (1 - DESCEND_GAIN) * est[widest]
+        if wider in self.dropped or est.get(wider) is None:
+            return False
+        if widest in self.dropped:  # one bit fewer survived where two more were dropped
+            return True
+        return est.get(widest) is not None and est[wider] <= (1 - DESCEND_GAIN) * est[widest]
 
     def _best(self, exclude: str | None = None) -> float | None:
         values = [v for m, v in self.estimates().items() if m != exclude]

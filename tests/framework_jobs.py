@@ -236,8 +236,6 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
     globals()[args.framework](args)
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         # A Gloo group left to static destruction aborts the process now and then ("terminate
         # called without an active exception", plain DDP too): end it as a program should.
