@@ -69,7 +69,19 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     state.maybe_increase_iter(bucket)
     if bucket.is_last() and state._ddp_iterations is not None:
         state._ddp_iterations += 1
-    return fut
+    return fut.then(_value_or_raise)
+
+
+def _value_or_raise(fut: torch.futures.Future) -> torch.Tensor:
+    """The continuation every future handed to DDP goes through. hhook's futures fail by
+    holding their exception (so that its own waiters get :class:`~hhook.errors.PeerLostError`
+    and the rest unwrapped), and DDP's C++ reducer reads such a value as an object to cast:
+    the user read ``Unable to cast <hhook's message> to Tensor``. Raising here fails the
+    future in C++, and DDP raises ``... PeerLostError: <hhook's message>`` instead."""
+    try:
+        return fut.value()
+    except BaseException as exc:  # noqa: BLE001 - re-raised without torch's frames
+        raise exc.with_traceback(None) from exc.__cause__
 
 
 def _bucket_layout(state: THCState, bucket: dist.GradBucket) -> tuple:

@@ -81,6 +81,7 @@ def test_a_stalled_rank_stops_every_rank_with_a_clear_error_within_the_timeout(s
         assert seen - stopped < timeout + 10, f"rank {rank} raised {seen - stopped:.1f} s after the stall"
         # the rank's own peers stalled (the timeout) or a peer that gave up first closed (lost)
         assert re.search(r"hhook: .* (did not complete within the timeout \(6 s|closed its connection)", message), message
+        assert_names_hhook_s_error(message)
 
 
 def test_a_killed_rank_without_restarts_stops_every_other_rank_clearly():
@@ -94,6 +95,14 @@ def test_a_killed_rank_without_restarts_stops_every_other_rank_clearly():
         found = ERROR.search(stderr)
         assert code != 0 and found, f"rank {rank} (exit {code}):\n{stderr[-3000:]}"
         assert re.search(r"hhook: .*(closed its connection|did not complete within)", found.group(5)), found.group(5)
+        assert_names_hhook_s_error(found.group(5))
+
+
+def assert_names_hhook_s_error(message: str) -> None:
+    """DDP raises the hook's failure as a RuntimeError; what it says must name hhook's
+    error class, not read as a cast (DDP's reducer casting an exception to a Tensor)."""
+    assert "Unable to cast" not in message, message
+    assert re.search(r"Peer(Lost|Timeout)Error: hhook: ", message), message
 
 
 @pytest.fixture(scope="module")
