@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ $(id -u) == 0 ]] || { echo "fault_drill: must run as root (network namespaces and tc)" >&2; exit 1; }
+command -v nft >/dev/null || { apt-get update -qq && apt-get install -y -qq nftables; }  # the lossy-link rows
 trap 'bash ci/netcluster.sh down >/dev/null 2>&1 || true' EXIT
 bash ci/netcluster.sh up 2 1gbit
 PYTHON=${PYTHON:-python3}

@@ -48,6 +48,11 @@
 #   ci/netcluster.sh loss PERCENT    # every node drops that share of the packets it
 #                                    # receives (nftables, random; works where the
 #                                    # kernel has no netem); 0 = no loss
+#   ci/netcluster.sh delay MS [JITTER_MS]
+#                                    # every packet between nodes is held MS +-
+#                                    # JITTER_MS (uniform, so packets overtake each
+#                                    # other) by a user-space link (ci/delaylink.py,
+#                                    # TUN devices; no netem needed); 0 = no delay
 #   ci/netcluster.sh exec I CMD...   # run CMD inside namespace hhI
 #   ci/netcluster.sh hosts [N]       # one address per line (MPI hostfile material)
 #   ci/netcluster.sh measure [MB] [--duplex]   # TCP throughput hh0 -> hh1, prints MB/s
@@ -121,7 +126,7 @@ IFACE=eth0
 LATENCY=${HH_LATENCY:-20ms}
 MTU=${HH_MTU:-1500}
 PYTHON=${PYTHON:-python3}
-RUN_DIR=/run/hhook-netcluster   # ranks_per_node, uts-hhI (the nodes' UTS namespaces)
+RUN_DIR=/run/hhook-netcluster   # ranks_per_node, rate, uts-hhI (the nodes' UTS namespaces), delay.pid
 
 die() { echo "netcluster: $*" >&2; exit 1; }
 log() { echo "netcluster: $*" >&2; }
@@ -224,8 +229,56 @@ cmd_reshape() {  # reshape RATE: the running cluster's links, in place
             shape "hh$i" "$IFACE" "$rate" "$burst"
             shape "$BRNS" "hhv$i" "$rate" "$burst"
         fi
+        # the delayed link's device (netcluster.sh delay), where there is one
+        if ip -n "hh$i" link show "hhd$i" >/dev/null 2>&1; then
+            if [[ $rate == none ]]; then
+                ip netns exec "hh$i" tc qdisc del dev "hhd$i" root 2>/dev/null || true
+            else
+                shape "hh$i" "hhd$i" "$rate" "$burst"
+            fi
+        fi
     done
+    echo "$rate" >"$RUN_DIR/rate"
     log "reshape: every link now ${rate}${burst:+ burst ${burst}b}"
+}
+
+stop_delay() {  # end ci/delaylink.py: its TUN devices, and the routes through them, go with it
+    local pid i
+    [[ -s $RUN_DIR/delay.pid ]] || return 0
+    pid=$(<"$RUN_DIR/delay.pid")
+    if [[ $pid =~ ^[0-9]+$ ]] && kill -TERM "$pid" 2>/dev/null; then
+        for (( i = 0; i < 50; i++ )); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$pid" 2>/dev/null || true
+    fi
+    rm -f -- "$RUN_DIR/delay.pid"
+}
+
+cmd_delay() {  # delay MS [JITTER_MS]: hold every packet between nodes MS +- JITTER_MS
+    local ms=${1:-} jitter=${2:-0} rate=none burst="" pid i
+    ms=${ms%ms}; jitter=${jitter%ms}
+    [[ $ms =~ ^[0-9]+(\.[0-9]+)?$ && $jitter =~ ^[0-9]+(\.[0-9]+)?$ ]] \
+        || die "usage: delay MS [JITTER_MS] (e.g. 5 2; 0 removes the delay)"
+    [[ $(id -u) == 0 ]] || die "must run as root (needs CAP_NET_ADMIN)"
+    [[ -n $(existing_ranks) ]] || die "delay: no cluster is up"
+    stop_delay
+    if awk -v m="$ms" 'BEGIN { exit !(m == 0) }'; then
+        log "delay: none (traffic back on eth0)"
+        return 0
+    fi
+    [[ -r $RUN_DIR/rate ]] && rate=$(<"$RUN_DIR/rate")
+    [[ $rate == none ]] || burst=$(burst_for "$rate")
+    mkdir -p "$RUN_DIR"
+    setsid "$PYTHON" "$(dirname "$SELF")/delaylink.py" --nodes "$(cluster_size)" --subnet "$SUBNET" \
+        --delay-ms "$ms" --jitter-ms "$jitter" --rate "$rate" ${burst:+--burst "$burst"} --latency "$LATENCY" \
+        --pidfile "$RUN_DIR/delay.pid" </dev/null >"$RUN_DIR/delay.log" 2>&1 &
+    pid=$!
+    for (( i = 0; i < 100; i++ )); do
+        [[ -s $RUN_DIR/delay.pid ]] && break
+        kill -0 "$pid" 2>/dev/null || { cat "$RUN_DIR/delay.log" >&2; die "delay: the user-space link failed to start"; }
+        sleep 0.1
+    done
+    [[ -s $RUN_DIR/delay.pid ]] || { kill -TERM "$pid" 2>/dev/null; die "delay: the user-space link did not come up in 10 s"; }
+    log "delay: every packet between nodes held ${ms} ms +- ${jitter} ms (user-space link, pid $pid, rate $rate)"
 }
 
 cmd_loss() {  # loss PERCENT: each node drops that share of what it receives on its link
@@ -252,6 +305,7 @@ cmd_down() {
     set +e
     local ns
     local -a pids
+    stop_delay
     for ns in $(existing_ranks | sed 's/^/hh/') $BRNS; do
         ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$ns" || continue
         # A namespace outlives "ip netns del" while processes still run in it
@@ -274,7 +328,7 @@ cmd_down() {
         umount "$u" 2>/dev/null
         rm -f -- "$u"
     done
-    rm -f -- "$RUN_DIR/ranks_per_node"
+    rm -f -- "$RUN_DIR/ranks_per_node" "$RUN_DIR/rate" "$RUN_DIR/delay.log"
     [[ -d $RUN_DIR ]] && rmdir "$RUN_DIR" 2>/dev/null
     for d in /etc/netns/hh[0-9]*; do
         [[ -d $d && ${d##*/} =~ ^hh[0-9]+$ ]] && rm -rf -- "$d"
@@ -352,6 +406,7 @@ cmd_up() {
     # node share it (and its hostname hhI).
     mkdir -p "$RUN_DIR"
     echo "$k" >"$RUN_DIR/ranks_per_node"
+    echo "$rate" >"$RUN_DIR/rate"
     for (( i = 0; i < n; i++ )); do
         : >"$RUN_DIR/uts-hh$i"
         unshare "--uts=$RUN_DIR/uts-hh$i" hostname "hh$i"
@@ -588,6 +643,7 @@ main() {
         down) cmd_down ;;
         reshape) cmd_reshape "$@" ;;
         loss) cmd_loss "$@" ;;
+        delay) cmd_delay "$@" ;;
         exec) cmd_exec "$@" ;;
         hosts) cmd_hosts "$@" ;;
         measure) cmd_measure "$@" ;;

@@ -178,3 +178,65 @@ def test_netcluster_refuses_bad_layouts_before_touching_anything(args):
     assert _plan(*args).returncode != 0
     up = subprocess.run(["bash", NETCLUSTER, "up", *args], capture_output=True, text=True, timeout=30)
     assert up.returncode != 0 and ("ranks-per-node" in up.stderr or "usage" in up.stderr)
+
+
+RTT_PY = r"""
+import socket, statistics, sys, time
+if sys.argv[1] == "serve":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("10.77.0.2", 5311)); s.listen(1)
+    c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (d := c.recv(64)):
+        c.sendall(d)
+else:
+    for _ in range(100):
+        try:
+            c = socket.create_connection(("10.77.0.2", 5311)); break
+        except OSError:
+            time.sleep(0.05)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); rtt = []
+    for _ in range(30):
+        t = time.perf_counter(); c.sendall(b"x"); c.recv(64); rtt.append((time.perf_counter() - t) * 1e3)
+    c.close(); print(min(rtt), statistics.median(rtt))
+"""
+
+
+def _round_trip_ms() -> tuple:
+    """(min, median) of 30 one-byte TCP round trips hh0 -> hh1 on the emulated cluster."""
+    serve = subprocess.Popen(["bash", NETCLUSTER, "exec", "1", sys.executable, "-c", RTT_PY, "serve"])
+    try:
+        out = subprocess.run(["bash", NETCLUSTER, "exec", "0", sys.executable, "-c", RTT_PY, "ask"],
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        serve.wait(timeout=30)
+    assert out.returncode == 0, out.stderr
+    return tuple(float(v) for v in out.stdout.split())
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+                    reason="needs root and iproute2 (network namespaces)")
+def test_netcluster_delay_holds_every_packet_and_goes_away():
+    """``netcluster.sh delay 5 2`` (the fault drill's delayed, reordering link, without
+    netem): a round trip takes at least 2 x (5 - 2) ms while it is on, and the cluster's
+    plain link is back once it is removed; ``down`` ends the user-space link too."""
+    if subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split().count("hh0"):
+        pytest.skip("an emulated cluster is up (a drill or a benchmark): not touching it")
+
+    def nc(*args):
+        res = subprocess.run(["bash", NETCLUSTER, *args], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        return res
+
+    try:
+        nc("up", "2", "none")
+        plain = _round_trip_ms()
+        nc("delay", "5", "2")
+        held = _round_trip_ms()
+        assert held[0] >= 6.0 and held[1] >= 8.0, (plain, held)
+        nc("delay", "0")
+        assert _round_trip_ms()[1] < held[0], (plain, held)
+        nc("delay", "5", "2")
+    finally:
+        subprocess.run(["bash", NETCLUSTER, "down"], capture_output=True, timeout=60)
+    assert not os.path.exists("/run/hhook-netcluster/delay.pid")
+    assert "ci/delaylink.py" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
