@@ -14,10 +14,13 @@ dear). So the hook measures the job itself:
   (the first of a turn is not measured: it pays the switch), switching on DDP's iteration
   counter, which every rank holds alike.
 * **Measured periods**: each rank times the period between the first hook calls of
-  successive iterations (a whole step: forward, backward, exchange, optimizer). At an
-  iteration's first call the previous period is MAX-allreduced, with a fingerprint of
-  the decision's state, *asynchronously*; the result is read one iteration later (it has
-  long completed: every later collective of that step did) and fed to :class:`Decision`.
+  successive iterations (a whole step: forward, backward, exchange, optimizer). The
+  period that ended at an iteration's first call is MAX-allreduced, with a fingerprint of
+  the decision's state, *asynchronously*, launched behind the iteration's last bucket
+  (off the backward's path: launched at the first bucket, it queued ahead of the buckets
+  and cost a whole round trip a step, 15 ms of 63 on a 10 ms link); the result is read
+  at the next iteration's first call (it completes during the optimizer step and the
+  forward) and fed to :class:`Decision`.
   So every rank holds the slowest rank's periods and nothing else: the same numbers, the
   same decision. A rank whose state differs (another checkpoint, a bug) makes the
   fingerprint differ and every rank raises :class:`~hhook.errors.ConfigMismatchError`.
@@ -87,6 +90,9 @@ DRIFT_WINDOW = 16
 #: baseline (a link that dropped to a tenth: 3 slow steps, not 9, before the new round).
 JUMP = 3.0
 JUMP_STEPS = 3
+#: The period of iteration j is fed to the decision at iteration j + LAG: its reduction is
+#: launched behind j + 1's last bucket and has a whole iteration to complete.
+LAG = 3
 #: Decisions kept in ``stats()`` (and checkpoints).
 KEPT_DECISIONS = 8
 #: The plain iterations' method and the dense candidates.
@@ -151,11 +157,14 @@ class Decision:
         self.history: dict[str, list] = {}  # str(iteration) -> [method, measured?]: awaiting their period
         self.last_probe = -1  # the last iteration given to a turn of this exploration
         self.observed = -1  # the last iteration whose period came back
+        self.arrived: list = []  # [iteration, period]: reduced, fed at the iteration LAG after it
         self.decisions: list[dict] = []
 
     # -- checkpoints ---------------------------------------------------------------
     _FIELDS = ("options", "phase", "reason", "started", "queue", "current", "assigned", "samples", "dropped", "plain",
-               "choice", "reference", "baseline", "decided_at", "recent", "history", "last_probe", "observed", "decisions")
+               "choice", "reference", "baseline", "decided_at", "recent", "history", "last_probe", "observed", "arrived",
+               "decisions")
+    _SINCE = {"arrived": []}  # fields newer than some saved states: their value in those
 
     def _fields(self) -> dict:
         return {name: getattr(self, name) for name in self._FIELDS}
@@ -165,11 +174,11 @@ class Decision:
         return json.loads(json.dumps(self._fields()))
 
     def load_state_dict(self, saved: dict) -> None:
-        missing = [name for name in self._FIELDS if name not in saved]
+        missing = [name for name in self._FIELDS if name not in saved and name not in self._SINCE]
         if missing:
             raise ValueError(f"not a Decision state (missing {missing})")
         for name in self._FIELDS:
-            setattr(self, name, json.loads(json.dumps(saved[name])))
+            setattr(self, name, json.loads(json.dumps(saved.get(name, self._SINCE.get(name)))))
 
     def __getstate__(self):
         return self.state_dict()
@@ -226,6 +235,18 @@ class Decision:
         method = self.choice if self.phase == "exploit" else self._hold()
         self.history[str(iteration)] = [method, True]
         return method
+
+    def arrive(self, iteration: int, period: float) -> None:
+        """The reduced period of ``iteration`` (negative: not measured), held until
+        :meth:`feed_due` feeds it at the same iteration on every rank."""
+        self.arrived.append([iteration, period])
+
+    def feed_due(self, upto: int) -> None:
+        """Feed the arrived periods of iterations up to ``upto`` to :meth:`observe`, in order."""
+        due = sorted(a for a in self.arrived if a[0] <= upto)
+        self.arrived = [a for a in self.arrived if a[0] > upto]
+        for iteration, period in due:
+            self.observe(iteration, period if period >= 0 else None)
 
     def observe(self, iteration: int, period: float | None) -> None:
         """The slowest rank's period of ``iteration`` in seconds (None: not measured)."""
@@ -372,14 +393,16 @@ class Decision:
 
 class Prober:
     r"""The measuring half, rebuilt on every process: the clock, the start of the running
-    iteration, and the reduction in flight (launched at one iteration's first bucket, read
-    at the next one's). ``clock`` (seconds) may be replaced, e.g. by tests."""
+    iteration, and the reduction of the last period (measured at one iteration's first
+    bucket, launched behind its last, read at the next one's first). ``clock`` (seconds)
+    may be replaced, e.g. by tests."""
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
         self.first = True  # the next hook call is an iteration's first
         self.start = None  # (iteration, clock) of the running iteration's first call
-        self.inflight = None  # (iteration, fingerprint, work, vector, host copy, event)
+        self.pending = None  # (iteration, period, fingerprint): measured, to launch behind the last bucket
+        self.inflight = []  # (iteration, fingerprint, work, vector, host copy, event), oldest first
         self.method = None  # the running iteration's method
         self.verified = False
         self.group = None  # the group of the reduction in flight (for messages)
@@ -398,38 +421,51 @@ class Prober:
                                       "from the same checkpoint (torch.save of the THCState of the same step)")
         self.verified = True
 
-    def begin(self, state: THCState, decision: Decision, iteration: int, device: torch.device) -> str:
-        """At an iteration's first bucket: read last iteration's reduction, launch this one's
-        (the period that just ended), and return this iteration's method."""
+    def begin(self, state: THCState, decision: Decision, iteration: int) -> str:
+        """At an iteration's first bucket: read last iteration's reduction, measure the
+        period that just ended (:meth:`launch` reduces it), and return this iteration's
+        method."""
         now = self.clock()
-        self.settle(decision)
+        # The period of iteration j is reduced behind j + 1's last bucket and fed here at
+        # j + LAG: a whole iteration after its launch, so it has completed (no wait on the
+        # backward's path), and at the same iteration on every rank.
+        self.settle(decision, upto=iteration - LAG)
+        decision.feed_due(iteration - LAG)
         period = now - self.start[1] if self.start is not None and self.start[0] == iteration - 1 else -1.0
         self.start = (iteration, now)
-        if iteration > 0:
-            fp = float(decision.fingerprint())
-            vector = torch.tensor([period, fp, -fp], dtype=torch.float64, device=device)
-            work = dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)
-            self.group = state.process_group
-            state.count(None, 0, vector.nbytes)
-            host = event = None
-            if vector.is_cuda:  # read later from pinned memory: no host read of the stream now
-                work.wait()
-                host = torch.empty(3, dtype=torch.float64, pin_memory=True)
-                host.copy_(vector, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-            self.inflight = (iteration - 1, fp, work, vector, host, event)
+        self.pending = (iteration - 1, period, float(decision.fingerprint())) if iteration > 0 else None
         self.method = decision.method_for(iteration, plain=iteration < state.start_iter)
         return self.method
 
-    def settle(self, decision: Decision) -> None:
-        """Read the reduction in flight (launched one iteration ago: complete by now) and
-        feed the slowest rank's period to ``decision``; raise on every rank if the ranks'
-        decision states differed."""
-        if self.inflight is None:
+    def launch(self, state: THCState, device: torch.device) -> None:
+        """Behind an iteration's last bucket: launch the MAX reduction of the period
+        :meth:`begin` measured. Issued from the hook's thread after every bucket's own
+        launch on this group, so every rank pairs the same collectives."""
+        if self.pending is None:
             return
-        iteration, fp, work, vector, host, event = self.inflight
-        self.inflight = None
+        iteration, period, fp = self.pending
+        self.pending = None
+        vector = torch.tensor([period, fp, -fp], dtype=torch.float64, device=device)
+        work = dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)
+        self.group = state.process_group
+        state.count(None, 0, vector.nbytes)
+        host = event = None
+        if vector.is_cuda:  # read later from pinned memory: no host read of the stream now
+            work.wait()
+            host = torch.empty(3, dtype=torch.float64, pin_memory=True)
+            host.copy_(vector, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self.inflight.append((iteration, fp, work, vector, host, event))
+
+    def settle(self, decision: Decision, upto: int | None = None) -> None:
+        """Read the reductions in flight of the periods of iterations up to ``upto`` (all:
+        None) and hand the slowest rank's periods to ``decision`` (:meth:`Decision.arrive`);
+        raise on every rank if the ranks' decision states differed."""
+        while self.inflight and (upto is None or self.inflight[0][0] <= upto):
+            self._settle_one(decision, *self.inflight.pop(0))
+
+    def _settle_one(self, decision: Decision, iteration, fp, work, vector, host, event) -> None:
         if event is not None:
             event.synchronize()
             values = host.tolist()
@@ -445,11 +481,12 @@ class Prober:
                 "hhook: the ranks' bits='auto' decisions differ (their states' fingerprints disagree at iteration "
                 f"{iteration}); every rank must start from the same checkpoint and options"
             )
-        decision.observe(iteration, period if period >= 0 else None)
+        decision.arrive(iteration, period)
 
     def checkpoint(self, decision: Decision) -> None:
-        """Before pickling: apply the reduction in flight and leave the period spanning the
-        save unmeasured (a resumed run cannot measure it either)."""
+        """Before pickling: read the reductions in flight into the decision (fed at the
+        iterations they are due, as in a run never saved) and leave the period spanning
+        the save unmeasured (a resumed run cannot measure it either)."""
         self.settle(decision)
         self.start = None
 
@@ -483,11 +520,16 @@ def exchange(state: THCState, bucket, layout) -> torch.futures.Future:
     if not prober.verified:
         prober.verify(state, state.decision, buffer.device)
     if prober.first:
-        prober.method = prober.begin(state, state.decision, state.iter, buffer.device)
+        prober.method = prober.begin(state, state.decision, state.iter)
     prober.first = bucket.is_last()
-    method = prober.method
+    fut = _exchange_as(prober.method, state, bucket.index(), buffer, layout)
+    if bucket.is_last():
+        prober.launch(state, buffer.device)
+    return fut
+
+
+def _exchange_as(method: str, state: THCState, key: int, buffer: torch.Tensor, layout) -> torch.futures.Future:
     bits = thc_bits(method)
-    key = bucket.index()
     if buffer.is_sparse:
         return dense_allreduce(state, buffer)
     if method != PLAIN:

@@ -192,6 +192,9 @@ def test_state_dict_resumes_mid_exploration_exactly():
     assert rest[0] == rest[1] and live.state_dict() == resumed.state_dict()
     with pytest.raises(ValueError, match="not a Decision state"):
         Decision(candidates(5)).load_state_dict({"phase": "exploit"})
+    # a state saved before periods were fed with a lag has no "arrived": it loads, with none
+    older = Decision.from_state_dict({k: v for k, v in saved.items() if k != "arrived"})
+    assert older.arrived == [] and older.method_for(9) == Decision.from_state_dict(saved).method_for(9)
 
 
 def test_bad_options_are_refused():
