@@ -218,8 +218,8 @@ class Decision:
                 self.last_probe = iteration
                 self.history[str(iteration)] = [self.current, measured]
                 return self.current
-            if not self.queue:
-                break
+            if not self.queue or self._awaits_wider_turn(self.queue[0]):
+                break  # (the latter: the best so far runs until the turn above is all back)
             self.current, self.assigned = self.queue.pop(0), 0
             bound = self._bound(self.current)
             best = self._best(exclude=self.current)
@@ -316,6 +316,18 @@ class Decision:
         if widest in self.dropped:  # one bit fewer survived where two more were dropped
             return True
         return est.get(widest) is not None and est[wider] <= (1 - DESCEND_GAIN) * est[widest]
+
+    def _awaits_wider_turn(self, method: str) -> bool:
+        """Whether a narrower THC ``method``'s turn must wait for periods of the turn of
+        the width above it (:meth:`_narrowing_pays` judges that width on its whole turn,
+        not on the first periods back: with two of five, one slow step stopped the
+        descent at 100 Mbit/s)."""
+        bits = thc_bits(method)
+        if bits is None or f"thc:{bits + 2}" not in self.options["candidates"]:
+            return False
+        wider = f"thc:{bits + 1}"
+        return wider not in self.dropped and any(
+            entry[0] == wider and int(it) <= self.last_probe for it, entry in self.history.items())
 
     def _best(self, exclude: str | None = None) -> float | None:
         values = [v for m, v in self.estimates().items() if m != exclude]
