@@ -274,9 +274,12 @@ class Decision:
                 ratio = self.options["drop_ratio"]
                 taken = self.samples.get(method, [])
                 # One noisy step must not drop the fastest candidate: a median of two or
-                # more, or one step far off (fp32 at 100 Mbit/s: 6x).
+                # more, or one step far off (fp32 at 100 Mbit/s: 6x) while no step of its
+                # turn has yet been near the best (a period spanning an evaluation or a
+                # save is far off too: it dropped THC 3 bits after a turn of good steps).
                 worst = _median(taken) if len(taken) >= 2 else None
-                if best is not None and (period > 2 * ratio * best or (worst is not None and worst > ratio * best)):
+                spike = best is not None and period > 2 * ratio * best and not any(t <= ratio * best for t in taken)
+                if spike or (best is not None and worst is not None and worst > ratio * best):
                     self.dropped[method] = period if worst is None or period > 2 * ratio * best else worst
                     self._log_drop(method, self.dropped[method], best, "measured")
             self._maybe_decide(iteration)

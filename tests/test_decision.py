@@ -80,6 +80,23 @@ def test_the_descent_judges_the_width_above_on_its_whole_turn():
     assert "thc:3" in methods and "thc:2" in methods and d.choice == "thc:2", d.decisions
 
 
+def test_one_far_off_step_after_good_ones_drops_nothing():
+    # a period that spans an evaluation (4 s) late in thc:3's turn: thc:3 keeps its turn's
+    # median, and the descent goes on to thc:2 (it dropped thc:3, and with it thc:2, before)
+    costs = LINKS["100mbit"]
+    seen = []
+
+    def cost(i, m):
+        seen.append(m)
+        return 4.0 if m == "thc:3" and seen.count("thc:3") == 5 else costs[m]
+
+    d = Decision(candidates(5))
+    methods = drive(d, cost, 120)
+    assert seen.count("thc:3") >= 6
+    assert "thc:2" in methods and d.choice == "thc:2", d.decisions
+    assert "thc:3" not in d.decisions[0]["dropped_ms"]
+
+
 def test_a_wider_width_that_was_dropped_stops_the_descent():
     # thc:4 is dropped as 2x thc:5: thc:3 and thc:2 never run, whatever they would cost
     costs = {"plain": 0.3, "fp32": 0.3, "bf16": 0.2, "thc:5": 0.1, "thc:4": 0.2, "thc:3": 0.01, "thc:2": 0.01}
