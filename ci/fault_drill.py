@@ -220,8 +220,9 @@ def _stopped(out, hung, timeout, fault_pattern) -> str:
 
 
 def _links(base, ref_acc) -> None:
-    """Loss and delay on every node's link: step time and accuracy of fp32, the fp16 hook
-    and THC (bits=4) under each. Loss: ``ci/netcluster.sh loss`` (nftables drops a random
+    """Loss and delay on every node's link: step time and accuracy of fp32, the fp16 hook,
+    THC 4 bits (agreed scales, and predicted: one collective a bucket, not two) and
+    ``bits="auto"`` under each. Loss: ``ci/netcluster.sh loss`` (nftables drops a random
     share of what each node receives). Delay with reordering: ``ci/netcluster.sh delay``
     (a user-space link holds each packet 5 ms +- 2 ms). Neither needs netem."""
     settings = [("none (the same jobs on the clean link)", ["loss", "0"],
@@ -233,7 +234,8 @@ def _links(base, ref_acc) -> None:
     for name, spec, how in settings:
         subprocess.run([*NETCLUSTER, *spec], check=True)
         cells = []
-        for hook, extra in (("fp32", ["--hook", "fp32"]), ("fp16", ["--hook", "fp16"]), ("THC", ["--bits", "4"])):
+        for hook, extra in (("fp32", ["--hook", "fp32"]), ("fp16", ["--hook", "fp16"]), ("THC", ["--bits", "4"]),
+                            ("THC predicted", ["--bits", "4", "--scales", "predicted"]), ("auto", ["--bits", "auto"])):
             out, hung = Job([*base, "--width", "1024", *extra], limit=900).wait()
             res = result_of(out[0][1])
             cells.append(f"{hook} {res['median_step_ms']:.1f} ms acc {res['accuracy']:.4f}" if res else f"{hook} failed")
