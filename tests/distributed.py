@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -34,9 +35,25 @@ def subprocess_env(**extra) -> dict:
     return env
 
 
-def _worker(rank, world_size, port, backend, cuda, fn, args, results):
+# Ranks start from a fork server that has imported torch and hhook once, not each from a
+# fresh interpreter (spawn) that imports them again: about 1.8 s a process here, a few
+# hundred worlds in the suite. The server is an interpreter of its own (no thread of this
+# one is forked); each rank takes the test's environment and working directory as they are
+# at the call (the server keeps those of its start), imports the test's function only
+# then, and ends as an interpreter does: a forked child leaves by os._exit, which skips
+# the atexit handlers (hhook's release of node shared memory among them), so _worker
+# runs them.
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "hhook"])
+
+
+def _worker(rank, world_size, port, backend, cuda, job, environ, cwd, results):
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     torch.set_num_threads(1)  # N ranks share two cores
     try:
+        fn, args = pickle.loads(job)
         if cuda:
             # Gloo ranks share GPU 0; NCCL refuses two ranks on one GPU, so rank r takes GPU r.
             torch.cuda.set_device(rank if backend == "nccl" else 0)
@@ -57,24 +74,30 @@ def _worker(rank, world_size, port, backend, cuda, fn, args, results):
         results.join_thread()
         if dist.is_initialized():
             dist.destroy_process_group()
+        atexit._run_exitfuncs()
 
 
-def run_world(fn, world_size: int, *args, timeout: float = 180.0, backend: str = "gloo", cuda: bool = False) -> list:
+def run_world(fn, world_size: int, *args, timeout: float = 180.0, backend: str = "gloo", cuda: bool = False,
+              fresh: bool = False) -> list:
     """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process.
 
     ``backend`` is the process group's; ``cuda`` puts every rank on GPU 0 (NCCL: rank r
-    on GPU r).
+    on GPU r); ``fresh`` starts each rank in a new interpreter (spawn), not from the fork
+    server: for what a process measures of itself (a forked rank's resident memory counts
+    the server's pages only as it touches them, so it grows where a user's would not).
 
     ``fn`` must be a module-level function; it should return plain Python data (results
     are copied by value, so tensors work, but lists and numbers keep the test's intent
     obvious). A rank's exception fails the call with
     every rank's traceback; a hang fails it after ``timeout`` seconds.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn") if fresh else _CONTEXT
     results = ctx.Queue()
     port = free_port()
+    job = pickle.dumps((fn, args))
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, cuda, fn, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, cuda, job, dict(os.environ), os.getcwd(),
+                                          results), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
