@@ -7,9 +7,13 @@ dear). So the hook measures the job itself:
 * **Candidates** (:func:`candidates`): THC at :func:`hhook.topology.auto_bits`'s width for
   this world (or node count) and every narrower width down to :data:`MIN_WIDTH`, a bf16
   dense allreduce and DDP's plain fp32 allreduce. The auto width and the one below it
-  always take a turn; each narrower one only while narrowing pays (the width above it
-  was :data:`DESCEND_GAIN` faster than the one above that): on a slow wire the descent
-  reaches 2 bits, where the codec or the compute is the cost it stops after one step.
+  always take a turn; each narrower one only while narrowing pays: the width above it
+  was :data:`DESCEND_GAIN` faster than the one above that, or within that of it while the
+  bytes it saves would save as much at the time per byte that fp32 against the width
+  above measured (a 6-step turn does not resolve 3% on a shared host: noise stopped the
+  descent at 100 Mbit/s; fp32 against THC spans 5x the bytes of one width against the
+  next). On a slow wire the descent reaches 2 bits; where the codec or the compute is
+  the cost it stops after one step.
 * **Lockstep probing**: the candidates take turns for :data:`WINDOW` iterations each
   (the first of a turn is not measured: it pays the switch), switching on DDP's iteration
   counter, which every rank holds alike.
@@ -56,6 +60,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from . import lanes
 from .allreduce import thc_allreduce_async
 from .errors import ConfigMismatchError
 from .flat import cast_allreduce, dense_allreduce
@@ -69,6 +74,9 @@ MIN_WIDTH = 2
 #: A width below auto - 1 takes a turn only if the width above it was at least this
 #: fraction faster than the one above that: fewer bytes must still be buying time.
 DESCEND_GAIN = 0.03
+#: Bits per coordinate each dense candidate hands to its allreduce (THC's follow from its
+#: lanes: :func:`wire_bits`).
+DENSE_WIRE_BITS = {"bf16": 16.0, "fp32": 32.0}
 #: Iterations per candidate's turn; the first of each turn is not measured. Five samples
 #: per candidate: a median of three let one noisy step (a shared host) pick the wrong one.
 WINDOW = 6
@@ -111,6 +119,23 @@ def candidates(auto_width: int, floor: int = MIN_WIDTH) -> list[str]:
     return [f"thc:{b}" for b in widths] + [BF16, FP32]
 
 
+def wire_bits(methods: list[str], participants: int) -> dict[str, float]:
+    """Bits per coordinate each of ``methods`` puts on the wire when ``participants`` ranks
+    (or nodes) sum: THC's lane width per code (its headroom grows with them), 16 and 32
+    for the dense ones.
+
+    Example::
+        >>> wire_bits(["thc:5", "thc:4", "thc:3", "bf16", "fp32"], 2)
+        {'thc:5': 6.4, 'thc:4': 5.333, 'thc:3': 4.0, 'bf16': 16.0, 'fp32': 32.0}
+    """
+    out = {}
+    for m in methods:
+        bits = thc_bits(m)
+        out[m] = DENSE_WIRE_BITS[m] if bits is None else round(
+            lanes.choose_layout(participants, 1 << bits).bits_per_code, 3)
+    return out
+
+
 def thc_bits(method: str) -> int | None:
     """The width of a THC candidate (``"thc:4"`` -> 4), None for a dense one."""
     return int(method.split(":")[1]) if method.startswith("thc:") else None
@@ -129,17 +154,25 @@ class Decision:
 
     Args:
         candidates: names in probing order (:func:`candidates`).
+        wire_bits: bits per coordinate of each candidate (:func:`wire_bits`); without
+            them the descent goes by measured gains alone.
         window, drop_ratio, redecide_every, drift, drift_window: as the module's constants.
     """
 
     def __init__(self, candidates: list[str], window: int = WINDOW, drop_ratio: float = DROP_RATIO,
-                 redecide_every: int = REDECIDE_EVERY, drift: float = DRIFT, drift_window: int = DRIFT_WINDOW):
+                 redecide_every: int = REDECIDE_EVERY, drift: float = DRIFT, drift_window: int = DRIFT_WINDOW,
+                 wire_bits: dict[str, float] | None = None):
         if not candidates or len(set(candidates)) != len(candidates):
             raise ValueError(f"candidates must be distinct and not empty, got {candidates!r}")
+        if wire_bits is not None and (set(wire_bits) != set(candidates) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in wire_bits.values())):
+            raise ValueError(f"wire_bits must give a positive number for each candidate, got {wire_bits!r}")
         if window < 2 or drift_window < 1 or redecide_every < 1 or not drop_ratio > 1 or not drift > 0:
             raise ValueError("window >= 2, drift_window >= 1, redecide_every >= 1, drop_ratio > 1 and drift > 0 needed")
         self.options = {"candidates": list(candidates), "window": window, "drop_ratio": drop_ratio,
                         "redecide_every": redecide_every, "drift": drift, "drift_window": drift_window}
+        if wire_bits is not None:  # (absent from the options of states saved before it)
+            self.options["wire_bits"] = {m: float(wire_bits[m]) for m in candidates}
         self.phase = "explore"
         self.reason = "start"
         self.started = 0  # iteration the current exploration began
@@ -229,7 +262,8 @@ class Decision:
             elif not self._narrowing_pays(self.current):
                 wider = f"thc:{thc_bits(self.current) + 1}"
                 self.dropped[self.current] = self.dropped.get(wider) or self.estimates().get(wider) or 0.0
-                logger.info("hhook: bits='auto' skips %s (one bit more was no faster than two more)", self.current)
+                logger.info("hhook: bits='auto' skips %s (one bit more was no faster than two more, "
+                            "nor would its bytes make it)", self.current)
         self.current = None
         self._maybe_decide(iteration)
         method = self.choice if self.phase == "exploit" else self._hold()
@@ -307,8 +341,11 @@ class Decision:
     def _narrowing_pays(self, method: str) -> bool:
         """Whether THC ``method`` should take its turn: always for dense candidates, the
         auto width and the one below it; a narrower width only while the width above it
-        ran :data:`DESCEND_GAIN` faster than the one above that (fewer bytes still buy
-        time). A width above it that was dropped or skipped stops the descent."""
+        ran :data:`DESCEND_GAIN` faster than the one above that, or ran within that of it
+        and would save as much by the bytes it saves (:meth:`_byte_gain`): fewer bytes
+        still buy time. A width above it that was dropped or skipped, or measured more than
+        that slower than the one above that, stops the descent (the codec costs more than the bytes
+        save)."""
         bits = thc_bits(method)
         if bits is None or f"thc:{bits + 2}" not in self.options["candidates"]:
             return True
@@ -318,7 +355,25 @@ class Decision:
             return False
         if widest in self.dropped:  # one bit fewer survived where two more were dropped
             return True
-        return est.get(widest) is not None and est[wider] <= (1 - DESCEND_GAIN) * est[widest]
+        if est.get(widest) is None:
+            return False
+        if est[wider] <= (1 - DESCEND_GAIN) * est[widest]:
+            return True  # measured
+        # within the noise of a turn (not measured slower by as much): the bytes decide
+        return (est[wider] <= (1 + DESCEND_GAIN) * est[widest]
+                and self._byte_gain(wider, method) >= DESCEND_GAIN * est[wider])
+
+    def _byte_gain(self, wider: str, method: str) -> float:
+        """The time ``method`` would save on THC ``wider`` by its fewer bytes alone, at the
+        time per wire bit that fp32 against ``wider`` measured (0 where fp32 was not
+        slower, or unknown). fp32 against THC spans five times the bytes of one width
+        against the next, so noise that hides a 3% gain between widths does not hide this
+        one; THC's codec cost only makes it an underestimate."""
+        wire, fp32 = self.options.get("wire_bits"), self._fp32_estimate()
+        if not wire or fp32 is None:
+            return 0.0
+        per_bit = (fp32 - self.estimates()[wider]) / (wire[FP32] - wire[wider])
+        return max(per_bit, 0.0) * (wire[wider] - wire[method])
 
     def _awaits_wider_turn(self, method: str) -> bool:
         """Whether a narrower THC ``method``'s turn must wait for periods of the turn of
@@ -522,7 +577,8 @@ def build(state: THCState) -> Decision:
     if topo.two_level and state.error_feedback:
         raise ValueError("hhook: bits='auto' with error_feedback=True on two-level layouts is not supported yet; "
                          "pass an integer bits= (THC always) or error_feedback=False")
-    return Decision(candidates(state.auto_width()))
+    names = candidates(state.auto_width())
+    return Decision(names, wire_bits=wire_bits(names, topo.n_nodes if topo.two_level else state.world_size))
 
 
 def exchange(state: THCState, bucket, layout) -> torch.futures.Future:
