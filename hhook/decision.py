@@ -29,10 +29,12 @@ dear). So the hook measures the job itself:
   same decision. A rank whose state differs (another checkpoint, a bug) makes the
   fingerprint differ and every rank raises :class:`~hhook.errors.ConfigMismatchError`.
 * **Pruning**: DDP's plain iterations before ``start_iter`` are free fp32 samples. A
-  candidate is dropped when its model bound (fp32's sample; bf16 moves half of fp32's
-  bytes, so it takes at least half of fp32's step) or its switching step exceeds twice
-  :data:`DROP_RATIO` times the best so far, or a measured step exceeds :data:`DROP_RATIO`
-  times it (fp32 at 100 Mbit/s, 6x THC's step, never runs).
+  candidate is dropped unrun when its model bound (fp32's sample; bf16 moves half of
+  fp32's bytes, so it takes at least half of fp32's step) exceeds twice
+  :data:`DROP_RATIO` times the best so far (fp32 at 100 Mbit/s, 6x THC's step, never
+  runs), and while running when its first two measured steps both exceed
+  :data:`DROP_RATIO` times it, or the median of three or more does (never on one step:
+  a period spanning an evaluation is 3x and more).
 * **Re-deciding**: every :data:`REDECIDE_EVERY` iterations, and when the median of the
   chosen method's last :data:`DRIFT_WINDOW` periods moves by more than
   :data:`DRIFT` (a shared link slowed down or sped up). The running choice's recent
@@ -80,8 +82,8 @@ DENSE_WIRE_BITS = {"bf16": 16.0, "fp32": 32.0}
 #: Iterations per candidate's turn; the first of each turn is not measured. Five samples
 #: per candidate: a median of three let one noisy step (a shared host) pick the wrong one.
 WINDOW = 6
-#: A candidate whose median measured step (two at least) exceeds this times the best so
-#: far is dropped; one step (its switching step included) above twice this drops it too.
+#: A candidate whose first two measured steps both exceed this times the best so far, or
+#: whose median of three or more does, is dropped (one step never drops it).
 DROP_RATIO = 1.5
 #: Re-decide this many iterations after a decision.
 REDECIDE_EVERY = 1000
@@ -307,15 +309,14 @@ class Decision:
                 best = self._best(exclude=method)
                 ratio = self.options["drop_ratio"]
                 taken = self.samples.get(method, [])
-                # One noisy step must not drop the fastest candidate: a median of two or
-                # more, or one step far off (fp32 at 100 Mbit/s: 6x) while no step of its
-                # turn has yet been near the best (a period spanning an evaluation or a
-                # save is far off too: it dropped THC 3 bits after a turn of good steps).
-                worst = _median(taken) if len(taken) >= 2 else None
-                spike = best is not None and period > 2 * ratio * best and not any(t <= ratio * best for t in taken)
-                if spike or (best is not None and worst is not None and worst > ratio * best):
-                    self.dropped[method] = period if worst is None or period > 2 * ratio * best else worst
-                    self._log_drop(method, self.dropped[method], best, "measured")
+                # One step, however far off, must not drop a candidate: a period that spans
+                # an evaluation or a save is 3x and more (it dropped THC 3 bits, the
+                # transformer's fastest width at 4 ranks, twice). Its first two measured
+                # steps both slow, or the median of three or more, drop it.
+                worst = (min(taken) if len(taken) == 2 else _median(taken)) if len(taken) >= 2 else None
+                if best is not None and worst is not None and worst > ratio * best:
+                    self.dropped[method] = worst
+                    self._log_drop(method, worst, best, "measured")
             self._maybe_decide(iteration)
         else:
             self._maybe_redecide(iteration)

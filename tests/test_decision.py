@@ -137,6 +137,31 @@ def test_one_far_off_step_after_good_ones_drops_nothing():
     assert "thc:3" not in d.decisions[0]["dropped_ms"]
 
 
+def test_one_far_off_first_step_drops_nothing():
+    # the transformer at 100 Mbit/s, 4 ranks (bench/gpt-4x-100mbit.json): a period that
+    # spans an evaluation (3.3 s, 3.5x the best) is THC 3 bits' first measured step; it
+    # dropped 3 bits, and 2 bits with it, twice. Its median keeps it, and 2 bits is chosen.
+    costs = {"plain": 2.29, "fp32": 2.29, "bf16": 1.49, "thc:4": 0.958, "thc:3": 0.89, "thc:2": 0.80}
+    seen = []
+
+    def cost(i, m):
+        seen.append(m)
+        return 3.34 if m == "thc:3" and seen.count("thc:3") == 2 else costs[m]
+
+    d = Decision(candidates(4), wire_bits=wire_bits(candidates(4), 4))
+    methods = drive(d, cost, 80)
+    assert "thc:2" in methods and d.choice == "thc:2", d.decisions
+    assert "thc:3" not in d.decisions[0]["dropped_ms"]
+    # two slow steps in a row still drop a candidate within its turn (no model bound
+    # once a decision was made: a re-decision's fp32 runs)
+    d = Decision(candidates(4))
+    slow = dict(costs, fp32=6 * costs["thc:2"])
+    methods = drive(d, lambda i, m: slow[m], 1100)
+    redecided = methods[1000:1060]
+    assert "fp32" in redecided and redecided.count("fp32") <= 2 + LAG + 1, redecided
+    assert "fp32" in d.decisions[-1]["dropped_ms"] and d.choice == "thc:2"
+
+
 def test_a_wider_width_that_was_dropped_stops_the_descent():
     # thc:4 is dropped as 2x thc:5: thc:3 and thc:2 never run, whatever they would cost
     costs = {"plain": 0.3, "fp32": 0.3, "bf16": 0.2, "thc:5": 0.1, "thc:4": 0.2, "thc:3": 0.01, "thc:2": 0.01}
