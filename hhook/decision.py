@@ -62,12 +62,12 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import lanes
 from .allreduce import thc_allreduce_async
 from .errors import ConfigMismatchError
 from .flat import cast_allreduce, dense_allreduce
 from .groups import explain
 from .state import THCState
+from .topology import wire_bits_per_coord
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +76,6 @@ MIN_WIDTH = 2
 #: A width below auto - 1 takes a turn only if the width above it was at least this
 #: fraction faster than the one above that: fewer bytes must still be buying time.
 DESCEND_GAIN = 0.03
-#: Bits per coordinate each dense candidate hands to its allreduce (THC's follow from its
-#: lanes: :func:`wire_bits`).
-DENSE_WIRE_BITS = {"bf16": 16.0, "fp32": 32.0}
 #: Iterations per candidate's turn; the first of each turn is not measured. Five samples
 #: per candidate: a median of three let one noisy step (a shared host) pick the wrong one.
 WINDOW = 6
@@ -107,6 +104,8 @@ LAG = 3
 KEPT_DECISIONS = 8
 #: The plain iterations' method and the dense candidates.
 PLAIN, FP32, BF16 = "plain", "fp32", "bf16"
+#: Bits per coordinate each dense candidate hands to its allreduce (THC's: :func:`wire_bits`).
+DENSE_WIRE_BITS = {BF16: 16.0, FP32: 32.0}
 
 
 def candidates(auto_width: int, floor: int = MIN_WIDTH) -> list[str]:
@@ -121,21 +120,17 @@ def candidates(auto_width: int, floor: int = MIN_WIDTH) -> list[str]:
     return [f"thc:{b}" for b in widths] + [BF16, FP32]
 
 
-def wire_bits(methods: list[str], participants: int) -> dict[str, float]:
+def wire_bits(methods: list[str], participants: int, block_size: int = 1024) -> dict[str, float]:
     """Bits per coordinate each of ``methods`` puts on the wire when ``participants`` ranks
-    (or nodes) sum: THC's lane width per code (its headroom grows with them), 16 and 32
-    for the dense ones.
+    (or nodes) sum: THC's :func:`~hhook.topology.wire_bits_per_coord` (lanes, whose
+    headroom grows with them, and the block scales), 16 and 32 for the dense ones.
 
     Example::
         >>> wire_bits(["thc:5", "thc:4", "thc:3", "bf16", "fp32"], 2)
-        {'thc:5': 6.4, 'thc:4': 5.333, 'thc:3': 4.0, 'bf16': 16.0, 'fp32': 32.0}
+        {'thc:5': 6.431, 'thc:4': 5.365, 'thc:3': 4.031, 'bf16': 16.0, 'fp32': 32.0}
     """
-    out = {}
-    for m in methods:
-        bits = thc_bits(m)
-        out[m] = DENSE_WIRE_BITS[m] if bits is None else round(
-            lanes.choose_layout(participants, 1 << bits).bits_per_code, 3)
-    return out
+    return {m: DENSE_WIRE_BITS[m] if thc_bits(m) is None
+            else round(wire_bits_per_coord(thc_bits(m), participants, block_size), 3) for m in methods}
 
 
 def thc_bits(method: str) -> int | None:
@@ -313,7 +308,7 @@ class Decision:
                 # an evaluation or a save is 3x and more (it dropped THC 3 bits, the
                 # transformer's fastest width at 4 ranks, twice). Its first two measured
                 # steps both slow, or the median of three or more, drop it.
-                worst = (min(taken) if len(taken) == 2 else _median(taken)) if len(taken) >= 2 else None
+                worst = None if len(taken) < 2 else min(taken) if len(taken) == 2 else _median(taken)
                 if best is not None and worst is not None and worst > ratio * best:
                     self.dropped[method] = worst
                     self._log_drop(method, worst, best, "measured")
@@ -335,9 +330,9 @@ class Decision:
         """A lower bound on ``method``'s period before it runs: fp32's own sample; bf16
         sends half the bytes of fp32, so it takes at least half its step."""
         fp32 = self._fp32_estimate()
-        if fp32 is None:
+        if fp32 is None or method not in DENSE_WIRE_BITS:
             return None
-        return {FP32: fp32, BF16: fp32 / 2}.get(method)
+        return fp32 * DENSE_WIRE_BITS[method] / DENSE_WIRE_BITS[FP32]
 
     def _narrowing_pays(self, method: str) -> bool:
         """Whether THC ``method`` should take its turn: always for dense candidates, the
@@ -345,8 +340,8 @@ class Decision:
         ran :data:`DESCEND_GAIN` faster than the one above that, or ran within that of it
         and would save as much by the bytes it saves (:meth:`_byte_gain`): fewer bytes
         still buy time. A width above it that was dropped or skipped, or measured more than
-        that slower than the one above that, stops the descent (the codec costs more than the bytes
-        save)."""
+        that slower than the one above that, stops the descent (the codec costs more than
+        the bytes save)."""
         bits = thc_bits(method)
         if bits is None or f"thc:{bits + 2}" not in self.options["candidates"]:
             return True
@@ -362,18 +357,18 @@ class Decision:
             return True  # measured
         # within the noise of a turn (not measured slower by as much): the bytes decide
         return (est[wider] <= (1 + DESCEND_GAIN) * est[widest]
-                and self._byte_gain(wider, method) >= DESCEND_GAIN * est[wider])
+                and self._byte_gain(wider, est[wider], method) >= DESCEND_GAIN * est[wider])
 
-    def _byte_gain(self, wider: str, method: str) -> float:
-        """The time ``method`` would save on THC ``wider`` by its fewer bytes alone, at the
-        time per wire bit that fp32 against ``wider`` measured (0 where fp32 was not
-        slower, or unknown). fp32 against THC spans five times the bytes of one width
+    def _byte_gain(self, wider: str, period: float, method: str) -> float:
+        """The time ``method`` would save on THC ``wider`` (its median ``period``) by its
+        fewer bytes alone, at the time per wire bit that fp32 against ``wider`` measured
+        (0 where fp32 was not slower, or unknown). fp32 against THC spans five times the bytes of one width
         against the next, so noise that hides a 3% gain between widths does not hide this
         one; THC's codec cost only makes it an underestimate."""
         wire, fp32 = self.options.get("wire_bits"), self._fp32_estimate()
         if not wire or fp32 is None:
             return 0.0
-        per_bit = (fp32 - self.estimates()[wider]) / (wire[FP32] - wire[wider])
+        per_bit = (fp32 - period) / (wire[FP32] - wire[wider])
         return max(per_bit, 0.0) * (wire[wider] - wire[method])
 
     def _awaits_wider_turn(self, method: str) -> bool:
@@ -579,7 +574,8 @@ def build(state: THCState) -> Decision:
         raise ValueError("hhook: bits='auto' with error_feedback=True on two-level layouts is not supported yet; "
                          "pass an integer bits= (THC always) or error_feedback=False")
     names = candidates(state.auto_width())
-    return Decision(names, wire_bits=wire_bits(names, topo.n_nodes if topo.two_level else state.world_size))
+    participants = topo.n_nodes if topo.two_level else state.world_size
+    return Decision(names, wire_bits=wire_bits(names, participants, state.block_size))
 
 
 def exchange(state: THCState, bucket, layout) -> torch.futures.Future:
