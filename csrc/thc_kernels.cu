@@ -13,7 +13,8 @@
 //                  and re-reading it), add the error-feedback residual, round stochastically
 //                  onto the agreed scales with the counter-based RNG, pack the codes into
 //                  planar lane words, write the new residual. A header that says
-//                  "non-finite" or "identical" turns it into a copy of the old residual.
+//                  "non-finite" or "identical" turns it into zero words and a copy of the old
+//                  residual.
 //   hh_decode_*    NaN if the header says non-finite or mismatch; the input itself if it
 //                  says identical; otherwise unpack the summed words, dequantize to the mean,
 //                  inverse rotation, crop, store in the output dtype.
@@ -363,7 +364,12 @@ __device__ void hh_quantize(const typename In::T* x, const hh_u32* signs, const 
     const hh_i64 n_blocks = total >> log2B;
 
     if (hh_nonfinite(agreed) || hh_identical(agreed)) {
-        // Nothing to send (decode ignores the words); the residual stays as it was.
+        // Nothing to send: zero words (decode ignores them; never memory left by others on
+        // the wire); the residual stays as it was.
+        for (int q = 0; q < words_per_thread; ++q) {
+            const hh_i64 i = w0 + t + q * T;
+            if (i < n_words) words[i] = 0;
+        }
         if (has_residual && residual != residual_out)
             for (int j = 0; j < lanes; ++j)
                 for (int q = 0; q < words_per_thread; ++q) {

@@ -73,6 +73,23 @@ class _Reference:
             os.environ[cuda_kernels.FORCE_REFERENCE_ENV] = self.saved
 
 
+def stage_times(codec: THCCodec, x: torch.Tensor, iters: int) -> dict:
+    """Median seconds of each stage alone on ``x`` (the others' outputs made beforehand),
+    of encode (prepare + quantize) and of a device-to-device copy of the same bytes."""
+    out, dst = torch.empty_like(x), torch.empty_like(x)
+    p = codec.prepare(x)
+    agreed = p.scales.clone()
+    agreed[3] += 1  # another rank's digest: not "identical"
+    words = codec.quantize(p, agreed, 7)
+    return {
+        "copy_s": _median_seconds(lambda: dst.copy_(x), iters),
+        "prepare_s": _median_seconds(lambda: codec.prepare(x), iters),
+        "quantize_s": _median_seconds(lambda: codec.quantize(p, agreed, 7, out=words), iters),
+        "encode_s": _median_seconds(lambda: codec.quantize(codec.prepare(x), agreed, 7, out=words), iters),
+        "decode_s": _median_seconds(lambda: codec.decode(p, agreed, words, out), iters),
+    }
+
+
 def codec_throughput(codec: THCCodec, sizes_mb, dtypes, iters: int) -> list[dict]:
     rows = []
     for dtype in dtypes:

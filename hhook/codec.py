@@ -252,7 +252,7 @@ class THCCodec:
         ``(n_blocks, B)``) is added to the rotated blocks before rounding, and the new
         rounding error is written to ``residual_out`` (default: ``residual``, in place),
         unless the header says some rank was non-finite or every rank's tensor is the
-        same: then the words carry nothing (decode ignores them) and ``residual_out``
+        same: then the words are zeros (decode ignores them) and ``residual_out``
         receives the old residual. No host reads: the header checks are tensor operations.
         """
         if residual_out is None:
@@ -277,6 +277,7 @@ class THCCodec:
             fresh = torch.empty_like(blocks)
             quantization.quantize_into(codes, blocks + residual, agreed[HEADER:], self.levels, key, fresh)
             residual_out.copy_(torch.where(nonfinite | identical, residual, fresh))
+        codes.masked_fill_(nonfinite | identical, 0)  # the words carry nothing then: zeros, as the kernels send
         words = lanes.pack(codes, self.layout)
         return words if out is None else out.copy_(words)
 

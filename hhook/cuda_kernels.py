@@ -45,10 +45,12 @@ objects and per-stream workspaces are cached, and there are no helper kernels: o
 per stage.
 
 **Availability.** :func:`warm_up` compiles the kernels for a device (NVRTC, seconds, once;
-CuPy also caches the binary on disk, ``~/.cupy/kernel_cache``). Call it when the training
+CuPy also caches the binary on disk, ``~/.cupy/kernel_cache``, or a private temporary
+folder when that is not writable). Call it when the training
 state is built; otherwise the first compressed bucket does. If compiling fails (no NVRTC,
 no CUDA headers, an unsupported GPU) it logs one line and the codec falls back to the
-reference for that device. ``HHOOK_FORCE_REFERENCE=1`` forces the reference everywhere.
+reference for that device; so does a CuPy that does not import (one log line too).
+``HHOOK_FORCE_REFERENCE=1`` forces the reference everywhere.
 Block sizes above :data:`MAX_BLOCK` use the reference too.
 """
 
@@ -58,7 +60,9 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -100,11 +104,41 @@ _SHARED_LIMIT = 48 * 1024  # bytes of dynamic shared memory without an opt-in
 
 
 # -- availability ----------------------------------------------------------------
+CACHE_ENV = "CUPY_CACHE_DIR"
+
+
+def _writable_folder(path: str) -> bool:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def _ensure_cache_dir() -> None:
+    """CuPy 14 creates its kernel cache folder (``~/.cupy/kernel_cache``) when it is
+    imported and fails to import if it cannot: a read-only or missing home (containers,
+    batch jobs under a service account) would switch the kernels off. Where the user set no
+    ``CUPY_CACHE_DIR`` and the default is unusable, point CuPy at a private temporary
+    folder (one log line; the kernels are then compiled once per process)."""
+    if os.environ.get(CACHE_ENV) or _writable_folder(os.path.expanduser("~/.cupy/kernel_cache")):
+        return
+    folder = tempfile.mkdtemp(prefix="hhook-cupy-cache-")
+    os.environ[CACHE_ENV] = folder
+    logger.warning("hhook: ~/.cupy/kernel_cache is not writable; CuPy caches hhook's kernels in %s "
+                   "(set %s to keep them across processes)", folder, CACHE_ENV)
+
+
+_import_error: list = []  # why CuPy did not import, for the one log line of warm_up
+
+
 @functools.cache
 def _cupy_importable() -> bool:
+    _ensure_cache_dir()
     try:
         import cupy  # noqa: F401
-    except Exception:  # ImportError, or a CuPy built for another CUDA failing to load
+    except Exception as err:  # ImportError, or a CuPy built for another CUDA failing to load
+        _import_error.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         return False
     return True
 
@@ -140,13 +174,26 @@ def _warm_up(index: int) -> bool:
     return True
 
 
+@functools.cache
+def _say_unavailable() -> None:
+    logger.warning(
+        "hhook: CuPy is not importable (%s); CUDA tensors use the reference codec, several times slower "
+        "(pip install cupy-cuda13x, or cupy-cuda12x for a CUDA 12 build of torch)",
+        _import_error[0] if _import_error else "ImportError")
+
+
 def warm_up(device=None) -> bool:
     """Compile and load the kernels for ``device`` now; False (and one log line) if that fails.
 
     The transport calls it when its state is built, so that neither the compile (seconds,
     once) nor a failure happens inside the backward pass.
     """
-    return available() and _warm_up(_device_index(device))
+    if backend.forced_off():
+        return False
+    if not _cupy_importable():
+        _say_unavailable()
+        return False
+    return _warm_up(_device_index(device))
 
 
 def usable(device, block: int) -> bool:

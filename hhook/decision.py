@@ -65,7 +65,7 @@ import torch.distributed as dist
 from .allreduce import thc_allreduce_async
 from .errors import ConfigMismatchError
 from .flat import cast_allreduce, dense_allreduce
-from .groups import explain
+from .groups import explain, reduces_on_host
 from .state import THCState
 from .topology import wire_bits_per_coord
 
@@ -511,13 +511,16 @@ class Prober:
             return
         iteration, period, fp = self.pending
         self.pending = None
-        vector = torch.tensor([period, fp, -fp], dtype=torch.float64, device=device)
+        vector = torch.tensor([period, fp, -fp], dtype=torch.float64)
+        on_device = device.type == "cuda" and not reduces_on_host(state.process_group)
+        if on_device:  # NCCL alone: staged through pinned memory, so the host never waits on the stream
+            vector = vector.pin_memory().to(device, non_blocking=True)
         work = dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)
         self.group = state.process_group
         state.count(None, 0, vector.nbytes)
         host = event = None
-        if vector.is_cuda:  # read later from pinned memory: no host read of the stream now
-            work.wait()
+        if on_device:  # read later from pinned memory: no host read of the stream now
+            work.wait()  # NCCL: the current stream waits for the reduction, the host does not
             host = torch.empty(3, dtype=torch.float64, pin_memory=True)
             host.copy_(vector, non_blocking=True)
             event = torch.cuda.Event()

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from .futures import completed, new_future, settle, then, value_of
 from .groups import explain
 from .layout import SUPPORTED_DTYPES
+from .sequencer import stream_of
 from .state import THCState
 
 
@@ -200,7 +201,7 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=N
             except BaseException as exc:
                 result.set_exception(exc)
 
-        state._sequencer.launch(ticket, launch)
+        state._sequencer.launch(ticket, launch, stream_of(words))
 
     try:
         fut = dist.all_reduce(plan.max_vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)

@@ -68,7 +68,12 @@ PREDICTED_REFUSED = (
 
 
 def _param_group(module):
-    groups = module._get_fsdp_state()._fsdp_param_groups
+    """The module's FSDP param group, or None: torch 2.13 keeps a list of them
+    (``_fsdp_param_groups``), torch 2.11 one (``_fsdp_param_group``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        return getattr(state, "_fsdp_param_group", None)
     return groups[0] if groups else None
 
 

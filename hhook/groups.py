@@ -86,6 +86,13 @@ def explain(exc: BaseException, what: str, group) -> BaseException:
     return errors.explain(exc, what, timeout_of(group).total_seconds(), peers_of(group))
 
 
+def reduces_on_host(group) -> bool:
+    """Whether ``group`` reduces CPU tensors (it has a Gloo or MPI backend): small control
+    vectors then travel from the host, where reading them costs no device synchronisation."""
+    backend = str(dist.get_backend(group if group is not None else dist.group.WORLD))
+    return "gloo" in backend or "mpi" in backend
+
+
 def _gloo_for_cuda(parent: dist.ProcessGroup) -> bool:
     """Whether ``parent`` reduces CUDA tensors over Gloo (ranks sharing one GPU, which
     NCCL refuses): the second communicator then uses Gloo too."""
@@ -106,9 +113,8 @@ class SecondGroup:
         # carry a number rank 0 drew now, so a stale address of a failed attempt is never
         # read as a live peer's. The members are all here (a blocking handshake).
         # On the host wherever the parent has Gloo (CUDA tensors over Gloo too: ranks sharing a GPU).
-        backend = str(dist.get_backend(parent))
         nonce = torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64,
-                             device=torch.device("cpu" if "gloo" in backend or "mpi" in backend else device_type))
+                             device=torch.device("cpu" if reduces_on_host(parent) else device_type))
         dist.all_reduce(nonce, dist.ReduceOp.MAX, group=parent)
         self.handshake_bytes = nonce.nbytes  # handed to a collective: the owner counts it
         store = dist.PrefixStore(f"hhook/second/{parent.group_name}/{index}/{int(nonce.item()):x}/",

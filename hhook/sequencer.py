@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,6 +29,11 @@ class Sequencer:
     launch tickets of the same sequencer, directly or through a transport that runs
     ``then`` callbacks inline (NCCL does), without deadlocking.
 
+    A callback may run on another thread than the one that launched it, whose current
+    CUDA stream is another continuation's; a collective orders its work after the
+    *current* stream, so :meth:`launch` takes the stream that produced what the callback
+    sends (:func:`stream_of`) and runs the callback under it.
+
     Callbacks should not raise (the transports hand their errors to their futures).
     One that does is logged, since the thread running it may be a transport's, which
     drops exceptions; the later ready tickets still run, and then :meth:`launch`
@@ -45,8 +52,11 @@ class Sequencer:
             self._next_ticket += 1
             return self._next_ticket - 1
 
-    def launch(self, ticket: int, fn) -> None:
-        """Run ``fn`` (None: skip the ticket) once all earlier tickets have run."""
+    def launch(self, ticket: int, fn, stream: torch.cuda.Stream | None = None) -> None:
+        """Run ``fn`` (None: skip the ticket) once all earlier tickets have run, under
+        ``stream`` (a CUDA stream) if given."""
+        if fn is not None and stream is not None:
+            fn = _under(stream, fn)
         with self._lock:
             if not self._next_launch <= ticket < self._next_ticket or ticket in self._ready:
                 raise ValueError(f"hhook: sequencer ticket {ticket} was never drawn or was already launched")
@@ -73,3 +83,17 @@ class Sequencer:
                     first_error = exc
         if first_error is not None:
             raise first_error
+
+
+def stream_of(tensor: torch.Tensor) -> torch.cuda.Stream | None:
+    """The current CUDA stream of ``tensor``'s device (None for a CPU tensor): the one
+    whose queued work produced it, to hand to :meth:`Sequencer.launch`."""
+    return torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
+
+
+def _under(stream: torch.cuda.Stream, fn):
+    def run() -> None:
+        with torch.cuda.stream(stream):
+            fn()
+
+    return run

@@ -54,6 +54,7 @@ from .groups import explain, timeout_of
 from .layout import SUPPORTED_DTYPES
 from .stats import Counters
 from .node_memory import unlink_quietly
+from .sequencer import stream_of
 from .topology import Topology
 
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -287,7 +288,7 @@ def two_level_allreduce_async(
                 failure.append(exc)
                 finish(None, out, None)
 
-        gather_seq.launch(gather_ticket, launch)
+        gather_seq.launch(gather_ticket, launch, stream_of(send))
 
     def after_inter(g: torch.futures.Future, shard: torch.Tensor) -> None:
         try:
@@ -329,7 +330,7 @@ def two_level_allreduce_async(
                 return
             fut.then(lambda g: after_inter(g, shard))
 
-        inter_seq.launch(inter_ticket, launch)
+        inter_seq.launch(inter_ticket, launch, stream_of(shard))
 
     try:
         if shm:  # a barrier: every rank of the node has written its row

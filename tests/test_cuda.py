@@ -25,7 +25,6 @@ import ctypes.util
 import functools
 import hashlib
 import importlib.util
-import math
 import os
 import shutil
 import subprocess
@@ -33,7 +32,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -41,13 +39,13 @@ import hhook
 from hhook import cuda_kernels, rng, rotation
 from hhook.codec import HEADER, THCCodec
 
+from cuda_support import (KINDS, LOG2R, agreed_from, build_emulator, emulated_launch, emulator_unavailable, gradient,
+                          kernel_order_hadamard, mine, parity_case, reference)
 from distributed import run_world
 
 ROOT = Path(__file__).resolve().parents[1]
 CU_FILES = sorted((ROOT / "csrc").glob("*.cu"))
 NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
-GXX = shutil.which("g++")
-LOG2R = cuda_kernels._R.bit_length() - 1
 SMALLEST_NORMAL = float(torch.finfo(torch.float32).tiny)
 
 
@@ -237,208 +235,18 @@ def test_block_size_limits():
         cuda_kernels.prepare(THCCodec(block_size=8192), torch.zeros(20000))
 
 
-# -- the kernels' transform order, as a torch model --------------------------------------------
-def kernel_order_hadamard(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``rotation._hadamard`` computed as the kernels do: radix-2 steps in hh_fwht's bit
-    order (passes of LOG2R bits from the top, ascending within a pass), then one fp32
-    multiply by ``1/sqrt(B)``. Each step is an exact-rounded add/sub, so this equals the
-    kernels bit for bit (barring subnormals, which the GPU flushes)."""
-    n, block = blocks.shape
-    x = blocks.to(torch.float32).clone()
-    hi = block.bit_length() - 1
-    while hi > 0:
-        lo = max(hi - LOG2R, 0)
-        for bit in range(lo, hi):
-            v = x.view(n, block >> (bit + 1), 2, 1 << bit)
-            a, b = v[:, :, 0].clone(), v[:, :, 1].clone()
-            v[:, :, 0] = a + b
-            v[:, :, 1] = a - b
-        hi -= LOG2R
-    x.mul_(torch.tensor(np.float32(1.0 / math.sqrt(block)), device=x.device))
-    if out is None:
-        return x
-    out.copy_(x)
-    return out
-
-
-@contextlib.contextmanager
-def reference():
-    """The reference codec, also for CUDA tensors, with the kernels' transform order."""
-    old = os.environ.get(cuda_kernels.FORCE_REFERENCE_ENV)
-    os.environ[cuda_kernels.FORCE_REFERENCE_ENV] = "1"
-    saved = rotation._hadamard
-    rotation._hadamard = kernel_order_hadamard
-    try:
-        yield
-    finally:
-        rotation._hadamard = saved
-        if old is None:
-            del os.environ[cuda_kernels.FORCE_REFERENCE_ENV]
-        else:
-            os.environ[cuda_kernels.FORCE_REFERENCE_ENV] = old
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory):
+    why = emulator_unavailable()
+    if why:
+        pytest.skip(why)
+    return build_emulator(tmp_path_factory.mktemp("emu"))
 
 
 def test_kernel_order_is_a_hadamard_transform():
     x = torch.randn(3, 64, dtype=torch.float64)
     h = rotation._hadamard_cpu(64).to(torch.float64) / 8
     torch.testing.assert_close(kernel_order_hadamard(x).double(), x @ h.T, rtol=1e-5, atol=1e-5)
-
-
-# -- backends: CPU emulator and the real GPU ---------------------------------------------------
-_SHIM = r"""
-#include <atomic>
-#include <barrier>
-#include <cmath>
-#include <cstring>
-#include <string>
-#include <thread>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-#define HHOOK_HOST_EMULATION 1
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__
-#define __launch_bounds__(...)
-
-struct hh_dim3 { unsigned x = 0, y = 0, z = 0; };
-struct alignas(16) float4 { float x, y, z, w; };
-struct alignas(8) ushort4 { unsigned short x, y, z, w; };
-static thread_local hh_dim3 threadIdx, blockIdx;
-static hh_dim3 blockDim, gridDim;
-static std::barrier<>* hh_bar;
-static std::vector<unsigned long long> hh_slots;
-alignas(16) float hh_smem[16384];  // dynamic shared memory, above the 48 KiB kernels use
-
-static inline void __syncthreads() { hh_bar->arrive_and_wait(); }
-static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-// Every thread of the block calls the shuffles together (as the kernels do), so a
-// block-wide exchange through memory stands in for the warp's.
-template <class T> static inline T __shfl_xor_sync(unsigned, T v, int off) {
-    unsigned long long bits = 0;
-    std::memcpy(&bits, &v, sizeof(T));
-    hh_slots[threadIdx.x] = bits;
-    hh_bar->arrive_and_wait();
-    bits = hh_slots[threadIdx.x ^ off];
-    hh_bar->arrive_and_wait();
-    T r;
-    std::memcpy(&r, &bits, sizeof(T));
-    return r;
-}
-static inline unsigned atomicMax(unsigned* p, unsigned v) {
-    unsigned old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
-    while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
-    return old;
-}
-static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
-    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
-}
-static inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
-static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-// CuPy compiles with -ftz=true: the intrinsics flush subnormal inputs and results to zero.
-static inline float hh_ftz(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x; }
-static inline float __fadd_rn(float a, float b) { return hh_ftz(hh_ftz(a) + hh_ftz(b)); }
-static inline float __fsub_rn(float a, float b) { return hh_ftz(hh_ftz(a) - hh_ftz(b)); }
-static inline float __fmul_rn(float a, float b) { return hh_ftz(hh_ftz(a) * hh_ftz(b)); }
-static inline float __fdiv_rn(float a, float b) { return hh_ftz(hh_ftz(a) / hh_ftz(b)); }
-static inline float hh_half_to_float(unsigned short h) { _Float16 x; std::memcpy(&x, &h, 2); return (float)x; }
-static inline unsigned short hh_float_to_half(float f) {
-    _Float16 x = (_Float16)f;
-    unsigned short h;
-    std::memcpy(&h, &x, 2);
-    return h;
-}
-
-#include KERNELS
-
-template <class A> static std::string hh_code() {
-    using T = std::remove_cv_t<A>;
-    const char kind = std::is_pointer_v<T> ? 'p' : std::is_floating_point_v<T> ? 'f' : std::is_signed_v<T> ? 'i' : 'u';
-    return kind + std::to_string(sizeof(T));
-}
-
-template <class... A, std::size_t... I>
-static void hh_call(void (*k)(A...), void** args, std::index_sequence<I...>) {
-    k(*static_cast<std::remove_cv_t<A>*>(args[I])...);
-}
-
-// Returns 0, or -1 with the expected signature in `expected` when the arguments differ.
-template <class... A>
-static int hh_run(void (*k)(A...), int grid, int block, void** args, const char* sig, char* expected) {
-    const std::string want = (std::string() + ... + hh_code<A>());
-    if (want != sig) {
-        std::strncpy(expected, want.c_str(), 255);
-        return -1;
-    }
-    gridDim.x = grid;
-    blockDim.x = block;
-    std::barrier<> bar(block);
-    hh_bar = &bar;
-    hh_slots.assign(block, 0);
-    std::vector<std::thread> threads;
-    for (int t = 0; t < block; ++t)
-        threads.emplace_back([=, &bar] {
-            threadIdx.x = t;
-            for (int b = 0; b < grid; ++b) {
-                blockIdx.x = b;
-                hh_call(k, args, std::index_sequence_for<A...>{});
-                bar.arrive_and_wait();
-            }
-        });
-    for (auto& th : threads) th.join();
-    return 0;
-}
-"""
-
-
-@pytest.fixture(scope="session")
-def emulator(tmp_path_factory):
-    if GXX is None:
-        pytest.skip("g++ is not installed: cannot emulate the kernels")
-    version = subprocess.run([GXX, "-dumpversion"], capture_output=True, text=True).stdout.strip()
-    if int(version.split(".")[0] or 0) < 12:
-        pytest.skip(f"the emulator needs g++ >= 12 (C++20 <barrier>, _Float16), not {version}")
-    folder = tmp_path_factory.mktemp("emu")
-    entry = 'extern "C" int emu_{0}(int g, int b, void** a, const char* s, char* e)'
-    entry += " {{ return hh_run({0}, g, b, a, s, e); }}\n"
-    entries = "".join(entry.format(n) for n in cuda_kernels.KERNEL_NAMES)
-    src = folder / "emu.cpp"
-    src.write_text(_SHIM.replace("#include KERNELS", f'#include "{cuda_kernels.source_path()}"') + entries)
-    lib = folder / "emu.so"
-    cmd = [GXX, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-o", str(lib), str(src)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return ctypes.CDLL(str(lib))
-
-
-def _signature_code(arg) -> str:
-    if isinstance(arg, torch.Tensor):
-        return "p8"
-    kind = {"f": "f", "i": "i", "u": "u"}[arg.dtype.kind]
-    return f"{kind}{arg.dtype.itemsize}"
-
-
-def _emulated_launch(lib, launch: cuda_kernels.Launch, device) -> None:
-    assert launch.shared_mem <= cuda_kernels._SHARED_LIMIT, "needs the opt-in for more than 48 KiB"
-    assert launch.block % 32 == 0 and launch.block <= cuda_kernels._MAX_THREADS
-    keep = []
-    pointers = (ctypes.c_void_p * len(launch.args))()
-    for i, arg in enumerate(launch.args):
-        if isinstance(arg, torch.Tensor):
-            assert arg.device.type == "cpu" and (arg.is_contiguous() or arg.numel() == 0)
-            value = ctypes.c_void_p(arg.data_ptr())
-        else:
-            value = ctypes.create_string_buffer(arg.tobytes(), arg.nbytes)
-        keep.append(value)
-        pointers[i] = ctypes.cast(ctypes.pointer(value), ctypes.c_void_p)
-    sig = "".join(_signature_code(a) for a in launch.args)
-    expected = ctypes.create_string_buffer(256)
-    rc = getattr(lib, f"emu_{launch.name}")(launch.grid, launch.block, pointers, sig.encode(), expected)
-    assert rc == 0, f"{launch.name}: arguments {sig}, kernel expects {expected.value.decode()}"
 
 
 class Backend:
@@ -460,33 +268,8 @@ def backend(request, monkeypatch):
         monkeypatch.delenv(cuda_kernels.FORCE_REFERENCE_ENV, raising=False)
         return Backend("cuda", torch.device("cuda"), fast=True)
     lib = request.getfixturevalue("emulator")
-    monkeypatch.setattr(cuda_kernels, "_launch", functools.partial(_emulated_launch, lib))
+    monkeypatch.setattr(cuda_kernels, "_launch", functools.partial(emulated_launch, lib))
     return Backend("emulated", torch.device("cpu"), fast=False)
-
-
-def gradient(numel: int, seed: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
-    """Heavy-tailed test data with some all-zero stretches (blocks whose scale is 0)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(numel, generator=g) * torch.exp(torch.randn(numel, generator=g))  # fits fp16
-    if numel > 64:
-        x[numel // 3 : numel // 3 + min(numel // 4, 2048)] = 0
-    return x.to(dtype).to(device)
-
-
-def agreed_from(prepared, seed: int) -> torch.Tensor:
-    """Scales as after a MAX allreduce with other ranks: some maxima raised, and the
-    digest of another tensor (so the header does not read "identical")."""
-    g = torch.Generator().manual_seed(seed)
-    agreed = prepared.scales.clone()
-    grow = 1 + 0.5 * torch.rand(agreed.numel() - HEADER, generator=g).to(agreed.device)
-    agreed[HEADER:] *= grow
-    agreed[3] = agreed[3] + 1  # max over ranks of d_lo, while -d_lo stays this rank's
-    return agreed
-
-
-def mine(codec, x):
-    """prepare through the kernels (the codec dispatches only CUDA tensors itself)."""
-    return cuda_kernels.prepare(codec, x.reshape(-1))
 
 
 SIZES_FAST = [0, 1, 2, 3, 5, 16, 17, 100, 1000, 1024, 1025, 3000, 4097, 20000, 65536 + 3, 1 << 20]
@@ -935,3 +718,88 @@ def _shared_gpu_ranks(rank, world_size, stream_kind, pressure):
 def test_thc_allreduce_gloo_ranks_sharing_one_gpu(stream_kind, pressure):
     errors = run_world(_shared_gpu_ranks, 2, stream_kind, pressure, backend="gloo", cuda=True, timeout=300)
     assert all(0 < e < 0.02 for rank in errors for e in rank), errors
+
+
+def _late_codes_ranks(rank, world_size):
+    """Eight keys in flight, each one's codes written late on its continuation's stream
+    (a sleep queued before quantize): a SUM that another continuation launches must still
+    wait for them (the sequencer runs the launch under the stream that made the codes)."""
+    from hhook import cuda_kernels as kernels
+
+    real = kernels.quantize
+
+    def late(*args, **kwargs):
+        torch.cuda._sleep(20_000_000)  # about 10 ms of this stream's time
+        return real(*args, **kwargs)
+
+    kernels.quantize = late
+    state = hhook.THCState(bits=8, block_size=1024)
+    errors = []
+    for step in range(3):
+        inputs = [[torch.randn(200_003, generator=torch.Generator().manual_seed(1000 * step + 10 * k + r))
+                   for r in range(world_size)] for k in range(8)]
+        xs = [rows[rank].cuda() for rows in inputs]
+        futures = [hhook.thc_allreduce_async(x, state, key=k) for k, x in enumerate(xs)]
+        for f in futures:
+            f.wait()
+        torch.cuda.current_stream().synchronize()
+        for x, rows in zip(xs, inputs):
+            want = sum(rows) / world_size
+            errors.append(float((x.cpu() - want).norm() / want.norm()))
+    return errors
+
+
+@needs_gpu
+def test_sums_launched_by_another_continuation_wait_for_their_codes():
+    errors = run_world(_late_codes_ranks, 2, backend="gloo", cuda=True, timeout=300)
+    assert all(0 < e < 0.02 for rank in errors for e in rank), errors
+
+
+def _default_hook_ranks(rank, world_size):
+    """``hhook.register(model)`` as a user writes it (bits="auto"), on a GPU: per step, the
+    host syncs issued from hhook's files, and the method the step ran."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)).cuda()
+    ddp = DDP(model, device_ids=[torch.cuda.current_device()], bucket_cap_mb=1)
+    state = hhook.register(ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    batches = torch.Generator().manual_seed(rank)
+    steps = []
+    for _ in range(40):
+        x, y = (torch.randn(64, 256, generator=batches).cuda() for _ in range(2))
+        opt.zero_grad()
+        with _host_syncs("cuda") as syncs:
+            (ddp(x) - y).square().mean().backward()
+        opt.step()
+        steps.append({"ours": [line for line in syncs if line.startswith(HHOOK_DIR)],
+                      "compressed_calls": state.stats()["compressed_calls"]})
+    torch.cuda.synchronize()
+    return steps
+
+
+@needs_gpu
+def test_the_default_hook_issues_no_host_sync_on_a_gpu():
+    """Past the first step (DDP's own, and the handshakes of the hook's first call), no
+    step of the default hook issues a host sync from hhook, while it probes widths and
+    after it decides."""
+    for steps in run_world(_default_hook_ranks, 2, backend="gloo", cuda=True, timeout=300):
+        assert steps[-1]["compressed_calls"] > 0, steps[-1]
+        late = [(i, s["ours"]) for i, s in enumerate(steps) if i >= 2 and s["ours"]]
+        assert not late, late
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_stage_matches_the_reference_on_adversarial_inputs(backend, kind):
+    """prepare, quantize (every rank's stream, error feedback) and decode of the summed
+    words: zero differing bits on zeros, inf/NaN, subnormals (as flushed) and an outlier,
+    at lengths off the block (ci/gpu_check.py runs the large sweep on a GPU)."""
+    sizes = (1000, 4097, 65539) if backend.fast else (1025,)
+    for numel in sizes:
+        for i, (dtype, rounding) in enumerate(((torch.float32, "correlated"), (torch.bfloat16, "independent"),
+                                               (torch.float16, "correlated"))):
+            if not backend.fast and i == 2:
+                continue  # the emulator is slow
+            diff = parity_case(kind, numel, dtype, bits=3 + 2 * i, rounding=rounding, device=backend.device)
+            assert not any(diff.values()), (numel, dtype, rounding, diff)

@@ -199,7 +199,13 @@ def check_sweep(args, float32: bool) -> list[int]:
     return check_sizes(sweep(args.begin, args.end, args.factor), float32)
 
 
-def check_backend(backend: str) -> None:
+def device_of(args) -> str:
+    """``--device``, or its default: cuda with the nccl backend, else cpu."""
+    device = getattr(args, "device", None)
+    return device if device is not None else ("cuda" if args.backend == "nccl" else "cpu")
+
+
+def check_backend(backend: str, device: str = "cpu") -> None:
     """The backend's library and device are there."""
     if backend == "mpi" and importlib.util.find_spec("mpi4py") is None:
         raise UsageError("--backend mpi needs mpi4py (pip install mpi4py, or hhook[mpi]); "
@@ -209,6 +215,11 @@ def check_backend(backend: str) -> None:
 
         if not torch.cuda.is_available():
             raise UsageError("--backend nccl needs a CUDA GPU on every rank; use --backend gloo or mpi on CPU")
+    if device == "cuda":
+        import torch
+
+        if backend == "mpi" or not torch.cuda.is_available():
+            raise UsageError("--device cuda needs a CUDA GPU on every rank and --backend gloo or nccl")
 
 
 def check_outputs(args) -> str | None:

@@ -369,7 +369,7 @@ def worker(spec: dict) -> dict:
     dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world, timeout=timeout)
     beat("process group")
     device = torch.device("cpu")
-    if spec["backend"] == "nccl":
+    if spec.get("device", "cuda" if spec["backend"] == "nccl" else "cpu") == "cuda":
         device = torch.device("cuda", spec["local_rank"] % torch.cuda.device_count())
         torch.cuda.set_device(device)
 

@@ -26,7 +26,7 @@ import tempfile
 import traceback
 
 from .. import train
-from ..common import EXIT_FAILURE, EXIT_USAGE, UsageError, add_output_options, check_backend, check_outputs, \
+from ..common import EXIT_FAILURE, EXIT_USAGE, UsageError, add_output_options, check_backend, check_outputs, device_of, \
     error, integer, number, options, say, set_threads
 from ..methods import Method
 
@@ -73,6 +73,9 @@ def add_parser(sub) -> None:
     tr.add_argument("--seed", type=int, default=0, help="model initialisation and THC seed (default 0)")
     tr.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                     help="training backend (default gloo; nccl trains on the local GPU)")
+    tr.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                    help="where the model trains (default: cuda with nccl, else cpu); cuda with gloo puts "
+                    "every rank of a node on its local GPU (LOCAL_RANK modulo the GPUs), so ranks may share one")
     tr.add_argument("--threads", type=integer(1), default=1, help="torch threads per rank (default 1)")
     tr.add_argument("--timeout", type=number(0), default=120.0, metavar="S",
                     help="a method whose ranks make no progress for S seconds once training started "
@@ -95,7 +98,7 @@ def check(args, env) -> dict:
     """The run's configuration: the methods, the model's batch size and learning rate, the data."""
     from ..tasks import TASKS
 
-    check_backend(args.backend)
+    check_backend(args.backend, device_of(args))
     task = TASKS[args.model]
     try:
         methods = train.parse_methods(args.methods, args.powersgd_rank)
@@ -324,7 +327,7 @@ def run(args, cfg) -> int:
             say(report.header(m))
             say(f"# command: hhook-profile {' '.join(sys.argv[1:])}")
             say(f"# model {task.name}: {task.summary}; {'text' if task.name == 'gpt' else 'digits'}, batch {cfg['batch_size']} per rank, SGD lr "
-                f"{cfg['lr']:g} momentum 0.9, {args.steps} steps, {args.backend}, {args.threads} thread(s) per rank, "
+                f"{cfg['lr']:g} momentum 0.9, {args.steps} steps, {args.backend} on {device_of(args)}, {args.threads} thread(s) per rank, "
                 f"{ {'fsdp': 'FSDP2', 'hsdp': 'HSDP (FSDP2)'}.get(args.parallel, 'DDP') }")
             say(f"# methods run one at a time in child processes (rendezvous {master_addr}); "
                 f"a method without progress for {args.timeout:g} s is killed")
@@ -334,6 +337,7 @@ def run(args, cfg) -> int:
             spec = {"method": dataclasses.asdict(method), "rank": control.rank, "world_size": control.size,
                     "local_rank": getattr(getattr(control, "env", None), "local_rank", 0),
                     "master_addr": master_addr, "port": port, "backend": args.backend,
+                    "device": device_of(args),
                     "threads": args.threads, "seed": args.seed, "task": task.name, "lr": cfg["lr"],
                     "batch_size": cfg["batch_size"], "steps": args.steps, "eval_every": args.eval_every,
                     "pg_timeout_s": args.timeout, "data_path": data_path, "parallel": args.parallel,
