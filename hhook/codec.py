@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_kernels, cuda_kernels, lanes, quantization, rng, rotation
-from .layout import HEADER, SUPPORTED_DTYPES, Prepared, agreed_status
+from .layout import HEADER, SUPPORTED_DTYPES, Prepared, agreed_status, constant
 from .errors import ConfigMismatchError
 
 #: Bumped whenever the bits on the wire change meaning; part of the fingerprint.
@@ -187,7 +187,7 @@ class THCCodec:
         reads as identical, which is what a vector of predicted scales needs.
         """
         f = float(self.fingerprint(numel))
-        head = torch.tensor([0.0, f, -f, 0.0, 1.0, 0.0, 1.0], dtype=torch.float32, device=device)
+        head = constant([0.0, f, -f, 0.0, 1.0, 0.0, 1.0], torch.float32, device)
         head[0] = nonfinite
         if digest is not None:
             digest = torch.as_tensor(digest, dtype=torch.int64, device=head.device)

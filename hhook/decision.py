@@ -66,6 +66,7 @@ from .allreduce import thc_allreduce_async
 from .errors import ConfigMismatchError
 from .flat import cast_allreduce, dense_allreduce
 from .groups import explain, reduces_on_host
+from .layout import constant
 from .state import THCState
 from .topology import wire_bits_per_coord
 
@@ -511,10 +512,8 @@ class Prober:
             return
         iteration, period, fp = self.pending
         self.pending = None
-        vector = torch.tensor([period, fp, -fp], dtype=torch.float64)
         on_device = device.type == "cuda" and not reduces_on_host(state.process_group)
-        if on_device:  # NCCL alone: staged through pinned memory, so the host never waits on the stream
-            vector = vector.pin_memory().to(device, non_blocking=True)
+        vector = constant([period, fp, -fp], torch.float64, device if on_device else "cpu")
         work = dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)
         self.group = state.process_group
         state.count(None, 0, vector.nbytes)

@@ -192,7 +192,12 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=N
             state._sequencer.launch(ticket, None)
             result.set_exception(explain(exc, f"the MAX of the block scales of {what}", state.process_group))
             return
-        words = policy.finish(plan, agreed)  # never raises: a local failure sends filler
+        try:
+            words = policy.finish(plan, agreed)  # by contract never raises: a local failure sends filler
+        except BaseException as exc:  # noqa: BLE001 - a bug: the waiter must learn of it, not hang
+            state._sequencer.launch(ticket, None)
+            result.set_exception(exc)
+            return
 
         def launch() -> None:
             try:

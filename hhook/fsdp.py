@@ -43,7 +43,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .layout import SUPPORTED_DTYPES
+from .layout import SUPPORTED_DTYPES, constant
 from .message import RANK_FAILED
 from .state import _LIVE, THCState
 
@@ -173,7 +173,7 @@ class THCReduceScatter(ReduceScatter):
             if j != rank:
                 plan.prepared = None
         failure = next((p.error for p in plans if p.error is not None), None)
-        ok = torch.tensor([p.error is None for p in plans], device=device)
+        ok = constant([p.error is None for p in plans], torch.bool, device)
         # The status word of every chunk's message tells about this rank's whole buffer:
         # one rank's inf/NaN anywhere turns every shard NaN on every rank (GradScaler and
         # clip_grad_norm_ see it whichever shard they read), and one failed chunk makes

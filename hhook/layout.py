@@ -19,6 +19,19 @@ HEADER = 7
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def constant(values, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """A small tensor of Python ``values`` on ``device`` without a host synchronisation.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory and waits for the
+    copy: a host sync in the middle of the hook's path. Here the values go through pinned
+    memory and the copy is queued on the current stream like any kernel."""
+    host = torch.tensor(values, dtype=dtype)
+    device = torch.device(device) if device is not None else host.device
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclasses.dataclass
 class Prepared:
     """What stage 1 leaves for stages 3 and 5 of one tensor.

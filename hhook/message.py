@@ -32,6 +32,7 @@ import dataclasses
 import torch
 
 from . import rng
+from .layout import constant
 from .errors import ConfigMismatchError, OpMismatchError, RankFailedError  # noqa: F401 - raised here, re-exported
 
 #: Words at the front of every message.
@@ -69,12 +70,12 @@ def write_prefix(words: torch.Tensor, fps: tuple[int, int], header: torch.Tensor
     """Fill ``words[:PREFIX]``. ``header`` is the codec's prepared header (flag and
     digest); None (a failed rank) sends no flag and a digest no other rank matches."""
     prefix = words[:PREFIX]
-    prefix[:4] = torch.tensor([1, RANK_FAILED if failed else 0, fps[0], fps[1]], dtype=words.dtype)
+    prefix[:4] = constant([1, RANK_FAILED if failed else 0, fps[0], fps[1]], words.dtype, words.device)
     if header is not None:
         prefix[1] += (header[0] > 0).to(words.dtype)
         prefix[4:] = digest_chunks(header)
     else:
-        prefix[4:] = torch.tensor([1, 1, 0, 0, 0, 0, 0, 0], dtype=words.dtype)
+        prefix[4:] = constant([1, 1, 0, 0, 0, 0, 0, 0], words.dtype, words.device)
 
 
 @dataclasses.dataclass(frozen=True)

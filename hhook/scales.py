@@ -48,7 +48,7 @@ import torch
 
 from . import lanes, message, rng, rotation
 from .codec import THCCodec
-from .layout import HEADER, SUPPORTED_DTYPES, agreed_status
+from .layout import HEADER, SUPPORTED_DTYPES, agreed_status, constant
 from .errors import ConfigMismatchError, OpMismatchError
 from .message import PREFIX
 
@@ -323,7 +323,7 @@ class ScalePolicy:
             agreed = torch.cat([codec.header(numel, prepared.scales[0], device=plan.scales.device), plan.scales])
             ref = self._ref(plan.scales)
             ratio = prepared.scales[HEADER:] / ref
-            thresholds = torch.tensor((0.0, *THRESHOLDS), dtype=torch.float32, device=ratio.device)
+            thresholds = constant((0.0, *THRESHOLDS), torch.float32, ratio.device)
             meta_layout = self.meta_layout(codec)
             codes = lanes.code_buffer(ratio.numel() * THERMO_BITS, meta_layout, ratio.device)
             # A NaN ratio (this rank is non-finite: the step is skipped anyway) counts as below.
@@ -394,7 +394,7 @@ class ScalePolicy:
                 state.scales, state.digest = None, 0
                 state.steps += 1
             else:
-                bounds = torch.tensor((*THRESHOLDS, 2 * THRESHOLDS[-1]), dtype=torch.float32, device=passed.device)
+                bounds = constant((*THRESHOLDS, 2 * THRESHOLDS[-1]), torch.float32, passed.device)
                 # Elementwise float32 operations on identical integers: identical on every rank.
                 scales = bounds[passed].mul_(self.headroom).mul_(self._ref(plan.scales))
                 self._advance(state, torch.where(zero, plan.scales, scales))
@@ -503,7 +503,7 @@ class PredictedScales(ScalePolicy):
         combined = rng.mix32(config ^ rng.mix32(_DENSE)) >> 8  # 24 bits, in two exact halves
         hi, lo = combined >> 12, combined & 0xFFF
         words = torch.zeros(DENSE_HEADER + n_meta + padded, dtype=dtype, device=tensor.device)
-        words[:DENSE_HEADER] = torch.tensor([1.0, 0.0, float(hi), float(lo)], dtype=dtype)
+        words[:DENSE_HEADER] = constant([1.0, 0.0, float(hi), float(lo)], dtype, tensor.device)
         words[1] = flag
         if n_meta:
             # Per block: 1 if this rank's maximum is non-zero, and ceil(8 log2 max), a
