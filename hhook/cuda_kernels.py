@@ -63,6 +63,7 @@ import math
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -225,8 +226,10 @@ def sign_bits(seed: int, block: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def _signs_on(seed: int, block: int, device: torch.device) -> torch.Tensor:
-    """The table on ``device``, uploaded once per (seed, block, device)."""
-    return torch.from_numpy(sign_bits(seed, block).view(np.int32)).to(device)
+    """The table on ``device``, uploaded once per (seed, block, device), through pinned
+    memory: a plain upload would wait for the copy (a host sync at a width's first call)."""
+    table = torch.from_numpy(sign_bits(seed, block).view(np.int32))
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table.to(device)
 
 
 _workspaces: dict = {}
@@ -400,7 +403,9 @@ def _functions(index: int) -> dict:
 def _cupy_stream(index: int, pointer: int):
     import cupy
 
-    return cupy.cuda.ExternalStream(pointer, index)
+    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; it still works, and older CuPy needs it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(pointer, index)
 
 
 def keep_alive(tensors, stream: torch.cuda.Stream | None = None) -> None:

@@ -61,7 +61,7 @@ def fingerprints(*parts: int) -> tuple[int, int]:
 def digest_chunks(header: torch.Tensor) -> torch.Tensor:
     """The four 12-bit chunks of the 48-bit digest in a prepared header
     (:data:`hhook.codec.HEADER`), each followed by its square."""
-    halves = header[[3, 5]].to(torch.int64)
+    halves = header[3:6:2].to(torch.int64)  # a view: indexing with a list would copy the list to the GPU and wait
     chunks = torch.stack((halves & 0xFFF, halves >> 12), dim=1).reshape(-1)
     return torch.stack((chunks, chunks * chunks), dim=1).reshape(-1)
 

@@ -373,7 +373,11 @@ def fsdp_thc_ranks(rank, world_size):
     import torch
     from torch.distributed.fsdp import fully_shard
 
+    import faulthandler
+
     import hhook.fsdp
+
+    faulthandler.dump_traceback_later(25, exit=False)  # a hang shows where, in the check's log
 
     def build():
         torch.manual_seed(0)
@@ -395,4 +399,5 @@ def fsdp_thc_ranks(rank, world_size):
             grads.append([p.grad.full_tensor() for p in model.parameters()])
         errors.append(max(float((a - b).norm() / a.norm()) for a, b in zip(*grads)))
     torch.cuda.synchronize()
+    faulthandler.cancel_dump_traceback_later()
     return {"relative_errors": errors, "compressed_calls": state.stats()["compressed_calls"]}
