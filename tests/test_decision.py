@@ -323,7 +323,7 @@ class FakeClock:
         return self.now
 
     def advance(self, method):
-        self.now += self.scale * FAKE[method]
+        self.now += self.scale * FAKE[method or "thc:4"]  # None: a fixed width (no decision)
 
 
 class Net(torch.nn.Module):
@@ -596,3 +596,62 @@ def test_switching_flushes_error_feedback_residuals():
     for target, expected, kept in run_world(_switch_worker, 2):
         assert not kept  # the width forgets the key (its scales would be stale on return)
         assert target.abs().sum() > 0 and torch.allclose(target, expected, atol=1e-6)
+
+
+# -- every (width, call) draws its own rounding stream ----------------------------------
+def _stream_worker(rank, world, scales, topology):
+    from hhook import codec as codec_module
+    from hhook import rng
+
+    original = codec_module.THCCodec.stream
+    drawn = []
+
+    def stream(self, r, call, shared=None):
+        s = original(self, r, call, shared)
+        drawn.append((self.bits, s.key, s.shared))
+        return s
+
+    codec_module.THCCodec.stream = stream
+    try:
+        torch.manual_seed(0)
+        state = hhook.register(DDP(Net()), scales=scales, topology=topology)
+        res = _train(rank, world, state, steps=40)
+        auto = list(drawn)
+        drawn.clear()
+        fixed = hhook.register(DDP(Net()), bits=4, scales=scales, topology=topology)
+        _train(rank, world, fixed, steps=6)
+    finally:
+        codec_module.THCCodec.stream = original
+    index = fixed.inter.rank if fixed.inter is not None else rank
+    return {"auto": auto, "fixed": list(drawn), "methods": res["methods"], "index": index,
+            "expected_fixed": [rng.stream_key(0, index, c) for c in range(len(drawn))]}
+
+
+@pytest.mark.parametrize("scales, topology", [("agreed", "flat"), ("predicted", "flat"), ("agreed", 2)],
+                         ids=["agreed", "predicted", "two-level"])
+def test_no_rounding_stream_is_drawn_twice_across_widths(scales, topology):
+    """Each width counted its calls from 0 with the same seed: THC 4 bits drew the
+    thresholds THC 5 bits had drawn. Now every (width, call) has its own stream; a fixed
+    width draws what it always drew (stream keys 0, 1, 2, ... of its own counter)."""
+    world = 4 if topology == 2 else 2
+    for r in run_world(_stream_worker, world, scales, topology, timeout=600):
+        widths = {bits for bits, _, _ in r["auto"]}
+        assert len(widths) >= 3, (widths, r["methods"])  # the run switched widths
+        private = [key for _, key, _ in r["auto"]]
+        shared = [s for _, _, s in r["auto"]]
+        assert len(set(private)) == len(private), "a private rounding stream was drawn twice"
+        assert len(set(shared)) == len(shared), "a shared (correlated) stream was drawn twice"
+        assert [key for _, key, _ in r["fixed"]] == r["expected_fixed"]
+
+
+def test_a_checkpoint_with_one_call_counter_per_width_continues_above_all():
+    """States saved before the widths shared a counter: the parent continues above the
+    highest, so no stream already drawn is drawn again."""
+    old = hhook.THCState(bits="auto")
+    for bits, calls in ((5, 7), (4, 3)):
+        old.variants[bits] = hhook.THCState(bits=bits)
+        old.variants[bits].calls = calls
+    old.calls = 2
+    loaded = hhook.THCState(bits="auto")
+    loaded.load_state_dict(old.state_dict())
+    assert loaded.calls == 7 and all(v.calls == 0 for v in loaded.variants.values())
