@@ -45,9 +45,11 @@ dear). So the hook measures the job itself:
 
 :class:`Decision` is plain data (``state_dict``/``load_state_dict``; pickled with the
 :class:`~hhook.state.THCState`); :class:`Prober` holds the clock and the in-flight
-reduction and is rebuilt after loading. Saving waits for the in-flight reduction and
-applies it, and the period that spans the save is not counted, so a resumed run makes
-the decisions an uninterrupted one makes (with the same clock).
+reduction and is rebuilt after loading. Saving changes nothing (any rank may save at any
+time: rank 0 alone, every rank, every step): the saved decision holds the reductions in
+flight, read without taking them from the live run, so a resumed run feeds them where an
+uninterrupted one does; it cannot measure the period that spans the save, which it
+leaves unmeasured (with the same clock and steady periods, the same decisions).
 """
 
 from __future__ import annotations
@@ -532,16 +534,7 @@ class Prober:
             self._settle_one(decision, *self.inflight.pop(0))
 
     def _settle_one(self, decision: Decision, iteration, fp, work, vector, host, event) -> None:
-        if event is not None:
-            event.synchronize()
-            values = host.tolist()
-        else:
-            try:
-                work.wait()
-            except BaseException as exc:  # noqa: BLE001 - a stalled or lost peer, said plainly
-                raise explain(exc, "bits='auto''s step-time reduction", self.group) from exc
-            values = vector.tolist()
-        period, high, low = values
+        period, high, low = self._read(work, vector, host, event)
         if high != -low:
             raise ConfigMismatchError(
                 "hhook: the ranks' bits='auto' decisions differ (their states' fingerprints disagree at iteration "
@@ -549,12 +542,29 @@ class Prober:
             )
         decision.arrive(iteration, period)
 
-    def checkpoint(self, decision: Decision) -> None:
-        """Before pickling: read the reductions in flight into the decision (fed at the
-        iterations they are due, as in a run never saved) and leave the period spanning
-        the save unmeasured (a resumed run cannot measure it either)."""
-        self.settle(decision)
-        self.start = None
+    def _read(self, work, vector, host, event) -> list:
+        """The reduced ``[period, fingerprint, -fingerprint]`` of one reduction in flight
+        (waits for it: it was launched on every rank an iteration or more ago)."""
+        if event is not None:
+            event.synchronize()
+            return host.tolist()
+        try:
+            work.wait()
+        except BaseException as exc:  # noqa: BLE001 - a stalled or lost peer, said plainly
+            raise explain(exc, "bits='auto''s step-time reduction", self.group) from exc
+        return vector.tolist()
+
+    def checkpoint(self, decision: Decision) -> dict:
+        """``decision.state_dict()`` as a resumed run needs it: the reductions in flight
+        read into ``arrived`` (fed at the iterations they are due, as in a run never
+        saved). Changes nothing here, in the decision or in this prober: any rank may save
+        at any time, any number of times (rank 0 alone included), and every rank trains on
+        as if none had. A resumed run cannot measure the period that spans the save: it
+        goes unmeasured there (the run that saved counts it)."""
+        saved = decision.state_dict()
+        for iteration, _, work, vector, host, event in self.inflight:
+            saved["arrived"].append([iteration, self._read(work, vector, host, event)[0]])
+        return saved
 
 
 def ensure(state: THCState) -> Decision:

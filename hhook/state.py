@@ -260,8 +260,9 @@ class THCState:
             >>> ckpt = {"model": model.state_dict(), "hhook": state.state_dict()}
             >>> state.load_state_dict(torch.load(path, weights_only=True)["hhook"])
         """
+        decision = None  # bits="auto": the decision with the reductions in flight read in (nothing changes here)
         if self._prober is not None and self.decision is not None and not isinstance(self.decision, dict):
-            self._prober.checkpoint(self.decision)  # the reduction in flight is applied, not lost
+            decision = self._prober.checkpoint(self.decision)
         saved = {"format": STATE_FORMAT, "codec_version": CODEC_VERSION,
                  "layout": self._topo.record() if self._topo is not None else self._saved_layout,
                  "origin": self._origin()}
@@ -271,6 +272,8 @@ class THCState:
                 value = {mode: policy.state_dict() for mode, policy in value.items()}
             elif name == "variants":
                 value = {bits: variant.state_dict() for bits, variant in value.items()}
+            elif name == "decision" and decision is not None:
+                value = decision
             elif hasattr(value, "state_dict"):
                 value = value.state_dict()
             saved[name] = value

@@ -343,7 +343,7 @@ def _data(rank):
 
 
 def _train(rank, world, state=None, steps=40, model_state=None, scale=1.0, compiled=False, group=None,
-           inject=(), ddp_opts=None, opt_state=None, clock=None):
+           inject=(), ddp_opts=None, opt_state=None, clock=None, after_step=None):
     torch.manual_seed(0)
     model = Net()
     if model_state is not None:
@@ -354,7 +354,10 @@ def _train(rank, world, state=None, steps=40, model_state=None, scale=1.0, compi
     else:
         ddp.register_comm_hook(state, hhook.thc_hook)
     clock = clock or FakeClock(scale)
-    state._prober = Prober(clock)
+    if state._prober is None:
+        state._prober = Prober(clock)
+    else:  # a state that trains on (its reductions in flight included), on this clock
+        state._prober.clock = clock
     run = torch.compile(ddp) if compiled else ddp
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     if opt_state is not None:
@@ -374,6 +377,8 @@ def _train(rank, world, state=None, steps=40, model_state=None, scale=1.0, compi
             continue  # as GradScaler: skip the step
         opt.step()
         clock.advance(methods[-1])
+        if after_step is not None:
+            after_step(step, state, model, opt)
     with torch.no_grad():
         full = torch.nn.functional.cross_entropy(model(x), y).reshape(1)
     dist.all_reduce(full, group=group)
@@ -655,3 +660,55 @@ def test_a_checkpoint_with_one_call_counter_per_width_continues_above_all():
     loaded = hhook.THCState(bits="auto")
     loaded.load_state_dict(old.state_dict())
     assert loaded.calls == 7 and all(v.calls == 0 for v in loaded.variants.values())
+
+
+# -- state_dict() on some ranks, at any time --------------------------------------------
+SAVES = ["never", "rank0", "every"]
+
+
+def _saver(rank, saves, world_group_calls):
+    def after_step(step, state, model, opt):
+        if saves == "every" or (saves == "rank0" and rank == 0 and step % 7 in (3, 4)):
+            buf = io.BytesIO()  # the usual pattern: torch.save({"model": ..., "hook": state.state_dict()})
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buf)
+            if saves == "every" and step % 2:
+                state.state_dict()  # twice in one step
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the program's own collective on WORLD, beside the hook's subgroup
+        world_group_calls.append(t.item())
+    return after_step
+
+
+def _saving_worker(rank, world, scales, compiled, steps):
+    group = dist.new_group([0, 1])  # DDP's group: a subgroup beside WORLD
+    out = {}
+    for saves in SAVES:
+        torch.manual_seed(0)
+        ddp = DDP(Net(), process_group=group)
+        state = hhook.register(ddp, scales=scales)
+        calls = []
+        # heterogeneous ranks: rank 1's clock measures 10x rank 0's periods
+        res = _train(rank, world, state, steps=steps, scale=10.0 if rank == 1 else 1.0, compiled=compiled,
+                     group=group, after_step=_saver(rank, saves, calls))
+        out[saves] = {"params": _params(res["model"]), "methods": res["methods"],
+                      "decision": state.stats()["decision"], "in_sync": _same_everywhere(_params(res["model"]), group),
+                      "world": set(calls)}
+    return out
+
+
+@pytest.mark.parametrize("scales, compiled", [("agreed", False), ("predicted", False), ("agreed", True)],
+                         ids=["agreed", "predicted", "agreed-compiled"])
+def test_state_dict_on_any_rank_at_any_time_changes_nothing(scales, compiled):
+    """Rank 0 saving alone (the usual torch.save pattern), every rank saving every step (twice
+    in some), or nobody saving: the same methods and the same parameters on every rank and
+    in every run. Saving on rank 0 alone made every rank raise ConfigMismatchError a few
+    iterations later (the save moved that rank's reductions in flight into the decision)."""
+    steps = 200 if not compiled else 60
+    res = run_world(_saving_worker, 2, scales, compiled, steps, timeout=900)
+    for r in res:
+        for saves in SAVES:
+            assert r[saves]["in_sync"] and r[saves]["world"] == {2.0}, saves
+            assert r[saves]["methods"] == res[0]["never"]["methods"], saves
+            assert torch.equal(r[saves]["params"], res[0]["never"]["params"]), saves
+            assert r[saves]["decision"] == res[0]["never"]["decision"], saves
+        assert r["never"]["decision"]["phase"] == "exploit" and r["never"]["decision"]["choice"] == "thc:4"
