@@ -588,9 +588,11 @@ def build(state: THCState) -> Decision:
     return Decision(names, wire_bits=wire_bits(names, participants, state.block_size))
 
 
-def exchange(state: THCState, bucket, layout) -> torch.futures.Future:
+def exchange(state: THCState, bucket, layout, split=None) -> torch.futures.Future:
     """The DDP hook's ``bits="auto"`` path: the method of this iteration, timed and decided
-    by :class:`Decision`, for one bucket."""
+    by :class:`Decision`, for one bucket. ``split(reduce)``: a resumed run's first
+    iteration reduces the bucket as the saved keys it holds (``reduce(key, tensor,
+    layout)`` is this iteration's exchange), or returns None for the usual path."""
     buffer = bucket.buffer()
     prober = state._prober
     if prober is None:
@@ -600,7 +602,10 @@ def exchange(state: THCState, bucket, layout) -> torch.futures.Future:
     if prober.first:
         prober.method = prober.begin(state, state.decision, state.iter)
     prober.first = bucket.is_last()
-    fut = _exchange_as(prober.method, state, bucket.index(), buffer, layout)
+    method = prober.method
+    fut = split(lambda key, tensor, lay: _exchange_as(method, state, key, tensor, lay)) if split is not None else None
+    if fut is None:
+        fut = _exchange_as(method, state, bucket.index(), buffer, layout)
     if bucket.is_last():
         prober.launch(state, buffer.device)
     return fut
