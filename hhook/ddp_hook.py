@@ -7,6 +7,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from .advice import one_process
 from .allreduce import thc_allreduce_async
 from .flat import dense_allreduce
 from .futures import completed, then
@@ -71,6 +72,17 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     if bucket.is_last() and state._ddp_iterations is not None:
         state._ddp_iterations += 1
     return fut.then(_value_or_raise)
+
+
+def _from_state_dict(saved: dict, process_group) -> THCState:
+    """A state continuing from ``saved`` (:meth:`THCState.state_dict`) on ``process_group``."""
+    if "bits" not in saved:
+        raise TypeError("hhook.register: state must be a THCState or a THCState.state_dict() dict; this dict has keys "
+                        f"{sorted(saved)[:8]} (a framework's checkpoint of every rank's state, {{'ranks': [...]}}, "
+                        "is loaded by that framework's adapter)")
+    state = THCState(process_group=process_group)
+    state._load(saved, announce=False)  # its options replace the defaults
+    return state
 
 
 def _fixed_width(state: THCState):
@@ -201,7 +213,9 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
     ``state.stats()["decision"]`` says what and why). An integer
     ``bits`` always compresses at that width.
 
-    The process group defaults to the model's own. With ``topology="auto"`` (or a
+    ``state`` is a :class:`THCState` or what its ``state_dict()`` returned (a checkpoint's
+    part; any other object raises :class:`TypeError`). The process group defaults to the
+    model's own (also for a state dict, which holds none). With ``topology="auto"`` (or a
     number of ranks per node) the node layout is found here, on every rank, so a bad
     layout raises :class:`~hhook.topology.TopologyError` at registration. The state
     learns the model's parameter names, so that a run resumed from a checkpoint of the
@@ -214,14 +228,20 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
     Example::
         >>> state = hhook.register(ddp_model)          # measured choice
         >>> state = hhook.register(ddp_model, bits=4)  # always THC at 4 bits
-        >>> state = hhook.register(new_ddp_model, state=torch.load(path)["hook"])  # resume
+        >>> torch.save({"hook": state.state_dict(), ...}, path)
+        >>> state = hhook.register(new_ddp_model, state=torch.load(path, weights_only=True)["hook"])  # resume
     """
+    if state is not None and options:
+        raise TypeError(f"hhook.register: pass options or a state, not both (got {sorted(options)})")
     if state is None:
         options.setdefault("process_group", getattr(ddp_model, "process_group", None))
         options.setdefault("bits", "auto")
         state = THCState(**options)
-    elif options:
-        raise TypeError(f"hhook.register: pass options or a state, not both (got {sorted(options)})")
+    elif isinstance(state, dict):  # a THCState.state_dict(), e.g. torch.load(path, weights_only=True)["hook"]
+        state = _from_state_dict(state, getattr(ddp_model, "process_group", None))
+    elif not isinstance(state, THCState):
+        raise TypeError(f"hhook.register: state must be a THCState or a THCState.state_dict() dict (what "
+                        f"state.state_dict() saved), got {type(state).__name__}")
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         got = type(ddp_model).__name__
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -229,9 +249,8 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
             logger.warning(
                 "hhook.register got a %s, not a DistributedDataParallel model, in a world of one process "
                 "(torch.distributed %s): there is nothing to exchange, so nothing will be compressed. A launcher "
-                "or framework that starts one process does not wrap the model in DDP; start several processes "
-                "(torchrun --nproc-per-node N, accelerate launch --num_processes N) to train data-parallel.",
-                got, "initialized, world size 1" if dist.is_initialized() else "not initialized")
+                "or framework that starts one process does not wrap the model in DDP. Here %s",
+                got, "initialized, world size 1" if dist.is_initialized() else "not initialized", one_process())
             return state
         raise TypeError(
             f"hhook.register needs a torch.nn.parallel.DistributedDataParallel model, got {got} (world of {world} "

@@ -685,10 +685,10 @@ class THCState:
         s = self.stats()
         if s["compressed_calls"] + s["dense_calls"] + s["local_calls"]:
             return False
-        logger.warning(
-            "hhook: %s ended but no tensor went through this THCState (%s): nothing was compressed. Was its hook "
-            "registered on the DDP model that trained? (Lightning's DDPStrategy registers ddp_comm_hook on CUDA "
-            "devices only: use hhook.lightning.THCCallback.)", where, self.describe())
+        from .advice import idle_state
+
+        logger.warning("hhook: %s ended but no tensor went through this THCState (%s): nothing was compressed. %s",
+                       where, self.describe(), idle_state(self._ddp_iterations is not None, where))
         return True
 
     def reset_stats(self) -> None:

@@ -74,6 +74,7 @@ def test_lightning_ddp_strategy_hook_on_cpu_says_nothing_was_compressed(tmp_path
     _require("lightning", "lightning")
     err = _run("lightning", tmp_path, "--via", "strategy")
     assert err.count("no tensor went through this THCState") == 2, err[-3000:]  # one per rank, at exit
+    assert err.count("Lightning's DDPStrategy registers ddp_comm_hook on CUDA devices only") == 2, err[-3000:]
 
 
 def test_lightning_fabric_register(tmp_path):
@@ -132,6 +133,47 @@ def test_register_on_a_model_that_is_not_ddp():
     assert idle and "no tensor went through this THCState" in end[0]
     with pytest.raises(TypeError, match="pass options or a state"):
         hhook.register(torch.nn.Linear(2, 2), hhook.THCState(), bits=4)
+
+
+def test_one_process_warning_says_what_to_check(monkeypatch):
+    """``accelerate launch --cpu --num_processes 2`` starts one process: the warning said
+    to run ``accelerate launch --num_processes N``, what the user had typed."""
+    from tests.distributed import run_world
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")  # what accelerate launch's single-process launcher sets
+    warned = run_world(_one_process_worker, 1)[0][0][0]
+    assert "--mpirun_hostfile" in warned and "accelerate env" in warned, warned
+    assert "accelerate launch --num_processes N" not in warned
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    warned = run_world(_one_process_worker, 1)[0][0][0]
+    assert "WORLD_SIZE" in warned and "Accelerate" not in warned, warned
+
+
+def _idle_worker(rank, world, registered):
+    import logging
+
+    import hhook
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hhook").addHandler(handler)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    state = hhook.register(ddp, bits=4) if registered else hhook.THCState(bits=4)  # never handed to DDP
+    assert state.warn_if_idle("the program")
+    return records[-1].getMessage()
+
+
+def test_idle_state_warning_fits_the_context():
+    """The exit warning for a state that compressed nothing named Lightning's DDPStrategy
+    in plain DDP and Accelerate runs too."""
+    from tests.distributed import run_world
+
+    for message in run_world(_idle_worker, 2, False):
+        assert "no tensor went through this THCState" in message
+        assert "DDPStrategy" not in message and "hhook.register(ddp_model, state=state)" in message, message
+    for message in run_world(_idle_worker, 2, True):
+        assert "DDPStrategy" not in message and "no backward pass went through that DDP model" in message, message
 
 
 def _not_ddp_worker(rank, world):
