@@ -84,6 +84,19 @@ def test_lightning_fabric_register(tmp_path):
     _check_compressed(_results(tmp_path / "thc"), _results(tmp_path / "plain"))
 
 
+def test_lightning_fabric_save_keeps_every_rank_s_residuals(tmp_path):
+    """fabric.save writes on rank 0 only: with state.state_dict() in it rank 1's
+    error-feedback residuals started afresh (2e-3 apart). every_rank(state) keeps each
+    rank's, and the resumed run ends bit for bit where the uninterrupted one ends."""
+    _require("lightning", "lightning")
+    feedback = ("--via", "fabric", "--error-feedback", "--ckpt", str(tmp_path / "ckpt"))
+    _run("lightning", tmp_path / "whole", *feedback[:3])
+    _run("lightning", tmp_path / "stop", *feedback, "--stop-at", "1")
+    err = _run("lightning", tmp_path / "resumed", *feedback, "--resume", "1")
+    assert "residuals start afresh" not in err, err[-3000:]
+    _check_resume(_results(tmp_path / "whole"), _results(tmp_path / "resumed"))
+
+
 def test_accelerate_register_compresses_and_resumes_from_save_state(tmp_path):
     _require("accelerate", "accelerate")
     _trains_and_resumes("accelerate", tmp_path)
@@ -99,6 +112,21 @@ def test_accelerate_register_on_a_compiled_model(tmp_path):
 def test_transformers_trainer_compresses_and_resumes_from_its_checkpoints(tmp_path):
     _require("transformers", "transformers")
     _trains_and_resumes("transformers", tmp_path)
+
+
+def test_transformers_trainer_resumes_from_a_folder_outside_output_dir(tmp_path):
+    """train(resume_from_checkpoint=<a folder elsewhere>): the hook state is read from that
+    folder (it was looked for in output_dir/checkpoint-N and started afresh, 4e-3 apart)."""
+    _require("transformers", "transformers")
+    pred = ("--scales", "predicted")
+    _run("transformers", tmp_path / "whole", *pred)
+    _run("transformers", tmp_path / "stop", *pred, "--ckpt", str(tmp_path / "first"), "--stop-at", "1")
+    (folder,) = [f for f in os.listdir(tmp_path / "first") if f.startswith("checkpoint-")]
+    os.rename(tmp_path / "first" / folder, tmp_path / "moved")
+    err = _run("transformers", tmp_path / "resumed", *pred, "--ckpt", str(tmp_path / "second"),
+               "--resume", "1", "--resume-from", str(tmp_path / "moved"))
+    assert "starts afresh" not in err, err[-3000:]
+    _check_resume(_results(tmp_path / "whole"), _results(tmp_path / "resumed"))
 
 
 def test_ray_train_register_after_prepare_model(tmp_path):
