@@ -58,16 +58,13 @@ import json
 import logging
 import math
 import statistics
-import time
 import zlib
 
 import torch
-import torch.distributed as dist
 
 from .allreduce import thc_allreduce_async
-from .errors import ConfigMismatchError
 from .flat import cast_allreduce, dense_allreduce
-from .groups import explain
+from .prober import EXPLOIT_BATCH, LAG, Prober  # noqa: F401 - part of this module's interface
 from .state import THCState
 from .topology import wire_bits_per_coord
 
@@ -99,9 +96,6 @@ DRIFT_WINDOW = 16
 #: baseline (a link that dropped to a tenth: 3 slow steps, not 9, before the new round).
 JUMP = 3.0
 JUMP_STEPS = 3
-#: The period of iteration j is fed to the decision at iteration j + LAG: its reduction is
-#: launched behind j + 1's last bucket and has a whole iteration to complete.
-LAG = 3
 #: Decisions kept in ``stats()`` (and checkpoints).
 KEPT_DECISIONS = 8
 #: The plain iterations' method and the dense candidates.
@@ -459,114 +453,6 @@ class Decision:
                 "phase": self.phase, "choice": self.choice, "decisions": [dict(d) for d in self.decisions]}
 
 
-class Prober:
-    r"""The measuring half, rebuilt on every process: the clock, the start of the running
-    iteration, and the reduction of the last period (measured at one iteration's first
-    bucket, launched behind its last, read at the next one's first). ``clock`` (seconds)
-    may be replaced, e.g. by tests."""
-
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
-        self.first = True  # the next hook call is an iteration's first
-        self.start = None  # (iteration, clock) of the running iteration's first call
-        self.pending = None  # (iteration, period, fingerprint): measured, to launch behind the last bucket
-        self.inflight = []  # (iteration, fingerprint, work, vector, host copy, event), oldest first
-        self.method = None  # the running iteration's method
-        self.verified = False
-        self.group = None  # the group of the reduction in flight (for messages)
-
-    def verify(self, state: THCState, decision: Decision, device: torch.device) -> None:
-        """Once per process, at the hook's first call (a blocking point already): the
-        decision states' fingerprints over the group, so ranks resumed from different
-        checkpoints raise together before they pick different exchanges."""
-        fp = float(decision.fingerprint())
-        vector = torch.tensor([fp, -fp], dtype=torch.float64, device=device)
-        dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group)
-        state.count(None, 0, vector.nbytes)
-        high, low = vector.tolist()
-        if high != -low:
-            raise ConfigMismatchError("hhook: the ranks' bits='auto' decision states differ; every rank must resume "
-                                      "from the same checkpoint (torch.save of the THCState of the same step)")
-        self.verified = True
-
-    def begin(self, state: THCState, decision: Decision, iteration: int) -> str:
-        """At an iteration's first bucket: read last iteration's reduction, measure the
-        period that just ended (:meth:`launch` reduces it), and return this iteration's
-        method."""
-        now = self.clock()
-        # The period of iteration j is reduced behind j + 1's last bucket and fed here at
-        # j + LAG: a whole iteration after its launch, so it has completed (no wait on the
-        # backward's path), and at the same iteration on every rank.
-        self.settle(decision, upto=iteration - LAG)
-        decision.feed_due(iteration - LAG)
-        period = now - self.start[1] if self.start is not None and self.start[0] == iteration - 1 else -1.0
-        self.start = (iteration, now)
-        self.pending = (iteration - 1, period, float(decision.fingerprint())) if iteration > 0 else None
-        self.method = decision.method_for(iteration, plain=iteration < state.start_iter)
-        return self.method
-
-    def launch(self, state: THCState, device: torch.device) -> None:
-        """Behind an iteration's last bucket: launch the MAX reduction of the period
-        :meth:`begin` measured. Issued from the hook's thread after every bucket's own
-        launch on this group, so every rank pairs the same collectives."""
-        if self.pending is None:
-            return
-        iteration, period, fp = self.pending
-        self.pending = None
-        vector = torch.tensor([period, fp, -fp], dtype=torch.float64, device=device)
-        work = dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)
-        self.group = state.process_group
-        state.count(None, 0, vector.nbytes)
-        host = event = None
-        if vector.is_cuda:  # read later from pinned memory: no host read of the stream now
-            work.wait()
-            host = torch.empty(3, dtype=torch.float64, pin_memory=True)
-            host.copy_(vector, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        self.inflight.append((iteration, fp, work, vector, host, event))
-
-    def settle(self, decision: Decision, upto: int | None = None) -> None:
-        """Read the reductions in flight of the periods of iterations up to ``upto`` (all:
-        None) and hand the slowest rank's periods to ``decision`` (:meth:`Decision.arrive`);
-        raise on every rank if the ranks' decision states differed."""
-        while self.inflight and (upto is None or self.inflight[0][0] <= upto):
-            self._settle_one(decision, *self.inflight.pop(0))
-
-    def _settle_one(self, decision: Decision, iteration, fp, work, vector, host, event) -> None:
-        period, high, low = self._read(work, vector, host, event)
-        if high != -low:
-            raise ConfigMismatchError(
-                "hhook: the ranks' bits='auto' decisions differ (their states' fingerprints disagree at iteration "
-                f"{iteration}); every rank must start from the same checkpoint and options"
-            )
-        decision.arrive(iteration, period)
-
-    def _read(self, work, vector, host, event) -> list:
-        """The reduced ``[period, fingerprint, -fingerprint]`` of one reduction in flight
-        (waits for it: it was launched on every rank an iteration or more ago)."""
-        if event is not None:
-            event.synchronize()
-            return host.tolist()
-        try:
-            work.wait()
-        except BaseException as exc:  # noqa: BLE001 - a stalled or lost peer, said plainly
-            raise explain(exc, "bits='auto''s step-time reduction", self.group) from exc
-        return vector.tolist()
-
-    def checkpoint(self, decision: Decision) -> dict:
-        """``decision.state_dict()`` as a resumed run needs it: the reductions in flight
-        read into ``arrived`` (fed at the iterations they are due, as in a run never
-        saved). Changes nothing here, in the decision or in this prober: any rank may save
-        at any time, any number of times (rank 0 alone included), and every rank trains on
-        as if none had. A resumed run cannot measure the period that spans the save: it
-        goes unmeasured there (the run that saved counts it)."""
-        saved = decision.state_dict()
-        for iteration, _, work, vector, host, event in self.inflight:
-            saved["arrived"].append([iteration, self._read(work, vector, host, event)[0]])
-        return saved
-
-
 def ensure(state: THCState) -> Decision:
     """``state.decision``: built on first use, or restored from the plain data a
     :meth:`THCState.load_state_dict` left there."""
@@ -607,7 +493,7 @@ def exchange(state: THCState, bucket, layout, split=None) -> torch.futures.Futur
     if fut is None:
         fut = _exchange_as(method, state, bucket.index(), buffer, layout)
     if bucket.is_last():
-        prober.launch(state, buffer.device)
+        prober.launch(state, state.decision, state.iter, buffer.device)
     return fut
 
 

@@ -790,3 +790,37 @@ def test_default_resume_through_register_is_bit_for_bit(options, world, compiled
         assert r["methods"][0] == r["methods"][1]
         assert r["decisions"][0] == r["decisions"][1] and r["decisions"][0]["phase"] == "exploit"
         assert r["identical"], r["diff"]
+
+
+# -- holding a choice costs what the fixed method costs ------------------------------
+def _holding_worker(rank, world, scales):
+    from hhook.decision import EXPLOIT_BATCH
+
+    window = {}
+
+    def snapshot(step, state, model, opt):
+        if step + 1 in (48, 64):  # the held iterations 48..63
+            window[step + 1] = state.stats()
+
+    held = {}
+    for bits in ("auto", 4):
+        window.clear()
+        torch.manual_seed(0)
+        state = hhook.register(DDP(Net()), bits=bits, scales=scales)
+        res = _train(rank, world, state, steps=64, after_step=snapshot)
+        held[bits] = {k: window[64][k] - window[48][k] for k in ("wire_bytes", "compressed_calls", "dense_calls")}
+        held[bits]["methods"] = res["methods"][48:]
+    return held, EXPLOIT_BATCH
+
+
+@pytest.mark.parametrize("scales", MODES)
+def test_a_held_choice_sends_what_the_fixed_method_sends(scales):
+    """Once thc:4 is held, 16 iterations hand the collectives what fixed bits=4 hands them,
+    plus one small reduction of the step periods every EXPLOIT_BATCH iterations (it was
+    one every iteration: a collective a step that the fixed method does not pay)."""
+    for held, batch in run_world(_holding_worker, 2, scales, timeout=600):
+        auto, fixed = held["auto"], held[4]
+        assert auto["methods"] == ["thc:4"] * 16
+        assert auto["compressed_calls"] == fixed["compressed_calls"] and auto["dense_calls"] == fixed["dense_calls"]
+        reductions = 16 // batch
+        assert auto["wire_bytes"] - fixed["wire_bytes"] == reductions * 8 * (batch + 2), (auto, fixed)
