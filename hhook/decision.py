@@ -23,8 +23,9 @@ dear). So the hook measures the job itself:
   the decision's state, *asynchronously*, launched behind the iteration's last bucket
   (off the backward's path: launched at the first bucket, it queued ahead of the buckets
   and cost a whole round trip a step, 15 ms of 63 on a 10 ms link); the result is read
-  at the next iteration's first call (it completes during the optimizer step and the
-  forward) and fed to :class:`Decision`.
+  :data:`LAG` iterations later (long completed) and fed to :class:`Decision`. While a
+  choice is held, the periods of :data:`EXPLOIT_BATCH` iterations share one reduction
+  (:class:`~hhook.prober.Prober`).
   So every rank holds the slowest rank's periods and nothing else: the same numbers, the
   same decision. A rank whose state differs (another checkpoint, a bug) makes the
   fingerprint differ and every rank raises :class:`~hhook.errors.ConfigMismatchError`.

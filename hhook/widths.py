@@ -7,10 +7,8 @@ parent itself) takes the next number of one counter per group (the parent's, and
 two-level layouts the parent's ``inter`` state's for the shards' rings). The rounding
 streams are keyed by the seed, the rank and that number (:func:`hhook.rng.stream_key`,
 :func:`~hhook.rng.shared_key`), so no two calls of a run draw the same stream, whichever
-widths they ran at. (Until 2026-11-27 each width counted its own calls from 0 with the
-same seed: THC 4 bits drew exactly the thresholds THC 5 bits had drawn, which correlates
-the rounding errors of different steps.) A fixed ``bits`` has no widths: its streams are
-unchanged.
+widths they ran at: the rounding errors of different steps stay independent. A fixed
+``bits`` has no widths: its streams are its own counter's, 0, 1, 2, ...
 """
 
 from __future__ import annotations
