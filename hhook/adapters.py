@@ -43,8 +43,8 @@ class FrameworkHook:
         options: :class:`hhook.THCState`'s options (topology, warm-up ``start_iter``, ...).
 
     :meth:`state_dict` gathers every rank's state (frameworks save their checkpoint from
-    rank 0; residuals differ between ranks), :meth:`load_state_dict` takes this rank's (rank 0's in a run of another size, whose per-key
-    state then starts afresh).
+    rank 0; residuals differ between ranks), :meth:`load_state_dict` takes this rank's
+    (:class:`EveryRank`).
     """
 
     def __init__(self, framework: str, **options):
@@ -63,22 +63,49 @@ class FrameworkHook:
         """At the end of a run: warn when no gradient went through the hook."""
         return self.state.warn_if_idle(f"{self.framework} {what}")
 
-    def _group(self):
-        return self.state.process_group
+    def state_dict(self) -> dict:
+        """``{"ranks": [each rank's THCState.state_dict()]}`` (:class:`EveryRank`: a
+        collective, call it on every rank, as frameworks do)."""
+        return EveryRank(self.state).state_dict()
+
+    def load_state_dict(self, saved: dict) -> None:
+        EveryRank(self.state).load_state_dict(saved)
+
+
+class EveryRank:
+    r"""A checkpointable view of ``state`` that keeps every rank's part: ``state_dict()``
+    gathers each rank's :meth:`THCState.state_dict` (``{"ranks": [...]}``; a collective
+    over the state's group when torch.distributed is initialized: call it on every rank,
+    as ``fabric.save`` does), ``load_state_dict()`` loads this rank's (rank 0's in a run
+    of another size, whose per-key state then starts afresh). Error-feedback residuals
+    differ between ranks: a checkpoint of ``state.state_dict()`` written by rank 0 alone
+    restarts the other ranks' residuals.
+
+    Example (Fabric, whose ``save`` converts it on every rank and writes on rank 0)::
+        >>> fabric.save(path, {"model": model, "hhook": hhook.lightning.every_rank(state)})
+        >>> fabric.load(path, {"model": model, "hhook": hhook.lightning.every_rank(state)})
+    """
+
+    def __init__(self, state: THCState):
+        if not isinstance(state, THCState):
+            raise TypeError(f"every_rank needs a THCState, got {type(state).__name__}")
+        self.state = state
 
     def state_dict(self) -> dict:
-        """``{"ranks": [each rank's THCState.state_dict()]}`` (a collective when
-        torch.distributed is initialized: call it on every rank, as frameworks do)."""
         mine = self.state.state_dict()
-        if not dist.is_initialized() or dist.get_world_size(self._group()) == 1:
+        group = self.state.process_group
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return {"ranks": [mine]}
-        every = [None] * dist.get_world_size(self._group())
-        dist.all_gather_object(every, mine, group=self._group())
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
         return {"ranks": every}
 
     def load_state_dict(self, saved: dict) -> None:
+        if not isinstance(saved, dict) or not isinstance(saved.get("ranks"), list) or not saved["ranks"]:
+            raise ValueError("hhook: not a checkpoint of every rank's THC state ({'ranks': [...]}); a single "
+                             "THCState.state_dict() loads with state.load_state_dict()")
         ranks = saved["ranks"]
-        rank = dist.get_rank(self._group()) if dist.is_initialized() else 0
+        rank = dist.get_rank(self.state.process_group) if dist.is_initialized() else 0
         # A run with another number of ranks (an elastic restart) takes rank 0's: the state
         # then finds another layout and starts its per-key state afresh, with one log line.
         self.state.load_state_dict(ranks[rank] if len(ranks) > rank else ranks[0])

@@ -7,6 +7,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from .advice import one_process
 from .allreduce import thc_allreduce_async
 from .flat import dense_allreduce
 from .futures import completed, then
@@ -56,20 +57,36 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     # its buckets an index may name other parameters, whose residual and scales must
     # start afresh.
     layout = _bucket_layout(state, bucket)
+    # This DDP's first iteration: its buckets are not rebuilt yet (a resumed run's keys are)
+    first = state._ddp_iterations == 0 and not buffer.is_sparse
     if deciding:  # bits="auto": the exchange this iteration's decision says (hhook.decision)
-        fut = decided_exchange(state, bucket, layout)
+        fut = decided_exchange(state, bucket, layout,
+                               (lambda reduce: _before_rebuild(state, bucket, layout, reduce)) if first else None)
     elif state.iter < state.start_iter or buffer.is_sparse:
         fut = dense_allreduce(state, buffer)
     else:
-        fut = None
-        if state._ddp_iterations == 0:  # this DDP's first iteration: its buckets are not rebuilt yet
-            fut = _before_rebuild(state, bucket, layout)
+        fut = _before_rebuild(state, bucket, layout, _fixed_width(state)) if first else None
         if fut is None:
             fut = thc_allreduce_async(buffer, state, key=bucket.index(), layout=layout)
     state.maybe_increase_iter(bucket)
     if bucket.is_last() and state._ddp_iterations is not None:
         state._ddp_iterations += 1
     return fut.then(_value_or_raise)
+
+
+def _from_state_dict(saved: dict, process_group) -> THCState:
+    """A state continuing from ``saved`` (:meth:`THCState.state_dict`) on ``process_group``."""
+    if "bits" not in saved:
+        raise TypeError("hhook.register: state must be a THCState or a THCState.state_dict() dict; this dict has keys "
+                        f"{sorted(saved)[:8]} (a framework's checkpoint of every rank's state, {{'ranks': [...]}}, "
+                        "is loaded by that framework's adapter)")
+    state = THCState(process_group=process_group)
+    state._load(saved, announce=False)  # its options replace the defaults
+    return state
+
+
+def _fixed_width(state: THCState):
+    return lambda key, tensor, layout: thc_allreduce_async(tensor, state, key=key, layout=layout)
 
 
 def _value_or_raise(fut: torch.futures.Future) -> torch.Tensor:
@@ -93,24 +110,35 @@ def _bucket_layout(state: THCState, bucket: dist.GradBucket) -> tuple:
     return tuple((names.get(id(p)), tuple(p.shape), str(p.dtype)) for p in bucket.parameters())
 
 
-def _before_rebuild(state: THCState, bucket: dist.GradBucket, layout: tuple):
+def _saved_layouts(state: THCState) -> dict:
+    """Bucket index -> the parameters a checkpointed key of that bucket holds, from every
+    state that keys DDP buckets: this one, or two-level its shards' state, and each
+    ``bits="auto"`` width (one width that ran tells the layout of every width)."""
+    saved: dict = {}
+    for owner in (state, *state.variants.values()):
+        holder = owner.inter if owner.inter is not None else owner  # two-level: the shards' state holds the keys
+        for policy in holder.policies.values():
+            for key, key_state in policy.keys.items():
+                top = key[0] if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int) else key
+                if isinstance(top, int) and not isinstance(top, bool) and key_state.layout is not None:
+                    saved.setdefault(top, key_state.layout)
+    return saved
+
+
+def _before_rebuild(state: THCState, bucket: dist.GradBucket, layout: tuple, reduce):
     """A resumed run's first iteration: DDP reduces its initial buckets (in torch 2.13 one
     bucket of every parameter) before rebuilding the ones the checkpoint's keys hold.
 
     When this bucket holds exactly the parameters of several saved keys, each key's
     parameters are reduced as that key, in key order, as the uninterrupted run reduced
-    them: the same bits, residuals and scales (resume is bit for bit). Otherwise the
-    bucket goes keyless, so the saved keys' state waits for the rebuilt buckets instead
-    of being reset. None: the bucket is a saved key's own (the usual path applies)."""
+    them (``reduce(key, tensor, layout)``, a future: THC at the fixed width, or
+    ``bits="auto"``'s exchange of this iteration): the same bits, residuals and scales
+    (resume is bit for bit). Otherwise the bucket goes keyless, so the saved keys' state
+    waits for the rebuilt buckets instead of being reset. None: the bucket is a saved
+    key's own (the usual path applies)."""
     if state._param_names is None:
         return None
-    holder = state.inter if state.inter is not None else state  # two-level: the shards' state holds the keys
-    keys = holder.policy(holder.mode(bucket.buffer().device)).keys
-    saved: dict = {}
-    for key, key_state in keys.items():
-        top = key[0] if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int) else key
-        if isinstance(top, int) and not isinstance(top, bool):
-            saved.setdefault(top, key_state.layout)
+    saved = _saved_layouts(state)
     if saved.get(bucket.index(), layout) == layout:
         return None
     buffer = bucket.buffer()
@@ -119,18 +147,17 @@ def _before_rebuild(state: THCState, bucket: dist.GradBucket, layout: tuple):
         offsets[item] = (start, p.numel())
         start += p.numel()
     mine = set(layout)
-    plan = [(key, saved_layout) for key, saved_layout in sorted(saved.items())
-            if saved_layout is not None and set(saved_layout) <= mine]
+    plan = [(key, saved_layout) for key, saved_layout in sorted(saved.items()) if set(saved_layout) <= mine]
     covered = [item for _, saved_layout in plan for item in saved_layout]
     if len(covered) != len(layout) or set(covered) != mine:
         logger.info("hhook: bucket %d of a resumed run's first iteration matches no saved bucket; it is reduced "
                     "without carried state (the saved state waits for the rebuilt buckets)", bucket.index())
-        return thc_allreduce_async(buffer, state, key=None, layout=layout)
+        return reduce(None, buffer, layout)
     futures, moves = [], []
     for key, saved_layout in plan:
         parts = [buffer[o:o + n] for o, n in (offsets[item] for item in saved_layout)]
         joined = torch.cat(parts)
-        futures.append(thc_allreduce_async(joined, state, key=key, layout=saved_layout))
+        futures.append(reduce(key, joined, saved_layout))
         moves.append((joined, parts))
 
     def scatter(done: list) -> torch.Tensor:
@@ -186,7 +213,9 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
     ``state.stats()["decision"]`` says what and why). An integer
     ``bits`` always compresses at that width.
 
-    The process group defaults to the model's own. With ``topology="auto"`` (or a
+    ``state`` is a :class:`THCState` or what its ``state_dict()`` returned (a checkpoint's
+    part; any other object raises :class:`TypeError`). The process group defaults to the
+    model's own (also for a state dict, which holds none). With ``topology="auto"`` (or a
     number of ranks per node) the node layout is found here, on every rank, so a bad
     layout raises :class:`~hhook.topology.TopologyError` at registration. The state
     learns the model's parameter names, so that a run resumed from a checkpoint of the
@@ -199,14 +228,20 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
     Example::
         >>> state = hhook.register(ddp_model)          # measured choice
         >>> state = hhook.register(ddp_model, bits=4)  # always THC at 4 bits
-        >>> state = hhook.register(new_ddp_model, state=torch.load(path)["hook"])  # resume
+        >>> torch.save({"hook": state.state_dict(), ...}, path)
+        >>> state = hhook.register(new_ddp_model, state=torch.load(path, weights_only=True)["hook"])  # resume
     """
+    if state is not None and options:
+        raise TypeError(f"hhook.register: pass options or a state, not both (got {sorted(options)})")
     if state is None:
         options.setdefault("process_group", getattr(ddp_model, "process_group", None))
         options.setdefault("bits", "auto")
         state = THCState(**options)
-    elif options:
-        raise TypeError(f"hhook.register: pass options or a state, not both (got {sorted(options)})")
+    elif isinstance(state, dict):  # a THCState.state_dict(), e.g. torch.load(path, weights_only=True)["hook"]
+        state = _from_state_dict(state, getattr(ddp_model, "process_group", None))
+    elif not isinstance(state, THCState):
+        raise TypeError(f"hhook.register: state must be a THCState or a THCState.state_dict() dict (what "
+                        f"state.state_dict() saved), got {type(state).__name__}")
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         got = type(ddp_model).__name__
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -214,9 +249,8 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
             logger.warning(
                 "hhook.register got a %s, not a DistributedDataParallel model, in a world of one process "
                 "(torch.distributed %s): there is nothing to exchange, so nothing will be compressed. A launcher "
-                "or framework that starts one process does not wrap the model in DDP; start several processes "
-                "(torchrun --nproc-per-node N, accelerate launch --num_processes N) to train data-parallel.",
-                got, "initialized, world size 1" if dist.is_initialized() else "not initialized")
+                "or framework that starts one process does not wrap the model in DDP. Here %s",
+                got, "initialized, world size 1" if dist.is_initialized() else "not initialized", one_process())
             return state
         raise TypeError(
             f"hhook.register needs a torch.nn.parallel.DistributedDataParallel model, got {got} (world of {world} "

@@ -23,8 +23,9 @@ dear). So the hook measures the job itself:
   the decision's state, *asynchronously*, launched behind the iteration's last bucket
   (off the backward's path: launched at the first bucket, it queued ahead of the buckets
   and cost a whole round trip a step, 15 ms of 63 on a 10 ms link); the result is read
-  at the next iteration's first call (it completes during the optimizer step and the
-  forward) and fed to :class:`Decision`.
+  :data:`LAG` iterations later (long completed) and fed to :class:`Decision`. While a
+  choice is held, the periods of :data:`EXPLOIT_BATCH` iterations share one reduction
+  (:class:`~hhook.prober.Prober`).
   So every rank holds the slowest rank's periods and nothing else: the same numbers, the
   same decision. A rank whose state differs (another checkpoint, a bug) makes the
   fingerprint differ and every rank raises :class:`~hhook.errors.ConfigMismatchError`.
@@ -45,9 +46,11 @@ dear). So the hook measures the job itself:
 
 :class:`Decision` is plain data (``state_dict``/``load_state_dict``; pickled with the
 :class:`~hhook.state.THCState`); :class:`Prober` holds the clock and the in-flight
-reduction and is rebuilt after loading. Saving waits for the in-flight reduction and
-applies it, and the period that spans the save is not counted, so a resumed run makes
-the decisions an uninterrupted one makes (with the same clock).
+reduction and is rebuilt after loading. Saving changes nothing (any rank may save at any
+time: rank 0 alone, every rank, every step): the saved decision holds the reductions in
+flight, read without taking them from the live run, so a resumed run feeds them where an
+uninterrupted one does; it cannot measure the period that spans the save, which it
+leaves unmeasured (with the same clock and steady periods, the same decisions).
 """
 
 from __future__ import annotations
@@ -56,17 +59,13 @@ import json
 import logging
 import math
 import statistics
-import time
 import zlib
 
 import torch
-import torch.distributed as dist
 
 from .allreduce import thc_allreduce_async
-from .errors import ConfigMismatchError
 from .flat import cast_allreduce, dense_allreduce
-from .groups import explain, reduces_on_host
-from .layout import constant
+from .prober import EXPLOIT_BATCH, LAG, Prober  # noqa: F401 - part of this module's interface
 from .state import THCState
 from .topology import wire_bits_per_coord
 
@@ -98,9 +97,6 @@ DRIFT_WINDOW = 16
 #: baseline (a link that dropped to a tenth: 3 slow steps, not 9, before the new round).
 JUMP = 3.0
 JUMP_STEPS = 3
-#: The period of iteration j is fed to the decision at iteration j + LAG: its reduction is
-#: launched behind j + 1's last bucket and has a whole iteration to complete.
-LAG = 3
 #: Decisions kept in ``stats()`` (and checkpoints).
 KEPT_DECISIONS = 8
 #: The plain iterations' method and the dense candidates.
@@ -458,107 +454,6 @@ class Decision:
                 "phase": self.phase, "choice": self.choice, "decisions": [dict(d) for d in self.decisions]}
 
 
-class Prober:
-    r"""The measuring half, rebuilt on every process: the clock, the start of the running
-    iteration, and the reduction of the last period (measured at one iteration's first
-    bucket, launched behind its last, read at the next one's first). ``clock`` (seconds)
-    may be replaced, e.g. by tests."""
-
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
-        self.first = True  # the next hook call is an iteration's first
-        self.start = None  # (iteration, clock) of the running iteration's first call
-        self.pending = None  # (iteration, period, fingerprint): measured, to launch behind the last bucket
-        self.inflight = []  # (iteration, fingerprint, work, vector, host copy, event), oldest first
-        self.method = None  # the running iteration's method
-        self.verified = False
-        self.group = None  # the group of the reduction in flight (for messages)
-
-    def verify(self, state: THCState, decision: Decision, device: torch.device) -> None:
-        """Once per process, at the hook's first call (a blocking point already): the
-        decision states' fingerprints over the group, so ranks resumed from different
-        checkpoints raise together before they pick different exchanges."""
-        fp = float(decision.fingerprint())
-        vector = torch.tensor([fp, -fp], dtype=torch.float64, device=device)
-        dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group)
-        state.count(None, 0, vector.nbytes)
-        high, low = vector.tolist()
-        if high != -low:
-            raise ConfigMismatchError("hhook: the ranks' bits='auto' decision states differ; every rank must resume "
-                                      "from the same checkpoint (torch.save of the THCState of the same step)")
-        self.verified = True
-
-    def begin(self, state: THCState, decision: Decision, iteration: int) -> str:
-        """At an iteration's first bucket: read last iteration's reduction, measure the
-        period that just ended (:meth:`launch` reduces it), and return this iteration's
-        method."""
-        now = self.clock()
-        # The period of iteration j is reduced behind j + 1's last bucket and fed here at
-        # j + LAG: a whole iteration after its launch, so it has completed (no wait on the
-        # backward's path), and at the same iteration on every rank.
-        self.settle(decision, upto=iteration - LAG)
-        decision.feed_due(iteration - LAG)
-        period = now - self.start[1] if self.start is not None and self.start[0] == iteration - 1 else -1.0
-        self.start = (iteration, now)
-        self.pending = (iteration - 1, period, float(decision.fingerprint())) if iteration > 0 else None
-        self.method = decision.method_for(iteration, plain=iteration < state.start_iter)
-        return self.method
-
-    def launch(self, state: THCState, device: torch.device) -> None:
-        """Behind an iteration's last bucket: launch the MAX reduction of the period
-        :meth:`begin` measured. Issued from the hook's thread after every bucket's own
-        launch on this group, so every rank pairs the same collectives."""
-        if self.pending is None:
-            return
-        iteration, period, fp = self.pending
-        self.pending = None
-        on_device = device.type == "cuda" and not reduces_on_host(state.process_group)
-        vector = constant([period, fp, -fp], torch.float64, device if on_device else "cpu")
-        work = dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)
-        self.group = state.process_group
-        state.count(None, 0, vector.nbytes)
-        host = event = None
-        if on_device:  # read later from pinned memory: no host read of the stream now
-            work.wait()  # NCCL: the current stream waits for the reduction, the host does not
-            host = torch.empty(3, dtype=torch.float64, pin_memory=True)
-            host.copy_(vector, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        self.inflight.append((iteration, fp, work, vector, host, event))
-
-    def settle(self, decision: Decision, upto: int | None = None) -> None:
-        """Read the reductions in flight of the periods of iterations up to ``upto`` (all:
-        None) and hand the slowest rank's periods to ``decision`` (:meth:`Decision.arrive`);
-        raise on every rank if the ranks' decision states differed."""
-        while self.inflight and (upto is None or self.inflight[0][0] <= upto):
-            self._settle_one(decision, *self.inflight.pop(0))
-
-    def _settle_one(self, decision: Decision, iteration, fp, work, vector, host, event) -> None:
-        if event is not None:
-            event.synchronize()
-            values = host.tolist()
-        else:
-            try:
-                work.wait()
-            except BaseException as exc:  # noqa: BLE001 - a stalled or lost peer, said plainly
-                raise explain(exc, "bits='auto''s step-time reduction", self.group) from exc
-            values = vector.tolist()
-        period, high, low = values
-        if high != -low:
-            raise ConfigMismatchError(
-                "hhook: the ranks' bits='auto' decisions differ (their states' fingerprints disagree at iteration "
-                f"{iteration}); every rank must start from the same checkpoint and options"
-            )
-        decision.arrive(iteration, period)
-
-    def checkpoint(self, decision: Decision) -> None:
-        """Before pickling: read the reductions in flight into the decision (fed at the
-        iterations they are due, as in a run never saved) and leave the period spanning
-        the save unmeasured (a resumed run cannot measure it either)."""
-        self.settle(decision)
-        self.start = None
-
-
 def ensure(state: THCState) -> Decision:
     """``state.decision``: built on first use, or restored from the plain data a
     :meth:`THCState.load_state_dict` left there."""
@@ -580,9 +475,11 @@ def build(state: THCState) -> Decision:
     return Decision(names, wire_bits=wire_bits(names, participants, state.block_size))
 
 
-def exchange(state: THCState, bucket, layout) -> torch.futures.Future:
+def exchange(state: THCState, bucket, layout, split=None) -> torch.futures.Future:
     """The DDP hook's ``bits="auto"`` path: the method of this iteration, timed and decided
-    by :class:`Decision`, for one bucket."""
+    by :class:`Decision`, for one bucket. ``split(reduce)``: a resumed run's first
+    iteration reduces the bucket as the saved keys it holds (``reduce(key, tensor,
+    layout)`` is this iteration's exchange), or returns None for the usual path."""
     buffer = bucket.buffer()
     prober = state._prober
     if prober is None:
@@ -592,9 +489,12 @@ def exchange(state: THCState, bucket, layout) -> torch.futures.Future:
     if prober.first:
         prober.method = prober.begin(state, state.decision, state.iter)
     prober.first = bucket.is_last()
-    fut = _exchange_as(prober.method, state, bucket.index(), buffer, layout)
+    method = prober.method
+    fut = split(lambda key, tensor, lay: _exchange_as(method, state, key, tensor, lay)) if split is not None else None
+    if fut is None:
+        fut = _exchange_as(method, state, bucket.index(), buffer, layout)
     if bucket.is_last():
-        prober.launch(state, buffer.device)
+        prober.launch(state, state.decision, state.iter, buffer.device)
     return fut
 
 

@@ -10,13 +10,16 @@ and saves every rank's state in the checkpoint::
     trainer = L.Trainer(strategy="ddp", callbacks=[hhook.lightning.THCCallback(bits=4)])
 
 It also serves Ray Train's ``RayDDPStrategy`` (a ``DDPStrategy``). Fabric has no hook
-argument: after ``model = fabric.setup(model)``, ``state = hhook.lightning.register(model, bits=4)``.
+argument: after ``model = fabric.setup(model)``, ``state = hhook.lightning.register(model, bits=4)``;
+``fabric.save(path, {..., "hhook": hhook.lightning.every_rank(state)})`` keeps every rank's
+state (``fabric.save`` writes on rank 0 only: ``state.state_dict()`` there is rank 0's, and
+with ``error_feedback=True`` the other ranks' residuals would start afresh).
 Needs ``lightning`` (or ``pytorch_lightning``): ``pip install "hhook[lightning]"``.
 """
 
 from __future__ import annotations
 
-from .adapters import FrameworkHook, require
+from .adapters import EveryRank, FrameworkHook, require
 from .ddp_hook import register as _register
 from .state import THCState
 
@@ -71,3 +74,9 @@ def register(fabric_model, **options) -> THCState:
     inner = require(fabric_model, "_forward_module", "Lightning Fabric", _DISTRIBUTION, "find the DDP-wrapped model") \
         if type(fabric_model).__name__ == "_FabricModule" else fabric_model
     return _register(inner, **options)
+
+
+def every_rank(state: THCState) -> EveryRank:
+    """Fabric: what to put in ``fabric.save``/``fabric.load``'s state for every rank's THC
+    state to be kept (:class:`hhook.adapters.EveryRank`)."""
+    return EveryRank(state)

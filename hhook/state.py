@@ -161,6 +161,7 @@ class THCState:
         "_param_names",
         "_ddp_iterations",
         "_prober",
+        "_calls_from",
         "__weakref__",
     ]
 
@@ -244,6 +245,7 @@ class THCState:
         self._param_names = None  # id(parameter) -> name, set by hhook.register (DDP)
         self._ddp_iterations = None  # iterations of the DDP registered on, counted by the hook
         self._prober = None  # hhook.decision.Prober: the clock and the reduction in flight
+        self._calls_from = None  # a bits="auto" width: the state whose call counter it draws from
 
     # -- checkpoints: one plain representation for state_dict() and pickling ----------
     def state_dict(self) -> dict:
@@ -258,8 +260,9 @@ class THCState:
             >>> ckpt = {"model": model.state_dict(), "hhook": state.state_dict()}
             >>> state.load_state_dict(torch.load(path, weights_only=True)["hhook"])
         """
+        decision = None  # bits="auto": the decision with the reductions in flight read in (nothing changes here)
         if self._prober is not None and self.decision is not None and not isinstance(self.decision, dict):
-            self._prober.checkpoint(self.decision)  # the reduction in flight is applied, not lost
+            decision = self._prober.checkpoint(self.decision)
         saved = {"format": STATE_FORMAT, "codec_version": CODEC_VERSION,
                  "layout": self._topo.record() if self._topo is not None else self._saved_layout,
                  "origin": self._origin()}
@@ -269,6 +272,8 @@ class THCState:
                 value = {mode: policy.state_dict() for mode, policy in value.items()}
             elif name == "variants":
                 value = {bits: variant.state_dict() for bits, variant in value.items()}
+            elif name == "decision" and decision is not None:
+                value = decision
             elif hasattr(value, "state_dict"):
                 value = value.state_dict()
             saved[name] = value
@@ -320,6 +325,10 @@ class THCState:
                 current.load_state_dict(value)
                 continue
             setattr(self, name, value)
+        if self.variants:
+            from .widths import merge_call_counters
+
+            merge_call_counters(self)  # a checkpoint of one counter per width
         version = saved.get("codec_version", CODEC_VERSION)
         if version != CODEC_VERSION:
             self._start_afresh(f"it was saved by codec version {version}, this hhook's is {CODEC_VERSION}")
@@ -400,42 +409,16 @@ class THCState:
         return auto_bits(self.world_size, rounding=self.rounding)
 
     def variant(self, bits: int) -> THCState:
-        """THC at ``bits`` over this state's group (``bits="auto"``'s candidates): its own
-        per-key state and rounding streams; this state's options, counters, node layout,
-        second communicators, sequencer and handshake (the widths follow from the options)."""
-        v = self.variants.get(bits)
-        if v is None:
-            v = self.variants[bits] = THCState(None, bits, self.block_size, self.seed, self.error_feedback,
-                                               self.start_iter, self.scales, self.chunk_mb, self.topology,
-                                               rounding=self.rounding)
-        if v._topo is None:
-            topo = self.node_layout()
-            v.process_group, v._stats, v._intra, v._topo = self.process_group, self._stats, self._intra, topo
-            v._second, v._verified, v._sequencer = self._second, self._verified, self._sequencer
-            v._defer_on_cpu, v._checked = self._defer_on_cpu, self._checked
-            if topo.two_level:
-                if v.inter is None:
-                    v.inter = THCState(topo.inter_group, bits, self.block_size, self.seed, self.error_feedback,
-                                       self.start_iter, self.scales, self.chunk_mb, rounding=self.rounding)
-                v.inter.process_group, v.inter._stats = topo.inter_group, self.inter._stats
-                v.inter._second, v.inter._sequencer = self.inter._second, self.inter._sequencer
-        return v
+        """THC at ``bits`` over this state's group: ``bits="auto"``'s widths (:func:`hhook.widths.variant`)."""
+        from .widths import variant
+
+        return variant(self, bits)
 
     def release_other_widths(self, key, tensor: torch.Tensor, keep: int | None) -> None:
-        """Before ``key`` goes through another exchange than the variant at ``keep`` bits:
-        every other variant forgets the key (its predicted scales are stale by its next
-        turn) and adds its error-feedback residual into ``tensor``, so no gradient mass
-        is lost on a switch."""
-        for bits, v in self.variants.items():
-            if bits == keep:
-                continue
-            pieces = v.chunks(tensor.numel(), tensor.device)
-            flat = tensor.view(-1)
-            for policy in v.policies.values():
-                for i, (start, stop) in enumerate(pieces):
-                    residual = policy.release(key if len(pieces) == 1 else (key, i), stop - start)
-                    if residual is not None:
-                        flat[start:stop].add_(residual.to(flat.dtype))
+        """Flush every other width's residual of ``key`` into ``tensor`` (:func:`hhook.widths.release_other_widths`)."""
+        from .widths import release_other_widths
+
+        release_other_widths(self, key, tensor, keep)
 
     def node_layout(self) -> Topology:
         """The node layout of ``process_group`` under the ``topology`` option, found once.
@@ -522,9 +505,11 @@ class THCState:
         return self.scales
 
     def next_call(self) -> int:
-        """A number no earlier call of this rank had (it selects the rounding stream)."""
-        self.calls += 1
-        return self.calls - 1
+        """A number no earlier call of this rank had (it selects the rounding stream); a
+        ``bits="auto"`` width takes it from its parent's counter (:mod:`hhook.widths`)."""
+        owner = self if self._calls_from is None else self._calls_from
+        owner.calls += 1
+        return owner.calls - 1
 
     def chunks(self, numel: int, device: torch.device) -> list[tuple[int, int]]:
         """``[(start, stop), ...]``: the pieces of a flat tensor that travel separately.
@@ -700,10 +685,10 @@ class THCState:
         s = self.stats()
         if s["compressed_calls"] + s["dense_calls"] + s["local_calls"]:
             return False
-        logger.warning(
-            "hhook: %s ended but no tensor went through this THCState (%s): nothing was compressed. Was its hook "
-            "registered on the DDP model that trained? (Lightning's DDPStrategy registers ddp_comm_hook on CUDA "
-            "devices only: use hhook.lightning.THCCallback.)", where, self.describe())
+        from .advice import idle_state
+
+        logger.warning("hhook: %s ended but no tensor went through this THCState (%s): nothing was compressed. %s",
+                       where, self.describe(), idle_state(self._ddp_iterations is not None, where))
         return True
 
     def reset_stats(self) -> None:

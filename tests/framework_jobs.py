@@ -7,7 +7,7 @@ Every rank writes ``OUT/rank{R}.pt``: the hook's ``stats()`` (None without hhook
 final loss on the whole data set and the final parameters (Ray: under ``OUT/thc`` and
 ``OUT/plain``, with and without hhook, in one Ray session). ``--stop-at K`` saves a
 checkpoint through the framework's own mechanism after K epochs and stops; ``--resume``
-continues from it. Rank 1's loss is weighted 10x (heterogeneous gradients).
+continues from it (Transformers: ``--resume-from DIR``, a checkpoint folder anywhere). Rank 1's loss is weighted 10x (heterogeneous gradients).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def write(out, model, state):
 
 
 def options(args) -> dict:
-    return {"bits": args.bits, "scales": args.scales}
+    return {"bits": args.bits, "scales": args.scales, "error_feedback": args.error_feedback}
 
 
 # -- Lightning ------------------------------------------------------------------
@@ -102,11 +102,20 @@ def fabric(args):
     model, opt = fab.setup(net, torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
     state = hhook.lightning.register(model, **options(args)) if args.hhook else None
     loader = fab.setup_dataloaders(torch.utils.data.DataLoader(dataset(), batch_size=BATCH))
-    for _epoch in range(args.epochs):
+    ckpt = os.path.join(args.ckpt, "fabric.ckpt")
+    # every rank's hook state (fabric.save writes on rank 0 only)
+    saved = {"model": model, "opt": opt, **({"hhook": hhook.lightning.every_rank(state)} if state else {})}
+    first = 0
+    if args.resume:
+        fab.load(ckpt, saved)
+        first = args.stop_at_resumed
+    for _epoch in range(first, args.stop_at or args.epochs):
         for x, y in loader:
             opt.zero_grad()
             fab.backward(torch.nn.functional.cross_entropy(model(x), y) * weight())
             opt.step()
+    if args.stop_at:
+        fab.save(ckpt, saved)
     write(args.out, net, state)
 
 
@@ -175,7 +184,7 @@ def transformers(args):
     )
     trainer = Trainer(model=model, args=training, train_dataset=Rows())
     state = hhook.transformers.register(trainer, **options(args)) if args.hhook else None
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    trainer.train(resume_from_checkpoint=args.resume_from or (True if args.resume else None))
     write(args.out, model.net, state)
 
 
@@ -225,6 +234,8 @@ def main():
     p.add_argument("--via", default="callback", choices=["callback", "strategy", "fabric"], help="Lightning only")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--scales", default="agreed")
+    p.add_argument("--error-feedback", action="store_true")
+    p.add_argument("--resume-from", default=None, help="Transformers only: the checkpoint folder to resume from")
     p.add_argument("--compile", action="store_true", help="Accelerate only: torch.compile the model")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--stop-at", type=int, default=0, help="save a checkpoint after this many epochs and stop")

@@ -74,6 +74,7 @@ def test_lightning_ddp_strategy_hook_on_cpu_says_nothing_was_compressed(tmp_path
     _require("lightning", "lightning")
     err = _run("lightning", tmp_path, "--via", "strategy")
     assert err.count("no tensor went through this THCState") == 2, err[-3000:]  # one per rank, at exit
+    assert err.count("Lightning's DDPStrategy registers ddp_comm_hook on CUDA devices only") == 2, err[-3000:]
 
 
 def test_lightning_fabric_register(tmp_path):
@@ -81,6 +82,19 @@ def test_lightning_fabric_register(tmp_path):
     _run("lightning", tmp_path / "thc", "--via", "fabric")
     _run("lightning", tmp_path / "plain", "--via", "fabric", "--no-hhook")
     _check_compressed(_results(tmp_path / "thc"), _results(tmp_path / "plain"))
+
+
+def test_lightning_fabric_save_keeps_every_rank_s_residuals(tmp_path):
+    """fabric.save writes on rank 0 only: with state.state_dict() in it rank 1's
+    error-feedback residuals started afresh (2e-3 apart). every_rank(state) keeps each
+    rank's, and the resumed run ends bit for bit where the uninterrupted one ends."""
+    _require("lightning", "lightning")
+    feedback = ("--via", "fabric", "--error-feedback", "--ckpt", str(tmp_path / "ckpt"))
+    _run("lightning", tmp_path / "whole", *feedback[:3])
+    _run("lightning", tmp_path / "stop", *feedback, "--stop-at", "1")
+    err = _run("lightning", tmp_path / "resumed", *feedback, "--resume", "1")
+    assert "residuals start afresh" not in err, err[-3000:]
+    _check_resume(_results(tmp_path / "whole"), _results(tmp_path / "resumed"))
 
 
 def test_accelerate_register_compresses_and_resumes_from_save_state(tmp_path):
@@ -98,6 +112,21 @@ def test_accelerate_register_on_a_compiled_model(tmp_path):
 def test_transformers_trainer_compresses_and_resumes_from_its_checkpoints(tmp_path):
     _require("transformers", "transformers")
     _trains_and_resumes("transformers", tmp_path)
+
+
+def test_transformers_trainer_resumes_from_a_folder_outside_output_dir(tmp_path):
+    """train(resume_from_checkpoint=<a folder elsewhere>): the hook state is read from that
+    folder (it was looked for in output_dir/checkpoint-N and started afresh, 4e-3 apart)."""
+    _require("transformers", "transformers")
+    pred = ("--scales", "predicted")
+    _run("transformers", tmp_path / "whole", *pred)
+    _run("transformers", tmp_path / "stop", *pred, "--ckpt", str(tmp_path / "first"), "--stop-at", "1")
+    (folder,) = [f for f in os.listdir(tmp_path / "first") if f.startswith("checkpoint-")]
+    os.rename(tmp_path / "first" / folder, tmp_path / "moved")
+    err = _run("transformers", tmp_path / "resumed", *pred, "--ckpt", str(tmp_path / "second"),
+               "--resume", "1", "--resume-from", str(tmp_path / "moved"))
+    assert "starts afresh" not in err, err[-3000:]
+    _check_resume(_results(tmp_path / "whole"), _results(tmp_path / "resumed"))
 
 
 def test_ray_train_register_after_prepare_model(tmp_path):
@@ -132,6 +161,47 @@ def test_register_on_a_model_that_is_not_ddp():
     assert idle and "no tensor went through this THCState" in end[0]
     with pytest.raises(TypeError, match="pass options or a state"):
         hhook.register(torch.nn.Linear(2, 2), hhook.THCState(), bits=4)
+
+
+def test_one_process_warning_says_what_to_check(monkeypatch):
+    """``accelerate launch --cpu --num_processes 2`` starts one process: the warning said
+    to run ``accelerate launch --num_processes N``, what the user had typed."""
+    from tests.distributed import run_world
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")  # what accelerate launch's single-process launcher sets
+    warned = run_world(_one_process_worker, 1)[0][0][0]
+    assert "--mpirun_hostfile" in warned and "accelerate env" in warned, warned
+    assert "accelerate launch --num_processes N" not in warned
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    warned = run_world(_one_process_worker, 1)[0][0][0]
+    assert "WORLD_SIZE" in warned and "Accelerate" not in warned, warned
+
+
+def _idle_worker(rank, world, registered):
+    import logging
+
+    import hhook
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hhook").addHandler(handler)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    state = hhook.register(ddp, bits=4) if registered else hhook.THCState(bits=4)  # never handed to DDP
+    assert state.warn_if_idle("the program")
+    return records[-1].getMessage()
+
+
+def test_idle_state_warning_fits_the_context():
+    """The exit warning for a state that compressed nothing named Lightning's DDPStrategy
+    in plain DDP and Accelerate runs too."""
+    from tests.distributed import run_world
+
+    for message in run_world(_idle_worker, 2, False):
+        assert "no tensor went through this THCState" in message
+        assert "DDPStrategy" not in message and "hhook.register(ddp_model, state=state)" in message, message
+    for message in run_world(_idle_worker, 2, True):
+        assert "DDPStrategy" not in message and "no backward pass went through that DDP model" in message, message
 
 
 def _not_ddp_worker(rank, world):

@@ -41,7 +41,7 @@ def _batch(rank, step):
     return x, torch.randint(0, 4, (16,), generator=g)
 
 
-def _run(rank, scales, compiled, steps, checkpoint=None):
+def _run(rank, scales, compiled, steps, checkpoint=None, via_register=False):
     """Train ``steps`` from scratch, or from ``checkpoint`` (model, optimizer and hook state
     as ``torch.load(weights_only=True)`` returned them); returns the parameters and, at
     ``SAVE_AT``, a checkpoint."""
@@ -49,12 +49,16 @@ def _run(rank, scales, compiled, steps, checkpoint=None):
     model = _net(compiled)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ddp = DDP(model)
-    state = hhook.register(ddp, bits=3, scales=scales, error_feedback=True)
     first = 0
+    if checkpoint is not None and via_register:  # the docstring's resume: register(new_ddp, state=<a state dict>)
+        state = hhook.register(ddp, state=checkpoint["hhook"])
+    else:
+        state = hhook.register(ddp, bits=3, scales=scales, error_feedback=True)
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
         opt.load_state_dict(checkpoint["opt"])
-        state.load_state_dict(checkpoint["hhook"])
+        if not via_register:
+            state.load_state_dict(checkpoint["hhook"])
         first = checkpoint["step"]
     run = torch.compile(ddp, backend="aot_eager") if compiled else ddp
     saved = None
@@ -87,6 +91,29 @@ def test_ddp_resume_from_state_dict_is_bit_exact(scales, compiled):
         assert identical  # against the run that was never interrupted
         assert stats["compressed_calls"] == STEPS - 2  # start_iter=2
         assert resumed["compressed_calls"] == stats["compressed_calls"] and resumed["iter"] == STEPS
+
+
+def _register_dict_worker(rank, world, scales):
+    whole, saved, _ = _run(rank, scales, False, STEPS)
+    resumed, _, stats = _run(rank, scales, False, STEPS, checkpoint=saved, via_register=True)
+    errors = []
+    ddp = DDP(torch.nn.Linear(2, 2))
+    for bad in (42, {"ranks": [saved["hhook"]]}):
+        try:
+            hhook.register(ddp, state=bad)
+        except TypeError as e:
+            errors.append(str(e))
+    return torch.equal(whole, resumed), stats, errors
+
+
+@pytest.mark.parametrize("scales", MODES)
+def test_register_takes_a_state_dict(scales):
+    """hhook.register(new_ddp, state=torch.load(path, weights_only=True)["hook"]), the
+    docstring's resume, raised AttributeError: 'dict' object has no attribute 'node_layout'."""
+    for identical, stats, errors in run_world(_register_dict_worker, 2, scales):
+        assert identical and stats["compressed_calls"] == STEPS - 2 and stats["iter"] == STEPS
+        assert len(errors) == 2 and "state must be a THCState or a THCState.state_dict() dict" in errors[0]
+        assert "got int" in errors[0] and "'ranks'" in errors[1], errors
 
 
 def _allreduce_worker(rank, world, scales):
