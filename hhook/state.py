@@ -676,6 +676,11 @@ class THCState:
             s["decision"] = self.decision.summary()
         return s
 
+    def reported_through_parent(self) -> None:
+        """A state another one holds (a width, the inter-node state) is not reported idle
+        at exit on its own: its parent's report covers it."""
+        _LIVE.discard(self)
+
     def warn_if_idle(self, where: str) -> bool:
         """Log a warning when no tensor went through this state by the end of ``where``
         (a training run, the program): its hook was never called, so that run trained

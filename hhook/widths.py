@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from .state import _LIVE, THCState
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the widths are THCStates built with type(state): no import of the state module at run time
+    from .state import THCState
 
 
 def variant(state: THCState, bits: int) -> THCState:
@@ -24,10 +27,10 @@ def variant(state: THCState, bits: int) -> THCState:
     handshake (the widths follow from the options)."""
     v = state.variants.get(bits)
     if v is None:
-        v = state.variants[bits] = THCState(None, bits, state.block_size, state.seed, state.error_feedback,
+        v = state.variants[bits] = type(state)(None, bits, state.block_size, state.seed, state.error_feedback,
                                             state.start_iter, state.scales, state.chunk_mb, state.topology,
                                             rounding=state.rounding)
-        _LIVE.discard(v)  # reported through the parent
+        v.reported_through_parent()
     if v._topo is None:
         topo = state.node_layout()
         v.process_group, v._stats, v._intra, v._topo = state.process_group, state._stats, state._intra, topo
@@ -35,9 +38,9 @@ def variant(state: THCState, bits: int) -> THCState:
         v._defer_on_cpu, v._checked, v._calls_from = state._defer_on_cpu, state._checked, state
         if topo.two_level:
             if v.inter is None:
-                v.inter = THCState(topo.inter_group, bits, state.block_size, state.seed, state.error_feedback,
+                v.inter = type(state)(topo.inter_group, bits, state.block_size, state.seed, state.error_feedback,
                                    state.start_iter, state.scales, state.chunk_mb, rounding=state.rounding)
-                _LIVE.discard(v.inter)
+                v.inter.reported_through_parent()
             v.inter.process_group, v.inter._stats = topo.inter_group, state.inter._stats
             v.inter._second, v.inter._sequencer = state.inter._second, state.inter._sequencer
             v.inter._calls_from = state.inter

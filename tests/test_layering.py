@@ -1,4 +1,5 @@
-"""The package's layering: no module imports one that (through others) imports it back,
+"""The package's layering: no module imports one that (through others) imports it back
+(imports under ``if TYPE_CHECKING:`` never run and do not count),
 the codec's backends read the layout, never the codec, and hhook-profile's dispatcher sits
 above its subcommands, which sit above what they share."""
 
@@ -17,7 +18,12 @@ def _graph() -> dict:
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block) for stmt in block.body
+                       for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:  # `if TYPE_CHECKING:` imports never run
+                continue
             if isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
@@ -33,6 +39,14 @@ def _graph() -> dict:
         graph[name] = deps
     return {name: {d for d in deps if d in graph and not (name + ".").startswith(d + ".")}
             for name, deps in graph.items()}
+
+
+def _is_type_checking(node) -> bool:
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _cycles(graph: dict) -> list[list[str]]:
@@ -92,7 +106,7 @@ LAYERS = (
                "cuda_kernels", "codec"}),
     ("message and scale policy", {"message", "scales"}),
     ("schedule", {"futures", "stats", "sequencer", "groups", "launch", "node_memory", "topology", "state", "flat",
-                  "two_level", "allreduce", "decision"}),
+                  "two_level", "allreduce", "decision", "prober", "widths", "advice"}),
     # "": the package's front, hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
     # adapters, over the DDP hook
     ("integrations", {"ddp_hook", "horovod", "fsdp", "", "adapters", "lightning", "accelerate", "transformers"}),
