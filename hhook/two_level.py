@@ -50,6 +50,7 @@ import torch.distributed as dist
 from .flat import check_tensor, flat_allreduce_async, payload_bytes, plain_allreduce
 from .errors import PeerTimeoutError, RankFailedError
 from .futures import completed, new_future, value_of
+from .teardown import attach
 from .groups import explain, timeout_of
 from .layout import SUPPORTED_DTYPES
 from .stats import Counters
@@ -279,10 +280,10 @@ def two_level_allreduce_async(
             try:
                 if shm:  # a barrier (every rank of the node has written its shard) and the statuses
                     work = dist.all_reduce(send, group=topo.gather_group, async_op=True)
-                    work.get_future().then(lambda h: finish(h, out, send[0]))
+                    attach(work.get_future(), lambda h: finish(h, out, send[0]))
                 else:
                     work = _all_gather(out, send, topo.gather_group, k)
-                    work.get_future().then(lambda h: finish(h, out, None))
+                    attach(work.get_future(), lambda h: finish(h, out, None))
             except BaseException as exc:  # noqa: BLE001
                 failure.append(exc)
                 finish(None, out, None)
@@ -327,7 +328,7 @@ def two_level_allreduce_async(
                 shard.fill_(float("nan"))
                 gather(shard)
                 return
-            fut.then(lambda g: after_inter(g, shard))
+            attach(fut, lambda g: after_inter(g, shard))
 
         inter_seq.launch(inter_ticket, launch)
 
@@ -342,7 +343,7 @@ def two_level_allreduce_async(
         inter_seq.launch(inter_ticket, None)  # later tensors must not wait for this one's turn
         gather_seq.launch(gather_ticket, None)
         raise
-    work.get_future().then(after_scatter)
+    attach(work.get_future(), after_scatter)
     return result
 
 
