@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import errors
+from .blame import blame
 
 _lock = threading.Lock()
 _made: dict = {}  # parent group name -> second communicators made for it in this process
@@ -82,22 +83,32 @@ def timeout_of(group) -> datetime.timedelta:
         return dist.default_pg_timeout
 
 
-def peers_of(group) -> str:
-    """Who can be at fault when a collective of ``group`` fails, for messages: the
-    global ranks of the group other than this one."""
+def others_of(group) -> list[int]:
+    """The global ranks of ``group`` other than this one ([] where that cannot be told)."""
     try:
         ranks = group.ranks if isinstance(group, SecondGroup) else dist.get_process_group_ranks(
             group if group is not None else dist.group.WORLD)
         me = dist.get_rank()
     except Exception:  # noqa: BLE001 - not a group of this process
+        return []
+    return [r for r in ranks if r != me]
+
+
+def peers_of(group) -> str:
+    """Who can be at fault when a collective of ``group`` fails, for messages: the
+    global ranks of the group other than this one."""
+    others = others_of(group)
+    if not others:
         return ""
-    others = [r for r in ranks if r != me]
     return f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
 
 
 def explain(exc: BaseException, what: str, group) -> BaseException:
-    """:func:`hhook.errors.explain` with ``group``'s timeout and peers."""
-    return errors.explain(exc, what, timeout_of(group).total_seconds(), peers_of(group))
+    """:func:`hhook.errors.explain` with ``group``'s timeout and peers, and
+    :func:`hhook.blame.blame` to name the rank that stalled."""
+    timeout = timeout_of(group).total_seconds()
+    others = others_of(group)
+    return errors.explain(exc, what, timeout, peers_of(group), lambda kind: blame(kind, others, timeout))
 
 
 def _gloo_for_cuda(parent: dist.ProcessGroup) -> bool:

@@ -79,9 +79,12 @@ def test_a_stalled_rank_stops_every_rank_with_a_clear_error_within_the_timeout(s
             assert "closed its connection" in message or "did not complete within" in message, message
             continue
         assert seen - stopped < timeout + 10, f"rank {rank} raised {seen - stopped:.1f} s after the stall"
-        # the rank's own peers stalled (the timeout) or a peer that gave up first closed (lost)
+        # the rank's own peers stalled (the timeout) or a peer that gave up first closed its connection
         assert re.search(r"hhook: .* (did not complete within the timeout \(6 s|closed its connection)", message), message
         assert_names_hhook_s_error(message)
+        # the stalled rank is named, even where this rank waited for it through another
+        # (two-level: rank 2 waits for rank 0 between nodes, rank 0 for rank 1 in its node)
+        assert "a peer (rank 1) stalled" in message and "PeerTimeoutError" in message, message
 
 
 def test_a_killed_rank_without_restarts_stops_every_other_rank_clearly():

@@ -91,7 +91,7 @@ LAYERS = (
     ("codec", {"errors", "rng", "layout", "lanes", "rotation", "quantization", "backend", "cpu_kernels",
                "cuda_kernels", "codec"}),
     ("message and scale policy", {"message", "scales"}),
-    ("schedule", {"futures", "teardown", "stats", "sequencer", "groups", "launch", "node_memory", "topology",
+    ("schedule", {"futures", "teardown", "blame", "stats", "sequencer", "groups", "launch", "node_memory", "topology",
                   "state", "flat", "two_level", "allreduce", "decision"}),
     # "": the package's front, hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
     # adapters, over the DDP hook
