@@ -53,7 +53,7 @@ import torch.distributed as dist
 from . import rng
 from .groups import timeout_of
 from .launch import launcher_layout
-from .node_memory import SHM_DIR, NodeMemory, budget_bytes, free_bytes, sweep_stale, unlink_quietly
+from .node_memory import SHM_DIR, NodeMemory, budget_bytes, free_bytes, sweep_stale
 
 logger = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ def _probe_shared_memory(topo: Topology) -> NodeMemory | None:
     path = memory.path("probe")
     ok = 1
     try:
-        memory.hold()
+        memory.open_file("probe")
         storage = torch.UntypedStorage.from_file(path, True, 8 * topo.ranks_per_node)
         slots = torch.empty(0, dtype=torch.int64).set_(storage.untyped(), 0, (topo.ranks_per_node,), (1,))
         slots[topo.local_rank] = topo.rank + 1
@@ -344,7 +344,7 @@ def _probe_shared_memory(topo: Topology) -> NodeMemory | None:
         ok = 0
     verdict = torch.tensor([ok, budget_bytes(free_bytes(memory.directory))], dtype=torch.int64)
     dist.all_reduce(verdict, dist.ReduceOp.MIN, group=topo.group)  # every rank has read
-    unlink_quietly(path)
+    memory.done(path)
     ok, memory.budget = verdict.tolist()
     if not ok:
         memory.release()

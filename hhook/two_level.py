@@ -54,7 +54,6 @@ from .teardown import attach
 from .groups import explain, timeout_of
 from .layout import SUPPORTED_DTYPES
 from .stats import Counters
-from .node_memory import unlink_quietly
 from .topology import Topology
 
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -303,14 +302,14 @@ def two_level_allreduce_async(
             f.value()
         except BaseException as exc:  # noqa: BLE001 - the node's collective failed on every member
             if shm and new_file is not None:
-                unlink_quietly(new_file)  # not every rank may have mapped it: nobody will now
+                topo.node_memory.done(new_file)  # not every rank may have mapped it: nobody will now
             inter_seq.launch(inter_ticket, None)
             gather_seq.launch(gather_ticket, None)
             result.set_exception(explain(exc, f"the node's reduce-scatter of a two-level tensor of {d} elements",
                                          topo.intra_group))
             return
-        if shm and new_file is not None and j == 0:
-            unlink_quietly(new_file)  # every rank of the node has mapped it: the memory lives on
+        if shm and new_file is not None:
+            topo.node_memory.done(new_file)  # every rank of the node has mapped it: the memory lives on
         try:
             if shm:
                 shard = _node_mean(rows[:, j * s:(j + 1) * s], k, in_place=False)
@@ -339,7 +338,7 @@ def two_level_allreduce_async(
             work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
     except BaseException:
         if shm and new_file is not None:
-            unlink_quietly(new_file)
+            topo.node_memory.done(new_file)
         inter_seq.launch(inter_ticket, None)  # later tensors must not wait for this one's turn
         gather_seq.launch(gather_ticket, None)
         raise

@@ -212,6 +212,38 @@ def test_no_shared_memory_is_left_behind_when_a_rank_is_killed():
         assert glob.glob(prefix + "*") == [], prefix
 
 
+def test_no_shared_memory_is_left_when_a_stalled_two_level_job_is_torn_down():
+    """2 nodes x 2, rank 1 stopped (SIGSTOP) past the 6 s timeout: the others raise and
+    exit; rank 1, still stopped, is then killed as a launcher tears a job down (SIGKILL: no
+    exit handler runs in it). None of the job's files is left in /dev/shm (before, the
+    node's lock file stayed until the next job's sweep)."""
+    procs = launch(4, "--steps", "40", "--bits", "4", "--topology", "2", "--timeout", "6", "--stall-at", "12",
+                   "--stall-s", "120")
+    others = finish([procs[0], procs[2], procs[3]], limit=120)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    procs[1].wait(timeout=30)
+    left = {m.group(1): glob.glob(m.group(1) + "*") for _, out, _ in others
+            for m in re.finditer(r"shared memory: (\S+)\*", out)}  # at once: another job's start sweeps them
+    _end_helper(procs[1])
+    assert all(code == 1 for code, _, _ in others), [e[-2000:] for _, _, e in others]
+    assert len(left) == 2 and not any(left.values()), left
+
+
+def _end_helper(proc) -> None:
+    """End the helper that would continue ``proc`` (the example's stall: ``sh -c "sleep S;
+    kill -CONT PID"`` in a session of its own, holding ``proc``'s pipes)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv[:2] == [b"sh", b"-c"] and argv[2].endswith(f"kill -CONT {proc.pid}".encode()):
+            os.kill(int(pid), signal.SIGKILL)
+    proc.stdout.close()
+    proc.stderr.close()
+
+
 def _subgroup_timeout_worker(rank, world, scales):
     import datetime
 
