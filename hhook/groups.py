@@ -19,6 +19,7 @@ same order (at each state's blocking handshake), so the prefixes match.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import secrets
 import threading
@@ -111,6 +112,19 @@ def explain(exc: BaseException, what: str, group) -> BaseException:
     return errors.explain(exc, what, timeout, peers_of(group), lambda kind: blame(kind, others, timeout))
 
 
+@contextlib.contextmanager
+def explained(what: str, group):
+    """Collectives of ``group`` inside fail as :func:`explain` says (a peer lost or stalled
+    reads as :class:`~hhook.errors.PeerLostError` or :class:`~hhook.errors.PeerTimeoutError`)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised, explained where it can be
+        err = explain(exc, what, group)
+        if err is exc:
+            raise
+        raise err from exc
+
+
 def _gloo_for_cuda(parent: dist.ProcessGroup) -> bool:
     """Whether ``parent`` reduces CUDA tensors over Gloo (ranks sharing one GPU, which
     NCCL refuses): the second communicator then uses Gloo too."""
@@ -134,7 +148,8 @@ class SecondGroup:
         backend = str(dist.get_backend(parent))
         nonce = torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64,
                              device=torch.device("cpu" if "gloo" in backend or "mpi" in backend else device_type))
-        dist.all_reduce(nonce, dist.ReduceOp.MAX, group=parent)
+        with explained("the handshake of hhook's second communicator", parent):
+            dist.all_reduce(nonce, dist.ReduceOp.MAX, group=parent)
         self.handshake_bytes = nonce.nbytes  # handed to a collective: the owner counts it
         store = dist.PrefixStore(f"hhook/second/{parent.group_name}/{index}/{int(nonce.item()):x}/",
                                  dist.distributed_c10d._get_default_store())

@@ -137,6 +137,22 @@ def test_torchrun_restarts_a_killed_rank_from_the_checkpoint_bit_for_bit(uninter
     assert result["accuracy"] == uninterrupted[scales]["accuracy"]
 
 
+def test_a_truncated_checkpoint_resumes_from_the_older_intact_one(uninterrupted, tmp_path):
+    """Rank 1's newest checkpoint (step 40) loses its second half, then rank 1 is killed:
+    under torchrun --max-restarts 2 the ranks agree on the newest step every rank can read
+    (20), resume from it at the first restart and end with the very weights of the
+    uninterrupted run. Before, rank 1 failed torch.load at every restart, its peer read
+    Gloo's raw 'Connection closed by peer' from hhook.register, and the job failed."""
+    out = tmp_path / "result.json"
+    proc = torchrun("--steps", "60", "--every", "20", "--bits", "4", "--ckpt", str(tmp_path / "ckpt"), "--json",
+                    str(out), "--truncate-at", "40", restarts=2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["attempt"] == 1 and result["resumed_from"] == 20, result
+    assert "checkpoint of step 40 cannot be read" in proc.stderr and "resuming from step 20" in proc.stdout
+    assert result["weights_sha1"] == uninterrupted["agreed"]["weights_sha1"]
+
+
 def test_an_elastic_restart_with_fewer_ranks_resumes_and_starts_the_hook_state_afresh(tmp_path):
     """3 ranks train to step 30 and stop; 2 ranks resume from their checkpoint
     (``bits="auto"``, hhook.register's default): the hook state of another world size
@@ -288,3 +304,28 @@ def test_the_second_communicator_of_a_subgroup_waits_the_subgroup_s_timeout(scal
         assert r["second_timeout"] == 3.0 and r["world_second"] == 1800.0, r
     assert res[0]["error"] and "a peer (rank 1) stalled" in res[0]["error"] and "3 s" in res[0]["error"], res[0]
     assert res[0]["waited"] < 3.0 + 5, res[0]["waited"]
+
+
+def _register_without_a_peer(rank, world, topology):
+    import torch
+
+    import hhook
+
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
+    if rank == 1:
+        return None  # leaves: its process ends, its connections close
+    time.sleep(2)
+    try:
+        hhook.register(ddp, bits=4, topology=topology)
+    except Exception as exc:  # noqa: BLE001 - what the user would read
+        return f"{type(exc).__name__}: {exc}"
+    return "registered"
+
+
+@pytest.mark.parametrize("topology", ["flat", "auto"])
+def test_a_peer_lost_during_register_reads_as_peer_lost_error(topology):
+    """A peer that dies while hhook.register finds the layout (a truncated checkpoint
+    failed its torch.load): the rank in the collective raises hhook's PeerLostError
+    naming the peer, not Gloo's raw 'Connection closed by peer'."""
+    said = run_world(_register_without_a_peer, 2, topology, timeout=120)[0]
+    assert said.startswith("PeerLostError: hhook: hhook's layout detection") and "(rank 1" in said, said
