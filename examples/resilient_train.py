@@ -188,7 +188,7 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--stall-at", type=int, default=None, help="SIGSTOP --fault-rank at this step")
     p.add_argument("--stall-s", type=float, default=30.0, help="seconds before the SIGCONT")
     p.add_argument("--truncate-at", type=int, default=None,
-                   help="--fault-rank truncates its checkpoint of this step once saved, then is killed (first attempt)")
+                   help="--fault-rank truncates its checkpoint of this step once saved, then is killed (once)")
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--json", default=None, help="rank 0 writes the result here")
     return p.parse_args()
@@ -246,9 +246,13 @@ def one_step(args, ddp, opt, hook_state, data, step: int, rank: int, world: int,
     seconds = time.perf_counter() - tic
     if args.ckpt and args.every and (step + 1) % args.every == 0:
         save(args.ckpt, step + 1, rank, world, ddp, opt, hook_state)
-        if attempt == 0 and step + 1 == args.truncate_at:
-            dist.barrier()  # rank 0 has marked the step complete
-            if faulty:
+        # once per directory, not per attempt: torchrun counts restarts per node, so a rank
+        # moved to a node whose agent did not restart would see attempt 0 again
+        once = os.path.join(args.ckpt, "fault-truncated")
+        if step + 1 == args.truncate_at and not os.path.exists(once):
+            dist.barrier()  # every rank has looked; rank 0 has marked the step complete
+            if rank == args.fault_rank:
+                open(once, "w").close()
                 truncate_and_die(ckpt_path(args.ckpt, step + 1, rank))
     return seconds
 

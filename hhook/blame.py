@@ -64,7 +64,9 @@ def blame(kind: str, peers: list[int], timeout_s: float) -> Blame | None:
 def _resolve(store, me: int, peers: list[int], kind: str, timeout_s: float) -> Blame:
     if kind == "timeout":
         _report(store, me, peers)
-    wait = min(REPORT_WAIT_S, max(1.0, timeout_s / 2)) if kind == "timeout" else 0.0
+    # a peer that reports waits for another rank: none where the world is this rank and it
+    lonely = len(peers) == 1 and dist.get_world_size() == 2
+    wait = min(REPORT_WAIT_S, max(1.0, timeout_s / 2)) if kind == "timeout" and not lonely else 0.0
     deadline = time.monotonic() + wait
     while True:
         found = _walk(store, me, peers)
