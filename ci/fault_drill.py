@@ -158,16 +158,7 @@ def main() -> int:
         if want("mpirun"):
             _mpirun_kill(base, kill_step)
         if want("stall"):
-            stall = 2 * args.timeout
-            for k, name, extra in ((1, "stalled rank", []), (2, "stalled rank, two-level 2 nodes x 2",
-                                                               ["--topology", "2"])):
-                job = Job([*base, *extra, "--stall-at", str(kill_step), "--stall-s", str(stall)], limit=600,
-                          ranks_per_node=k)
-                out, hung = job.wait()
-                row(name, f"SIGSTOP to rank 1 at step {kill_step} for {stall:g} s (timeout {args.timeout:g} s), "
-                    "then SIGCONT", _stopped(out, hung, args.timeout, r"fault: rank stopped at t=([\d.]+)",
-                                             stalled=1) + shm_verdict(job),
-                    detect=_detect(out, r"fault: rank stopped at t=([\d.]+)"))
+            _stalls(base, kill_step, args.timeout)
         if want("link"):
             _links(base, ref_acc)
         if want("checkpoint"):
@@ -183,6 +174,18 @@ def main() -> int:
         if want("exit"):
             _exits(args.exit_runs, args.ddp_runs)
     return 0
+
+
+def _stalls(base, kill_step, timeout) -> None:
+    """SIGSTOP to rank 1 past the timeout, flat (2 nodes x 1) and two-level (2 nodes x 2):
+    every other rank must name rank 1."""
+    stall = 2 * timeout
+    for k, name, extra in ((1, "stalled rank", []), (2, "stalled rank, two-level 2 nodes x 2", ["--topology", "2"])):
+        job = Job([*base, *extra, "--stall-at", str(kill_step), "--stall-s", str(stall)], limit=600, ranks_per_node=k)
+        out, hung = job.wait()
+        row(name, f"SIGSTOP to rank 1 at step {kill_step} for {stall:g} s (timeout {timeout:g} s), then SIGCONT",
+            _stopped(out, hung, timeout, r"fault: rank stopped at t=([\d.]+)", stalled=1) + shm_verdict(job),
+            detect=_detect(out, r"fault: rank stopped at t=([\d.]+)"))
 
 
 def _truncated(base, tmp, every, ref_acc) -> None:
