@@ -28,30 +28,40 @@ MASTER = "10.77.0.1"
 NODES = 2
 
 
-def node_cmd(i: int, port: int, *argv: str, launcher: str = "plain", restarts: int = 0) -> list[str]:
-    """Rank ``i`` (one per node) of a job in the node's namespace."""
+def node_cmd(i: int, port: int, *argv: str, launcher: str = "plain", restarts: int = 0, k: int = 1) -> list[str]:
+    """Rank ``i`` of a job (``k`` ranks per node; torchrun: the node's agent) in its node's namespace."""
     env = ["env", f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1", "GLOO_SOCKET_IFNAME=eth0"]
     if launcher == "torchrun":
         run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", "1",
                "--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{MASTER}:{port}",
                "--rdzv-id", f"drill{port}", SCRIPT]
     else:
-        env += [f"RANK={i}", f"WORLD_SIZE={NODES}", f"MASTER_ADDR={MASTER}", f"MASTER_PORT={port}"]
+        env += [f"RANK={i}", f"WORLD_SIZE={NODES * k}", f"LOCAL_RANK={i % k}", f"LOCAL_WORLD_SIZE={k}",
+                f"MASTER_ADDR={MASTER}", f"MASTER_PORT={port}"]
         run = [sys.executable, SCRIPT]
-    return [*NETCLUSTER, "exec", str(i), *env, *run, *argv]
+    return [*NETCLUSTER, "exec", str(i // k), *env, *run, *argv]
+
+
+def shm_files() -> set:
+    """hhook's files in /dev/shm (the namespaces share it)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("hhook-")}
 
 
 class Job:
-    """One job over the nodes; ``wait`` bounds it (a hang is a row of its own)."""
+    """One job over the nodes; ``wait`` bounds it (a hang is a row of its own) and notes
+    the files of /dev/shm it left (``shm_left``)."""
 
     port = 29700
 
-    def __init__(self, argv: list[str], launcher="plain", restarts=0, limit=600.0):
+    def __init__(self, argv: list[str], launcher="plain", restarts=0, limit=600.0, ranks_per_node=1):
         Job.port += 1
         self.started = time.time()
-        self.procs = [subprocess.Popen(node_cmd(i, Job.port, *argv, launcher=launcher, restarts=restarts),
+        self.shm_before = shm_files()
+        self.procs = [subprocess.Popen(node_cmd(i, Job.port, *argv, launcher=launcher, restarts=restarts,
+                                                k=ranks_per_node),
                                        cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       start_new_session=True) for i in range(NODES)]
+                                       start_new_session=True) for i in range(NODES * (
+                                           ranks_per_node if launcher == "plain" else 1))]
         self.limit = limit
 
     def wait(self) -> tuple[list, bool]:
@@ -65,7 +75,12 @@ class Job:
                 stdout, stderr = p.communicate()
             out.append((p.returncode, stdout + stderr))
         self.ended = time.time()
+        self.shm_left = sorted(shm_files() - self.shm_before)
         return out, hung
+
+
+def shm_verdict(job: Job) -> str:
+    return "; /dev/shm: nothing left" if not job.shm_left else f"; /dev/shm: {len(job.shm_left)} FILES LEFT"
 
 
 def result_of(text: str) -> dict | None:
@@ -91,7 +106,10 @@ def main() -> int:
     p.add_argument("--long-steps", type=int, default=2000, help="steps of the leak check")
     p.add_argument("--bits", default="auto", help="the hook's bits (auto: hhook.register's default, a timed choice "
                    "that differs between runs; 4: restarted runs end bit for bit as the reference)")
-    p.add_argument("--only", default="", help="comma-separated rows: reference,kill,mpirun,stall,link,checkpoint,leak")
+    p.add_argument("--exit-runs", type=int, default=50, help="runs of the thc_allreduce job of the exit row")
+    p.add_argument("--ddp-runs", type=int, default=20, help="runs of DDP with and without hhook in the exit row")
+    p.add_argument("--only", default="",
+                   help="comma-separated rows: reference,kill,mpirun,stall,link,checkpoint,leak,exit")
     args = p.parse_args()
     only = set(filter(None, args.only.split(",")))
     want = lambda name: not only or name in only  # noqa: E731
@@ -103,11 +121,12 @@ def main() -> int:
     ref_acc = None
     with tempfile.TemporaryDirectory() as tmp:
         if want("reference") or want("kill"):
-            out, hung = Job([*base, "--ckpt", f"{tmp}/ref"], limit=900).wait()
+            job = Job([*base, "--ckpt", f"{tmp}/ref"], limit=900)
+            out, hung = job.wait()
             res = result_of(out[0][1])
             ref_acc = res["accuracy"] if res else None
-            row("none", "fault-free reference, same seed", "hung" if hung else f"completed, {res['median_step_ms']:.1f} "
-                "ms/step" if res else "failed", accuracy=ref_acc)
+            row("none", "fault-free reference, same seed", ("hung" if hung else f"completed, {res['median_step_ms']:.1f} "
+                "ms/step" if res else "failed") + shm_verdict(job), accuracy=ref_acc)
         if want("kill"):
             for where in ("step", "hook"):
                 argv = [*base, "--ckpt", f"{tmp}/kill-{where}", "--kill-at", str(kill_step), "--kill-in", where]
@@ -127,24 +146,23 @@ def main() -> int:
                 row(f"killed rank ({where})", f"SIGKILL to rank 1 at step {kill_step} "
                     f"({'mid-step' if where == 'step' else 'inside the hook collectives'}), torchrun --max-restarts 2",
                     ("recovered, accuracy within 0.5 point, at most one checkpoint interval lost" if good else
-                     "hung" if hung else "NOT RECOVERED as promised"),
+                     "hung" if hung else "NOT RECOVERED as promised") + shm_verdict(job),
                     detect=(min(errors) - killed[0]) if errors and killed else None,
                     recover=(resumed[0] - killed[0]) if resumed and killed else None, lost=lost,
                     accuracy=res["accuracy"] if res else None, reference=ref_acc)
-            out, hung = Job([*base, "--kill-at", str(kill_step), "--kill-in", "hook"], limit=600).wait()
+            job = Job([*base, "--kill-at", str(kill_step), "--kill-in", "hook"], limit=600)
+            out, hung = job.wait()
             row("killed rank, no restarts", f"SIGKILL to rank 1 at step {kill_step}, plain launch (as mpirun)",
-                _stopped(out, hung, args.timeout, r"fault: rank killed at t=([\d.]+)"), detect=_detect(out, r"fault: rank killed at t=([\d.]+)"))
+                _stopped(out, hung, args.timeout, r"fault: rank killed at t=([\d.]+)") + shm_verdict(job),
+                detect=_detect(out, r"fault: rank killed at t=([\d.]+)"))
         if want("mpirun"):
             _mpirun_kill(base, kill_step)
         if want("stall"):
-            stall = 2 * args.timeout
-            out, hung = Job([*base, "--stall-at", str(kill_step), "--stall-s", str(stall)], limit=600).wait()
-            row("stalled rank", f"SIGSTOP to rank 1 at step {kill_step} for {stall:g} s (timeout {args.timeout:g} s), "
-                "then SIGCONT", _stopped(out, hung, args.timeout, r"fault: rank stopped at t=([\d.]+)"),
-                detect=_detect(out, r"fault: rank stopped at t=([\d.]+)"))
+            _stalls(base, kill_step, args.timeout)
         if want("link"):
             _links(base, ref_acc)
         if want("checkpoint"):
+            _truncated(base, tmp, args.every, ref_acc)
             proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_checkpoint_faults.py"], cwd=ROOT,
                                   text=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
             summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-200:]
@@ -153,7 +171,63 @@ def main() -> int:
                  else "FAILED: ") + summary)
         if want("leak"):
             _leaks(args.long_steps)
+        if want("exit"):
+            _exits(args.exit_runs, args.ddp_runs)
     return 0
+
+
+def _stalls(base, kill_step, timeout) -> None:
+    """SIGSTOP to rank 1 past the timeout, flat (2 nodes x 1) and two-level (2 nodes x 2):
+    every other rank must name rank 1."""
+    stall = 2 * timeout
+    for k, name, extra in ((1, "stalled rank", []), (2, "stalled rank, two-level 2 nodes x 2", ["--topology", "2"])):
+        job = Job([*base, *extra, "--stall-at", str(kill_step), "--stall-s", str(stall)], limit=600, ranks_per_node=k)
+        out, hung = job.wait()
+        row(name, f"SIGSTOP to rank 1 at step {kill_step} for {stall:g} s (timeout {timeout:g} s), then SIGCONT",
+            _stopped(out, hung, timeout, r"fault: rank stopped at t=([\d.]+)", stalled=1) + shm_verdict(job),
+            detect=_detect(out, r"fault: rank stopped at t=([\d.]+)"))
+
+
+def _truncated(base, tmp, every, ref_acc) -> None:
+    """Rank 1's newest checkpoint loses its second half (then rank 1 is killed), under
+    torchrun --max-restarts 2: the ranks agree on the newest step every rank can read."""
+    at = 2 * every
+    job = Job([*base, "--ckpt", f"{tmp}/truncated", "--truncate-at", str(at)], launcher="torchrun", restarts=2,
+              limit=900)
+    out, hung = job.wait()
+    res = next((r for r in (result_of(t) for _, t in out) if r), None)
+    ok = not hung and res is not None and all(code == 0 for code, _ in out)
+    good = ok and res["resumed_from"] == at - every and ref_acc is not None and abs(res["accuracy"] - ref_acc) <= 0.005
+    row("truncated checkpoint", f"rank 1's checkpoint of step {at} truncated to half, then rank 1 killed, torchrun "
+        "--max-restarts 2", ("resumed from the older intact checkpoint, accuracy within 0.5 point" if good else
+                            "hung" if hung else f"NOT RECOVERED as promised (resumed from "
+                            f"{res['resumed_from'] if res else '-'})") + shm_verdict(job),
+        lost=at - res["resumed_from"] if res else None, accuracy=res["accuracy"] if res else None, reference=ref_acc)
+
+
+def _exits(runs: int, ddp_runs: int) -> None:
+    """A job that finished exits 0 (loopback, 4 ranks under torchrun, tests/exit_job.py):
+    one thc_allreduce of 1M elements then destroy_process_group, ``runs`` times; and DDP
+    with and without hhook.register, ``ddp_runs`` times each, in turns (plain DDP has its
+    own abort at exit on torch 2.13)."""
+    def run(*argv: str) -> int:
+        Job.port += 1
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                               "--master-port", str(Job.port), str(ROOT / "tests" / "exit_job.py"), *argv],
+                              cwd=ROOT, text=True, capture_output=True, timeout=300,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"))
+        return int(proc.returncode == 0 and (proc.stdout + proc.stderr).count(": ok ") == 4)
+
+    before = shm_files()
+    thc = sum(run() for _ in range(runs))
+    ddp = plain = 0
+    for _ in range(ddp_runs):
+        ddp += run("--what", "ddp")
+        plain += run("--what", "ddp", "--plain")
+    row("a finished job (loopback)", f"4 ranks under torchrun: thc_allreduce of 1M elements then "
+        f"destroy_process_group ({runs} runs); DDP + hhook.register and plain DDP, in turns ({ddp_runs} runs each)",
+        f"exit 0: thc_allreduce {thc} of {runs}, DDP + hhook {ddp} of {ddp_runs}, plain DDP {plain} of {ddp_runs}"
+        + ("; /dev/shm: nothing left" if shm_files() <= before else "; /dev/shm: FILES LEFT"))
 
 
 def _mpirun_kill(base, kill_step) -> None:
@@ -190,15 +264,16 @@ def _detect(out, fault_pattern):
     return min(errors) - fault[0] if fault and errors else None
 
 
-def _stopped(out, hung, timeout, fault_pattern) -> str:
+def _stopped(out, hung, timeout, fault_pattern, stalled: int | None = None) -> str:
     """The row's verdict for a job that must stop: every other rank with hhook's error
-    within the timeout + 10 s of the fault; the faulty rank (stalled, then continued)
-    ends too, and what it said is reported."""
+    within the timeout + 10 s of the fault (naming rank ``stalled`` as the one that
+    stalled, where given); the faulty rank (stalled, then continued) ends too, and what it
+    said is reported."""
     if hung:
         return "HUNG"
     text = "".join(t for _, t in out)
     fault = times(fault_pattern, text)
-    verdicts, late, kinds = [], [], set()
+    verdicts, late, kinds, misnamed = [], [], set(), []
     for code, t in out:
         said = re.search(r"rank (\d+): step \d+: t=([\d.]+): \w+: .*?hhook: ", t)
         if "fault: rank" in t:  # the faulty rank itself
@@ -210,13 +285,17 @@ def _stopped(out, hung, timeout, fault_pattern) -> str:
             if os.environ.get("DRILL_VERBOSE"):
                 print(t[-6000:], file=sys.stderr)
             return "a rank stopped without hhook's error"
-        kinds.add("timeout" if "did not complete" in t else "peer lost")
+        kinds.add("timeout" if "PeerTimeoutError" in t else "peer lost")
+        if stalled is not None and f"a peer (rank {stalled}) stalled" not in t:
+            misnamed.append(said.group(1))
         if fault and float(said.group(2)) - fault[0] > timeout + 10:
             late.append(float(said.group(2)) - fault[0])
     if late:
         return f"stopped, but {max(late):.1f} s after the fault"
+    named = "" if stalled is None else (f", naming rank {stalled} on every other rank" if not misnamed else
+                                        f", but ranks {misnamed} did NOT NAME rank {stalled}")
     return ("stopped with a clear error on every rank within timeout + 10 s (" + ", ".join(sorted(kinds)) + ")"
-            + "".join("; " + v for v in verdicts))
+            + named + "".join("; " + v for v in verdicts))
 
 
 def _links(base, ref_acc) -> None:

@@ -7,13 +7,15 @@ last complete one, so ``torchrun --max-restarts`` restarts it where it stopped::
 Each rank writes its own file (error-feedback residuals differ between ranks) to a
 temporary name and renames it, so a rank killed mid-save leaves the previous file whole;
 rank 0 marks a step complete once every rank has saved it, and a restart resumes from the
-newest complete step. A restart with another number of ranks (an elastic job that lost a
+newest complete step that every rank can read (the ranks agree on it: a file truncated or
+corrupt on one rank makes every rank resume from the step before, instead of failing each
+restart in turn). A restart with another number of ranks (an elastic job that lost a
 node) takes rank 0's files where its own are missing; the hook state then starts its
 per-rank part afresh with one log line. The task is a synthetic 10-class problem whose
 batches depend only on the seed and the step, so a resumed run sees the data the
 uninterrupted one would have.
 
-The fault options (``--kill-at``, ``--stall-at``) inject faults into this script itself,
+The fault options (``--kill-at``, ``--stall-at``, ``--truncate-at``) inject faults into this script itself,
 for the fault drill (``ci/fault_drill.sh``, docs/reliability.md) and the tests.
 """
 
@@ -93,16 +95,42 @@ def save(directory: str, step: int, rank: int, world: int, ddp, opt, hook_state)
                 os.unlink(path)
 
 
-def load(directory: str, rank: int):
-    """The newest complete checkpoint for this rank (rank 0's where this rank has none:
-    a restart with more ranks), or None."""
-    steps = complete_steps(directory)
-    if not steps:
-        return None
-    path = ckpt_path(directory, steps[-1], rank)
+def readable(directory: str, step: int, rank: int):
+    """This rank's checkpoint of ``step`` (rank 0's where this rank has none: a restart
+    with more ranks), or None where it cannot be read (truncated, corrupt, missing)."""
+    path = ckpt_path(directory, step, rank)
     if not os.path.exists(path):
-        path = ckpt_path(directory, steps[-1], 0)
-    return torch.load(path, weights_only=True)
+        path = ckpt_path(directory, step, 0)
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - said, then an older step is tried
+        print(f"rank {rank}: the checkpoint of step {step} cannot be read ({type(exc).__name__}: "
+              f"{str(exc).splitlines()[0][:120]})", file=sys.stderr, flush=True)
+        return None
+
+
+def load(directory: str, rank: int):
+    """The newest complete checkpoint that every rank can read, agreed across the ranks
+    (collectives: call it on every rank), or None. A file that is truncated or corrupt on
+    one rank makes every rank resume from the step before, instead of failing this
+    attempt and every restart after it."""
+    steps, bound = complete_steps(directory), None
+    while True:
+        mine, saved = -1, None
+        for step in reversed(steps):
+            if bound is None or step <= bound:
+                saved = readable(directory, step, rank)
+                if saved is not None:
+                    mine = step
+                    break
+        seen = torch.tensor([mine, -mine])
+        dist.all_reduce(seen, dist.ReduceOp.MIN)  # the oldest newest, and the newest
+        low, high = int(seen[0]), -int(seen[1])
+        if low == high:
+            if rank == 0 and steps and low != steps[-1]:
+                print(f"resuming from step {low}: a newer checkpoint cannot be read on every rank", flush=True)
+            return saved if low >= 0 else None
+        bound = low  # some rank cannot read a newer one: every rank looks at most there
 
 
 # -- faults injected into this process -------------------------------------------------
@@ -131,7 +159,16 @@ def kill_in_collective() -> None:
     dist.all_reduce = then_die
 
 
-def main() -> int:
+def truncate_and_die(path: str) -> None:
+    """A disk that lost the end of this rank's newest checkpoint, then the process."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    print(f"fault: checkpoint truncated to {size // 2} of {size} bytes: {path}", file=sys.stderr, flush=True)
+    die()
+
+
+def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--every", type=int, default=50, help="checkpoint interval in steps (0: never)")
@@ -150,16 +187,84 @@ def main() -> int:
                    help="step: between forward and backward; hook: inside the hook's collectives")
     p.add_argument("--stall-at", type=int, default=None, help="SIGSTOP --fault-rank at this step")
     p.add_argument("--stall-s", type=float, default=30.0, help="seconds before the SIGCONT")
+    p.add_argument("--truncate-at", type=int, default=None,
+                   help="--fault-rank truncates its checkpoint of this step once saved, then is killed (once)")
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--json", default=None, help="rank 0 writes the result here")
-    args = p.parse_args()
+    return p.parse_args()
 
+
+def hook(args, ddp, saved):
+    """The comm hook: hhook's (its state from the checkpoint where there is one), torch's
+    fp16 hook, or none (fp32)."""
+    if args.hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    if args.hook != "thc":
+        return None
+    options = dict(bits=args.bits if args.bits == "auto" else int(args.bits), scales=args.scales,
+                   topology=args.topology if args.topology in ("flat", "auto") else int(args.topology))
+    if saved is not None and saved["hook"] is not None:
+        state = hhook.THCState(**options)
+        state.load_state_dict(saved["hook"])
+        return hhook.register(ddp, state=state)
+    return hhook.register(ddp, **options)
+
+
+def train(args, ddp, opt, hook_state, data, start: int, rank: int, world: int, attempt: int) -> list[float]:
+    """Steps ``start`` to ``args.steps``; returns each step's seconds. A failure raises
+    :class:`StepFailed` saying which step."""
+    times = []
+    for step in range(start, args.steps):
+        try:
+            times.append(one_step(args, ddp, opt, hook_state, data, step, rank, world, attempt))
+        except Exception as exc:  # noqa: BLE001 - the caller says which step
+            raise StepFailed(step, exc) from exc
+    return times
+
+
+class StepFailed(Exception):
+    def __init__(self, step: int, exc: Exception):
+        super().__init__(step, exc)
+        self.step, self.exc = step, exc
+
+
+def one_step(args, ddp, opt, hook_state, data, step: int, rank: int, world: int, attempt: int) -> float:
+    """Step ``step``, its checkpoint and its faults; returns its seconds."""
+    faulty = rank == args.fault_rank and attempt == 0
+    tic = time.perf_counter()
+    x, y = batch(data, args.seed, step, rank, world, args.batch)
+    loss = torch.nn.functional.cross_entropy(ddp(x), y)
+    if faulty and step == args.kill_at and args.kill_in == "hook":
+        kill_in_collective()
+    elif faulty and step == args.kill_at:
+        die()
+    if faulty and step == args.stall_at:
+        stall(args.stall_s)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    seconds = time.perf_counter() - tic
+    if args.ckpt and args.every and (step + 1) % args.every == 0:
+        save(args.ckpt, step + 1, rank, world, ddp, opt, hook_state)
+        # once per directory, not per attempt: torchrun counts restarts per node, so a rank
+        # moved to a node whose agent did not restart would see attempt 0 again
+        once = os.path.join(args.ckpt, "fault-truncated")
+        if step + 1 == args.truncate_at and not os.path.exists(once):
+            dist.barrier()  # every rank has looked; rank 0 has marked the step complete
+            if rank == args.fault_rank:
+                open(once, "w").close()
+                truncate_and_die(ckpt_path(args.ckpt, step + 1, rank))
+    return seconds
+
+
+def main() -> int:
+    args = arguments()
     env = hhook.init_distributed(backend="gloo", timeout_s=args.timeout)
     rank, world = env.rank, env.world_size
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.set_num_threads(1)
-    train, test = task(args.seed)
-    ddp = DDP(model(train[0].shape[1], args.width), bucket_cap_mb=0.25)
+    train_data, test = task(args.seed)
+    ddp = DDP(model(train_data[0].shape[1], args.width), bucket_cap_mb=0.25)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
 
     if args.ckpt:
@@ -170,18 +275,7 @@ def main() -> int:
         ddp.module.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         start = saved["step"]
-    hook_state = None
-    if args.hook == "thc":
-        options = dict(bits=args.bits if args.bits == "auto" else int(args.bits), scales=args.scales,
-                       topology=args.topology if args.topology in ("flat", "auto") else int(args.topology))
-        if saved is not None and saved["hook"] is not None:
-            hook_state = hhook.THCState(**options)
-            hook_state.load_state_dict(saved["hook"])
-            hook_state = hhook.register(ddp, state=hook_state)
-        else:
-            hook_state = hhook.register(ddp, **options)
-    elif args.hook == "fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    hook_state = hook(args, ddp, saved)
     layout = hook_state.node_layout() if hook_state is not None else None
     if layout is not None and layout.node_memory is not None and layout.local_rank == 0:
         print(f"shared memory: {layout.node_memory.directory}/{layout.node_memory.prefix}*", flush=True)
@@ -189,33 +283,19 @@ def main() -> int:
         print(f"attempt {attempt}: {world} ranks, start at step {start}"
               + (f" (checkpoint of {saved['world_size']} ranks)" if saved is not None else "")
               + f" t={time.time():.3f}", flush=True)
-
-    times = []
-    loss_fn = torch.nn.CrossEntropyLoss()
-    step = start
     try:
-        while step < args.steps:
-            tic = time.perf_counter()
-            x, y = batch(train, args.seed, step, rank, world, args.batch)
-            loss = loss_fn(ddp(x), y)
-            if rank == args.fault_rank and attempt == 0 and step == args.kill_at:
-                if args.kill_in == "hook":
-                    kill_in_collective()
-                else:
-                    die()
-            if rank == args.fault_rank and attempt == 0 and step == args.stall_at:
-                stall(args.stall_s)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            step += 1
-            times.append(time.perf_counter() - tic)
-            if args.ckpt and args.every and step % args.every == 0:
-                save(args.ckpt, step, rank, world, ddp, opt, hook_state)
-    except Exception as exc:  # noqa: BLE001 - said plainly, then a non-zero exit
-        print(f"rank {rank}: step {step}: t={time.time():.3f}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        times = train(args, ddp, opt, hook_state, train_data, start, rank, world, attempt)
+    except StepFailed as failed:  # said plainly, then a non-zero exit
+        print(f"rank {rank}: step {failed.step}: t={time.time():.3f}: {type(failed.exc).__name__}: {failed.exc}",
+              file=sys.stderr, flush=True)
         return 1
+    report(args, ddp, hook_state, test, times, rank, world, attempt, start)
+    dist.destroy_process_group()
+    return 0
 
+
+def report(args, ddp, hook_state, test, times, rank, world, attempt, start) -> None:
+    """Rank 0 prints (and writes to ``--json``) the run's result."""
     with torch.no_grad():
         accuracy = (ddp.module(test[0]).argmax(1) == test[1]).float().mean().item()
     weights = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
@@ -228,8 +308,6 @@ def main() -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, default=str)
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

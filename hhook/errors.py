@@ -1,6 +1,7 @@
 """The errors hhook raises on every rank alike, defined at the bottom of the package so
 that every layer (the codec included) can raise them without importing upward."""
 
+import dataclasses
 import re
 
 
@@ -34,14 +35,48 @@ _TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for \w+ operation|Applicatio
 _CLOSED = re.compile(r"Connection closed by peer \[?([^\s\]]+?)\]?:(\d+)|Connection reset by peer|Broken pipe")
 
 
-def explain(exc: BaseException, what: str, timeout_s: float | None = None, peers: str = "") -> BaseException:
+@dataclasses.dataclass(frozen=True)
+class Blame:
+    """Who is at fault for a failed collective, as the job's store tells
+    (:mod:`hhook.blame`): ``culprits``, the ranks reached that report no wait of their own
+    (stalled, or died); ``waiting``, this rank's peers that reported waiting for them (and
+    gave up at their timeout); ``this_rank``, whether a report waits for this rank."""
+
+    culprits: tuple = ()
+    waiting: tuple = ()
+    this_rank: bool = False
+
+
+def _ranks(ranks) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"one of ranks {list(ranks)}"
+
+
+def _stalled(blame: Blame | None, peers: str) -> str:
+    """The subject of "... stalled or is far behind"."""
+    if blame is not None and blame.culprits:
+        return f"a peer ({_ranks(blame.culprits)})"
+    if blame is not None and blame.this_rank:
+        return "this rank"
+    return f"a peer ({peers})" if peers else "a peer of the group"
+
+
+_SET_TIMEOUT = ("Set the timeout with hhook.init_distributed(timeout_s=...) or "
+                "torch.distributed.init_process_group(timeout=...)")
+
+
+def explain(exc: BaseException, what: str, timeout_s: float | None = None, peers: str = "",
+            blame=None) -> BaseException:
     """``exc`` as the error a user can act on, or ``exc`` itself.
 
     A transport's timeout becomes :class:`PeerTimeoutError` and a closed connection
     :class:`PeerLostError`, each naming ``what`` (the collective and its tensor), the
-    group's timeout and ``peers`` (who could be at fault: ``"rank 1"``), with the transport's message
-    kept at the end; the original stays the ``__cause__``. Anything else (and an error
-    already explained) is returned unchanged.
+    group's timeout and who is at fault, with the transport's message kept at the end;
+    the original stays the ``__cause__``. ``peers`` says who could be (``"rank 1"``);
+    ``blame(kind)`` (kind ``"timeout"`` or ``"lost"``), where given, returns a
+    :class:`Blame` that names the rank that stalled even where it is not this rank's peer,
+    and tells a peer that gave up waiting (a closed connection that is a
+    :class:`PeerTimeoutError`) from one that died. Anything else (and an error already
+    explained) is returned unchanged.
     """
     if isinstance(exc, (PeerTimeoutError, PeerLostError)):
         return exc
@@ -49,20 +84,30 @@ def explain(exc: BaseException, what: str, timeout_s: float | None = None, peers
     limit = f"{timeout_s:g} s" if timeout_s is not None else "the process group's timeout"
     found = _TIMED_OUT.search(text)
     if found:
+        who = blame("timeout") if blame is not None else None
         waited = f"{int(found.group(1)) / 1000:g} s; the group's is {limit}" if found.group(1) else limit
+        through = f"; {_ranks(who.waiting)}, which this rank waits for, waits for it too" if who and who.waiting \
+            and who.culprits else ""
         err = PeerTimeoutError(
-            f"hhook: {what} did not complete within the timeout ({waited}): a peer{f' ({peers})' if peers else ' of the group'} stalled or is far behind (stopped, swapping, or "
-            "stuck). Set the timeout with hhook.init_distributed(timeout_s=...) or "
-            f"torch.distributed.init_process_group(timeout=...). Transport: {_first_line(text)}")
+            f"hhook: {what} did not complete within the timeout ({waited}): {_stalled(who, peers)} stalled or is far "
+            f"behind (stopped, swapping, or stuck){through}. {_SET_TIMEOUT}. Transport: {_first_line(text)}")
     else:
         found = _CLOSED.search(text)
         if not found:
             return exc
-        who = ", ".join(filter(None, (peers, f"at {found.group(1)}:{found.group(2)}" if found.group(1) else "")))
-        err = PeerLostError(
-            f"hhook: {what} failed: a peer{f' ({who})' if who else ' of the group'} closed its connection, so that rank "
-            f"died (killed, out of memory, preempted). Restart the job from its last checkpoint (torchrun "
-            f"--max-restarts does it for you). Transport: {_first_line(text)}")
+        who = blame("lost") if blame is not None else None
+        if who is not None and who.waiting:  # it gave up waiting: a stall, not a death
+            err = PeerTimeoutError(
+                f"hhook: {what} failed: {_stalled(who, peers)} stalled or is far behind (stopped, swapping, or "
+                f"stuck): {_ranks(who.waiting)} waited the timeout ({limit}) for it and closed its connection. "
+                f"{_SET_TIMEOUT}. Transport: {_first_line(text)}")
+        else:
+            at = f"at {found.group(1)}:{found.group(2)}" if found.group(1) else ""
+            who = ", ".join(filter(None, (peers, at)))
+            err = PeerLostError(
+                f"hhook: {what} failed: a peer{f' ({who})' if who else ' of the group'} closed its connection, so "
+                f"that rank died (killed, out of memory, preempted). Restart the job from its last checkpoint "
+                f"(torchrun --max-restarts does it for you). Transport: {_first_line(text)}")
     err.__cause__ = exc
     return err
 

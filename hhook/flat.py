@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from .futures import completed, new_future, settle, then, value_of
 from .groups import explain
+from .teardown import attach
 from .layout import SUPPORTED_DTYPES
 from .sequencer import stream_of
 from .state import THCState
@@ -201,8 +202,8 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=N
 
         def launch() -> None:
             try:
-                second.all_reduce(words).get_future().then(
-                    lambda g: settle(result, lambda: decode(value_of(g, f"the SUM of the codes of {what}", second)[0])))
+                attach(second.all_reduce(words).get_future(),
+                       lambda g: settle(result, lambda: decode(value_of(g, f"the SUM of the codes of {what}", second)[0])))
             except BaseException as exc:
                 result.set_exception(exc)
 
@@ -213,6 +214,6 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=N
     except BaseException:
         state._sequencer.launch(ticket, None)  # later tickets must not wait for this one
         raise
-    fut.get_future().then(finish_and_sum)
+    attach(fut.get_future(), finish_and_sum)
     return result
 

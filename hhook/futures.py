@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .groups import explain
+from .teardown import attach
 
 
 def new_future(like: torch.Tensor) -> torch.futures.Future:
@@ -49,7 +50,8 @@ def value_of(fut: torch.futures.Future, what: str | None = None, group=None):
 
 def then(fut: torch.futures.Future, fn, like: torch.Tensor, what: str | None = None, group=None) -> torch.futures.Future:
     """``fut.then(fn)`` where ``fn`` takes ``fut``'s value and its exception (or ``fut``'s)
-    reaches the waiter unwrapped; ``what`` and ``group`` as :func:`value_of`."""
+    reaches the waiter unwrapped; ``what`` and ``group`` as :func:`value_of`. Counted
+    until released (:func:`hhook.teardown.attach`)."""
     result = new_future(like)
-    fut.then(lambda f: settle(result, lambda: fn(value_of(f, what, group))))
+    attach(fut, lambda f: settle(result, lambda: fn(value_of(f, what, group))))
     return result

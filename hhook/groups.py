@@ -19,7 +19,7 @@ same order (at each state's blocking handshake), so the prefixes match.
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import datetime
 import secrets
 import threading
@@ -28,27 +28,43 @@ import torch
 import torch.distributed as dist
 
 from . import errors
+from .blame import blame
 
 _lock = threading.Lock()
 _made: dict = {}  # parent group name -> second communicators made for it in this process
-# Every backend made, kept for the life of the process: a backend whose last reference
-# went away inside one of its own worker threads (a continuation holds it) would join
-# that thread from itself and abort the process ("Resource deadlock avoided"). They are
-# shut down at exit, from the main thread, before the interpreter tears down (a backend
-# whose threads still run at static destruction aborts with "terminate called without an
-# active exception"), and only released with the module.
-_alive: list = []
+# The second communicators whose backend is alive, held here so that no backend loses its
+# last reference inside one of its own worker threads (a continuation holds it: the
+# thread would join itself and abort the process, "Resource deadlock avoided"). They end
+# in end_second_groups: when their parent group is destroyed and at exit, from a thread
+# of the program, before the interpreter finalizes.
+_open: list = []
 
 
-@atexit.register
-def _shut_down() -> None:
+def end_second_groups(parent=None) -> None:
+    """End the backends of hhook's second communicators over ``parent`` (None or WORLD:
+    every one), from this thread: each backend's last reference goes here, and torch's
+    holder releases the GIL while the backend joins its worker threads, so a continuation
+    still on one of them finishes first (a collective still in flight waits at most the
+    group's timeout). Called before ``destroy_process_group`` and at exit: a worker
+    thread that takes the GIL once the interpreter finalizes is ended by Python mid-C++,
+    which aborts the process ("terminate called without an active exception"). Never
+    from a worker thread of a backend (it would join itself): there, nothing happens.
+    :mod:`hhook.teardown` calls it."""
+    if isinstance(threading.current_thread(), threading._DummyThread):  # not a thread of the program
+        return
+    every = parent is None or parent == dist.GroupMember.WORLD
+    name = None if every else getattr(parent, "group_name", None)
     with _lock:
-        backends = list(_alive)
-    for backend in backends:
-        try:
-            backend.shutdown()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
+        ending = [g for g in _open if every or g.parent_name == name]
+        _open[:] = [g for g in _open if g not in ending]
+    for group in ending:
+        group.close()
+
+
+def longest_timeout() -> float | None:
+    """The longest collective timeout (s) of the second communicators still open, or None."""
+    with _lock:
+        return max((g.timeout.total_seconds() for g in _open), default=None)
 
 
 def timeout_of(group) -> datetime.timedelta:
@@ -68,22 +84,45 @@ def timeout_of(group) -> datetime.timedelta:
         return dist.default_pg_timeout
 
 
+def others_of(group) -> list[int]:
+    """The global ranks of ``group`` other than this one ([] where that cannot be told)."""
+    try:
+        ranks = group.ranks if isinstance(group, SecondGroup) else dist.get_process_group_ranks(
+            group if group is not None else dist.group.WORLD)
+        me = dist.get_rank()
+    except Exception:  # noqa: BLE001 - not a group of this process
+        return []
+    return [r for r in ranks if r != me]
+
+
 def peers_of(group) -> str:
     """Who can be at fault when a collective of ``group`` fails, for messages: the
     global ranks of the group other than this one."""
-    group = getattr(group, "parent", group)
-    try:
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        me = dist.get_rank()
-    except Exception:  # noqa: BLE001 - not a group of this process
+    others = others_of(group)
+    if not others:
         return ""
-    others = [r for r in ranks if r != me]
     return f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
 
 
 def explain(exc: BaseException, what: str, group) -> BaseException:
-    """:func:`hhook.errors.explain` with ``group``'s timeout and peers."""
-    return errors.explain(exc, what, timeout_of(group).total_seconds(), peers_of(group))
+    """:func:`hhook.errors.explain` with ``group``'s timeout and peers, and
+    :func:`hhook.blame.blame` to name the rank that stalled."""
+    timeout = timeout_of(group).total_seconds()
+    others = others_of(group)
+    return errors.explain(exc, what, timeout, peers_of(group), lambda kind: blame(kind, others, timeout))
+
+
+@contextlib.contextmanager
+def explained(what: str, group):
+    """Collectives of ``group`` inside fail as :func:`explain` says (a peer lost or stalled
+    reads as :class:`~hhook.errors.PeerLostError` or :class:`~hhook.errors.PeerTimeoutError`)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised, explained where it can be
+        err = explain(exc, what, group)
+        if err is exc:
+            raise
+        raise err from exc
 
 
 def reduces_on_host(group) -> bool:
@@ -115,7 +154,8 @@ class SecondGroup:
         # On the host wherever the parent has Gloo (CUDA tensors over Gloo too: ranks sharing a GPU).
         nonce = torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64,
                              device=torch.device("cpu" if reduces_on_host(parent) else device_type))
-        dist.all_reduce(nonce, dist.ReduceOp.MAX, group=parent)
+        with explained("the handshake of hhook's second communicator", parent):
+            dist.all_reduce(nonce, dist.ReduceOp.MAX, group=parent)
         self.handshake_bytes = nonce.nbytes  # handed to a collective: the owner counts it
         store = dist.PrefixStore(f"hhook/second/{parent.group_name}/{index}/{int(nonce.item()):x}/",
                                  dist.distributed_c10d._get_default_store())
@@ -132,12 +172,27 @@ class SecondGroup:
             self.backend = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.parent = parent
         self.parent_name = parent.group_name
+        self.ranks = dist.get_process_group_ranks(parent)
         self.index = index
         with _lock:
-            _alive.append(self.backend)
+            _open.append(self)
+
+    def close(self) -> None:
+        """Drop the backend (and the parent group): the backend ends here, from this
+        thread, once its collectives in flight have completed or timed out."""
+        backend, self.backend, self.parent = self.backend, None, None
+        if backend is not None and not isinstance(backend, dist.ProcessGroupGloo):
+            try:
+                backend.shutdown()  # NCCL: its communicators end before the object
+            except Exception:  # noqa: BLE001 - best effort at the end
+                pass
+        del backend  # the last reference: ~ProcessGroupGloo joins its threads, without the GIL
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM):
         """Launch a SUM (or ``op``) allreduce; returns its Work."""
+        if self.backend is None:
+            raise RuntimeError(f"hhook: the process group {self.parent_name!r} of this THCState was destroyed "
+                               "(torch.distributed.destroy_process_group); build a new THCState for a new one")
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         return self.backend.allreduce([tensor], opts)

@@ -14,11 +14,13 @@ rank alone from the same sequence, agree inside the node without a message:
   filled up since is an ``OSError`` naming the fix, never a signal. A region larger than
   the budget is not made (that call goes through collectives); keyed regions beyond it
   are evicted, least recently used first. So a rank maps at most about the budget.
-* **Nothing left behind.** A file is unlinked as soon as every rank of the node has
-  mapped it (after the first barrier), and also when that barrier fails. Each process
-  holds a shared ``flock`` on its job's lock file for its life; at exit the last one
-  removes what is left, and at start :func:`sweep_stale` removes the files of jobs whose
-  lock no process holds any more (a job killed with SIGKILL).
+* **Nothing left behind.** A file's name exists only while a process of the job holds
+  it: each rank takes a shared ``flock`` on the file before its name appears (made under
+  a temporary name, locked, then linked) and unlinks it before it lets go, as soon as
+  every rank of the node has mapped it (after the first barrier), when that barrier
+  fails, and at exit. So a job whose processes are killed (SIGKILL, or SIGTERM from a
+  launcher tearing the job down) leaves at most a file that was being made at that
+  moment, and at start :func:`sweep_stale` removes the files no process holds.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ SHM_DIR = "/dev/shm"
 DEFAULT_CAP_MB = 1024
 #: Share of the free space of :data:`SHM_DIR` a job may map.
 FREE_SHARE = 0.5
-_LOCK = re.compile(r"^hhook-([0-9a-f]{16})-node(\d+)-lock$")
+_FILE = re.compile(r"^hhook-[0-9a-f]{16}-node\d+-")  # a job's files (and earlier versions' lock files)
 
 
 def unlink_quietly(path: str) -> None:
@@ -68,36 +70,48 @@ def budget_bytes(free: int, environ=None) -> int:
 
 
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
-    """Remove the files of hhook jobs on this machine that no live process holds (their
-    lock file can be locked exclusively); returns the removed paths."""
+    """Remove the files of hhook jobs on this machine that no live process holds (each
+    can be locked exclusively); returns the removed paths."""
     removed = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
     for name in names:
-        m = _LOCK.match(name)
-        if not m:
+        if not _FILE.match(name):
             continue
-        lock = os.path.join(directory, name)
+        path = os.path.join(directory, name)
         try:
-            fd = os.open(lock, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR)
         except OSError:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # a live process of that job holds it
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:  # still the file that was locked
+                unlink_quietly(path)
+                removed.append(path)
+        except OSError:  # a live process of that job holds it (or it went meanwhile)
+            pass
+        finally:
             os.close(fd)
-            continue
-        prefix = f"hhook-{m.group(1)}-node{m.group(2)}-"
-        for other in names:
-            if other.startswith(prefix) and other != name:
-                unlink_quietly(os.path.join(directory, other))
-                removed.append(os.path.join(directory, other))
-        unlink_quietly(lock)
-        removed.append(lock)
-        os.close(fd)
     return removed
+
+
+def _open_held(path: str) -> int:
+    """A descriptor of ``path``, made if absent, holding a shared ``flock`` on it; the
+    name never exists unlocked (made under a temporary name, locked, then linked)."""
+    tmp = f"{path}.{os.getpid()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # locked before it has its name: no sweep sees it free
+    try:
+        os.link(tmp, path)
+    except FileExistsError:  # another rank of the node made it first: share that one
+        os.close(fd)
+        fd = os.open(path, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    finally:
+        unlink_quietly(tmp)
+    return fd
 
 
 class NodeMemory:
@@ -116,53 +130,38 @@ class NodeMemory:
         self._regions: collections.OrderedDict = collections.OrderedDict()  # key -> (spec, rows, result, bytes)
         self._used = 0
         self._count = 0
-        self._lock_fd = None
+        self._held: dict = {}  # path -> descriptor holding its shared flock
         self.evictions = 0
         self.refused = 0
 
     def path(self, name) -> str:
         return os.path.join(self.directory, f"{self.prefix}{name}")
 
-    # -- the job's lock ------------------------------------------------------------
-    def hold(self) -> None:
-        """Take this process's shared lock on the job's lock file (made atomically, so a
-        sweep never sees it unlocked) and release it at exit."""
-        if self._lock_fd is not None:
-            return
-        lock = self.path("lock")
-        tmp = f"{lock}.{os.getpid()}"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_SH)  # locked before it has its name: no sweep sees it free
-        try:
-            os.link(tmp, lock)
-        except FileExistsError:  # another rank of the node made it first: share that one
+    # -- the files this process holds ----------------------------------------------
+    def open_file(self, name) -> tuple[str, int]:
+        """``(path, fd)`` of the node's file ``name``, made if absent and held (a shared
+        ``flock``) until :meth:`done`; released at exit at the latest."""
+        path = self.path(name)
+        fd = _open_held(path)
+        if not self._held:
+            atexit.register(self.release)  # once: release() is idempotent
+        self._held[path] = fd
+        return path, fd
+
+    def done(self, path: str) -> None:
+        """Every rank of the node has mapped ``path`` (or never will): unlink it, then let
+        go of it (the mappings live on)."""
+        unlink_quietly(path)
+        fd = self._held.pop(path, None)
+        if fd is not None:
             os.close(fd)
-            fd = os.open(lock, os.O_RDWR)
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        finally:
-            unlink_quietly(tmp)
-        self._lock_fd = fd
-        atexit.register(self.release)
 
     def release(self) -> None:
-        """Drop the regions and the lock; the last process of the node removes the files."""
+        """Drop the regions and every file this process still holds (unlinked first)."""
         self._regions.clear()
         self._used = 0
-        fd, self._lock_fd = self._lock_fd, None
-        if fd is None:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else holds it: we are the last
-        except OSError:
-            os.close(fd)
-            return
-        try:
-            for name in os.listdir(self.directory):
-                if name.startswith(self.prefix):
-                    unlink_quietly(os.path.join(self.directory, name))
-        finally:
-            os.close(fd)
+        for path in list(self._held):
+            self.done(path)
 
     # -- regions -------------------------------------------------------------------
     def region(self, key, numel: int, dtype: torch.dtype):
@@ -170,8 +169,8 @@ class NodeMemory:
         fit the budget (the caller uses collectives). ``rows`` is ``[k, numel]``,
         ``result`` ``[numel]``; made at the key's first call (or after an eviction, or
         when its length or dtype changed), then reused: a key is never in flight twice.
-        ``path`` is returned when the file is new, for :func:`unlink_quietly` once every
-        rank of the node has mapped it. ``key=None`` gets a fresh region each call."""
+        ``path`` is returned when the file is new, for :meth:`done` once every rank of the
+        node has mapped it. ``key=None`` gets a fresh region each call."""
         spec = (numel, dtype)
         found = self._regions.get(key) if key is not None else None
         if found is not None and found[0] == spec:
@@ -189,20 +188,17 @@ class NodeMemory:
                 self._drop(next(iter(self._regions)))
                 self.evictions += 1
         self._count += 1
-        path = self.path(f"r{self._count}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        path, fd = self.open_file(f"r{self._count}")
         try:
             os.posix_fallocate(fd, 0, nbytes)  # reserve now: a full tmpfs is an error here, not SIGBUS later
         except OSError as exc:
-            os.close(fd)
-            unlink_quietly(path)
+            self.done(path)
             raise OSError(
                 exc.errno,
                 f"hhook: {self.directory} has no room for {nbytes / 2**20:.1f} MB of node-shared memory "
                 f"({free_bytes(self.directory) / 2**20:.1f} MB free): enlarge it (docker --shm-size), lower "
                 "HHOOK_SHM_MB, or set HHOOK_SHM=0 to reduce inside the node through collectives",
             ) from exc
-        os.close(fd)
         storage = torch.UntypedStorage.from_file(path, True, nbytes)
         flat = torch.empty(0, dtype=dtype).set_(storage.untyped(), 0, ((self.ranks + 1) * numel,), (1,))
         rows, result = flat[: self.ranks * numel].view(self.ranks, numel), flat[self.ranks * numel:]

@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 
 from . import rng
-from .groups import timeout_of
+from .groups import explained, timeout_of
 from .launch import launcher_layout
-from .node_memory import SHM_DIR, NodeMemory, budget_bytes, free_bytes, sweep_stale, unlink_quietly
+from .node_memory import SHM_DIR, NodeMemory, budget_bytes, free_bytes, sweep_stale
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,8 @@ def _gather_records(record: list[int], group) -> list[list[int]]:
     world = dist.get_world_size(group)
     out = torch.empty(world * _RECORD, dtype=torch.int64, device=device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, mine, group=group)
+    with explained("hhook's layout detection (an all-gather of every rank's node)", group):
+        gather(out, mine, group=group)
     return out.view(world, _RECORD).tolist()
 
 
@@ -333,18 +334,20 @@ def _probe_shared_memory(topo: Topology) -> NodeMemory | None:
     path = memory.path("probe")
     ok = 1
     try:
-        memory.hold()
+        memory.open_file("probe")
         storage = torch.UntypedStorage.from_file(path, True, 8 * topo.ranks_per_node)
         slots = torch.empty(0, dtype=torch.int64).set_(storage.untyped(), 0, (topo.ranks_per_node,), (1,))
         slots[topo.local_rank] = topo.rank + 1
     except (OSError, RuntimeError):
         ok, slots = 0, None
-    dist.all_reduce(torch.zeros(1), group=topo.intra_group)  # every rank of the node has written
+    with explained("hhook's shared-memory probe", topo.intra_group):
+        dist.all_reduce(torch.zeros(1), group=topo.intra_group)  # every rank of the node has written
     if slots is not None and slots.tolist() != [r + 1 for r in topo.nodes[topo.node]]:
         ok = 0
     verdict = torch.tensor([ok, budget_bytes(free_bytes(memory.directory))], dtype=torch.int64)
-    dist.all_reduce(verdict, dist.ReduceOp.MIN, group=topo.group)  # every rank has read
-    unlink_quietly(path)
+    with explained("hhook's shared-memory probe", topo.group):
+        dist.all_reduce(verdict, dist.ReduceOp.MIN, group=topo.group)  # every rank has read
+    memory.done(path)
     ok, memory.budget = verdict.tolist()
     if not ok:
         memory.release()

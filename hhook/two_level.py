@@ -50,10 +50,10 @@ import torch.distributed as dist
 from .flat import check_tensor, flat_allreduce_async, payload_bytes, plain_allreduce
 from .errors import PeerTimeoutError, RankFailedError
 from .futures import completed, new_future, value_of
+from .teardown import attach
 from .groups import explain, timeout_of
 from .layout import SUPPORTED_DTYPES
 from .stats import Counters
-from .node_memory import unlink_quietly
 from .sequencer import stream_of
 from .topology import Topology
 
@@ -280,10 +280,10 @@ def two_level_allreduce_async(
             try:
                 if shm:  # a barrier (every rank of the node has written its shard) and the statuses
                     work = dist.all_reduce(send, group=topo.gather_group, async_op=True)
-                    work.get_future().then(lambda h: finish(h, out, send[0]))
+                    attach(work.get_future(), lambda h: finish(h, out, send[0]))
                 else:
                     work = _all_gather(out, send, topo.gather_group, k)
-                    work.get_future().then(lambda h: finish(h, out, None))
+                    attach(work.get_future(), lambda h: finish(h, out, None))
             except BaseException as exc:  # noqa: BLE001
                 failure.append(exc)
                 finish(None, out, None)
@@ -303,14 +303,14 @@ def two_level_allreduce_async(
             f.value()
         except BaseException as exc:  # noqa: BLE001 - the node's collective failed on every member
             if shm and new_file is not None:
-                unlink_quietly(new_file)  # not every rank may have mapped it: nobody will now
+                topo.node_memory.done(new_file)  # not every rank may have mapped it: nobody will now
             inter_seq.launch(inter_ticket, None)
             gather_seq.launch(gather_ticket, None)
             result.set_exception(explain(exc, f"the node's reduce-scatter of a two-level tensor of {d} elements",
                                          topo.intra_group))
             return
-        if shm and new_file is not None and j == 0:
-            unlink_quietly(new_file)  # every rank of the node has mapped it: the memory lives on
+        if shm and new_file is not None:
+            topo.node_memory.done(new_file)  # every rank of the node has mapped it: the memory lives on
         try:
             if shm:
                 shard = _node_mean(rows[:, j * s:(j + 1) * s], k, in_place=False)
@@ -328,7 +328,7 @@ def two_level_allreduce_async(
                 shard.fill_(float("nan"))
                 gather(shard)
                 return
-            fut.then(lambda g: after_inter(g, shard))
+            attach(fut, lambda g: after_inter(g, shard))
 
         inter_seq.launch(inter_ticket, launch, stream_of(shard))
 
@@ -339,11 +339,11 @@ def two_level_allreduce_async(
             work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
     except BaseException:
         if shm and new_file is not None:
-            unlink_quietly(new_file)
+            topo.node_memory.done(new_file)
         inter_seq.launch(inter_ticket, None)  # later tensors must not wait for this one's turn
         gather_seq.launch(gather_ticket, None)
         raise
-    work.get_future().then(after_scatter)
+    attach(work.get_future(), after_scatter)
     return result
 
 

@@ -79,9 +79,12 @@ def test_a_stalled_rank_stops_every_rank_with_a_clear_error_within_the_timeout(s
             assert "closed its connection" in message or "did not complete within" in message, message
             continue
         assert seen - stopped < timeout + 10, f"rank {rank} raised {seen - stopped:.1f} s after the stall"
-        # the rank's own peers stalled (the timeout) or a peer that gave up first closed (lost)
+        # the rank's own peers stalled (the timeout) or a peer that gave up first closed its connection
         assert re.search(r"hhook: .* (did not complete within the timeout \(6 s|closed its connection)", message), message
         assert_names_hhook_s_error(message)
+        # the stalled rank is named, even where this rank waited for it through another
+        # (two-level: rank 2 waits for rank 0 between nodes, rank 0 for rank 1 in its node)
+        assert "a peer (rank 1) stalled" in message and "PeerTimeoutError" in message, message
 
 
 def test_a_killed_rank_without_restarts_stops_every_other_rank_clearly():
@@ -132,6 +135,22 @@ def test_torchrun_restarts_a_killed_rank_from_the_checkpoint_bit_for_bit(uninter
     assert result["attempt"] == 1 and result["resumed_from"] == 20, result
     assert result["weights_sha1"] == uninterrupted[scales]["weights_sha1"]
     assert result["accuracy"] == uninterrupted[scales]["accuracy"]
+
+
+def test_a_truncated_checkpoint_resumes_from_the_older_intact_one(uninterrupted, tmp_path):
+    """Rank 1's newest checkpoint (step 40) loses its second half, then rank 1 is killed:
+    under torchrun --max-restarts 2 the ranks agree on the newest step every rank can read
+    (20), resume from it at the first restart and end with the very weights of the
+    uninterrupted run. Before, rank 1 failed torch.load at every restart, its peer read
+    Gloo's raw 'Connection closed by peer' from hhook.register, and the job failed."""
+    out = tmp_path / "result.json"
+    proc = torchrun("--steps", "60", "--every", "20", "--bits", "4", "--ckpt", str(tmp_path / "ckpt"), "--json",
+                    str(out), "--truncate-at", "40", restarts=2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["attempt"] == 1 and result["resumed_from"] == 20, result
+    assert "checkpoint of step 40 cannot be read" in proc.stderr and "resuming from step 20" in proc.stdout
+    assert result["weights_sha1"] == uninterrupted["agreed"]["weights_sha1"]
 
 
 def test_an_elastic_restart_with_fewer_ranks_resumes_and_starts_the_hook_state_afresh(tmp_path):
@@ -209,6 +228,38 @@ def test_no_shared_memory_is_left_behind_when_a_rank_is_killed():
         assert glob.glob(prefix + "*") == [], prefix
 
 
+def test_no_shared_memory_is_left_when_a_stalled_two_level_job_is_torn_down():
+    """2 nodes x 2, rank 1 stopped (SIGSTOP) past the 6 s timeout: the others raise and
+    exit; rank 1, still stopped, is then killed as a launcher tears a job down (SIGKILL: no
+    exit handler runs in it). None of the job's files is left in /dev/shm (before, the
+    node's lock file stayed until the next job's sweep)."""
+    procs = launch(4, "--steps", "40", "--bits", "4", "--topology", "2", "--timeout", "6", "--stall-at", "12",
+                   "--stall-s", "120")
+    others = finish([procs[0], procs[2], procs[3]], limit=120)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    procs[1].wait(timeout=30)
+    left = {m.group(1): glob.glob(m.group(1) + "*") for _, out, _ in others
+            for m in re.finditer(r"shared memory: (\S+)\*", out)}  # at once: another job's start sweeps them
+    _end_helper(procs[1])
+    assert all(code == 1 for code, _, _ in others), [e[-2000:] for _, _, e in others]
+    assert len(left) == 2 and not any(left.values()), left
+
+
+def _end_helper(proc) -> None:
+    """End the helper that would continue ``proc`` (the example's stall: ``sh -c "sleep S;
+    kill -CONT PID"`` in a session of its own, holding ``proc``'s pipes)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv[:2] == [b"sh", b"-c"] and argv[2].endswith(f"kill -CONT {proc.pid}".encode()):
+            os.kill(int(pid), signal.SIGKILL)
+    proc.stdout.close()
+    proc.stderr.close()
+
+
 def _subgroup_timeout_worker(rank, world, scales):
     import datetime
 
@@ -253,3 +304,28 @@ def test_the_second_communicator_of_a_subgroup_waits_the_subgroup_s_timeout(scal
         assert r["second_timeout"] == 3.0 and r["world_second"] == 1800.0, r
     assert res[0]["error"] and "a peer (rank 1) stalled" in res[0]["error"] and "3 s" in res[0]["error"], res[0]
     assert res[0]["waited"] < 3.0 + 5, res[0]["waited"]
+
+
+def _register_without_a_peer(rank, world, topology):
+    import torch
+
+    import hhook
+
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
+    if rank == 1:
+        return None  # leaves: its process ends, its connections close
+    time.sleep(2)
+    try:
+        hhook.register(ddp, bits=4, topology=topology)
+    except Exception as exc:  # noqa: BLE001 - what the user would read
+        return f"{type(exc).__name__}: {exc}"
+    return "registered"
+
+
+@pytest.mark.parametrize("topology", ["flat", "auto"])
+def test_a_peer_lost_during_register_reads_as_peer_lost_error(topology):
+    """A peer that dies while hhook.register finds the layout (a truncated checkpoint
+    failed its torch.load): the rank in the collective raises hhook's PeerLostError
+    naming the peer, not Gloo's raw 'Connection closed by peer'."""
+    said = run_world(_register_without_a_peer, 2, topology, timeout=120)[0]
+    assert said.startswith("PeerLostError: hhook: hhook's layout detection") and "(rank 1" in said, said

@@ -105,8 +105,8 @@ LAYERS = (
     ("codec", {"errors", "rng", "layout", "lanes", "rotation", "quantization", "backend", "cpu_kernels",
                "cuda_kernels", "codec"}),
     ("message and scale policy", {"message", "scales"}),
-    ("schedule", {"futures", "stats", "sequencer", "groups", "launch", "node_memory", "topology", "state", "flat",
-                  "two_level", "allreduce", "decision", "prober", "widths", "advice"}),
+    ("schedule", {"futures", "teardown", "blame", "stats", "sequencer", "groups", "launch", "node_memory", "topology",
+                  "state", "flat", "two_level", "allreduce", "decision", "prober", "widths", "advice"}),
     # "": the package's front, hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
     # adapters, over the DDP hook
     ("integrations", {"ddp_hook", "horovod", "fsdp", "", "adapters", "lightning", "accelerate", "transformers"}),
