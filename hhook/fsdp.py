@@ -43,6 +43,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from . import fsdp_all_gather
+from .fsdp_all_gather import AllGatherOptions, AllGatherState
 from .layout import SUPPORTED_DTYPES, constant
 from .message import RANK_FAILED
 from .state import _LIVE, THCState
@@ -54,7 +56,8 @@ except ImportError:  # pragma: no cover
     FSDPModule = None
     ReduceScatter = object
 
-__all__ = ["register", "register_hsdp", "THCReduceScatter"]
+__all__ = ["register", "register_hsdp", "compress_all_gather", "all_gather_stats", "AllGatherOptions",
+           "THCReduceScatter"]
 
 logger = logging.getLogger(__name__)
 
@@ -219,8 +222,11 @@ def _check_params(module, caller: str = "register") -> None:
             )
 
 
-def register(module, state: THCState | None = None, **options) -> THCState:
-    """Compress FSDP2's gradient reduce-scatter of every ``FSDPModule`` in ``module``.
+def register(module, state: THCState | None = None, *, all_gather: int | AllGatherOptions | None = None,
+             **options) -> THCState:
+    """Compress FSDP2's gradient reduce-scatter of every ``FSDPModule`` in ``module``, and
+    with ``all_gather`` (a width, 8, 6 or 4, or :class:`AllGatherOptions`) its parameter
+    all-gather too (:mod:`hhook.fsdp_all_gather`; :func:`all_gather_stats` counts it).
 
     ``options`` are :class:`hhook.THCState`'s (``bits``, ``block_size``, ``seed``...);
     pass ``state`` to share one. Returns the state (``state.stats()`` counts bytes).
@@ -230,7 +236,12 @@ def register(module, state: THCState | None = None, **options) -> THCState:
     Raises ``ValueError`` for a module without ``FSDPModule``, one whose reduce-scatter is
     already customised, a replicate-only mesh (FSDP2's ``replicate``: no reduce-scatter),
     ``scales="predicted"`` or ``error_feedback=True``; ``TypeError`` for float64/complex
-    parameters. Nothing is changed on the model when it raises.
+    parameters. With ``all_gather``, also ``ConfigMismatchError`` on every rank when ranks
+    differ in its options or in which parameters they would quantize (a blocking handshake
+    per shard group), ``ValueError`` for a bad width or a module whose all-gather is already
+    customised, ``RuntimeError`` for a torch without ``set_custom_all_gather``; modules the
+    compressed all-gather cannot serve keep FSDP's, named in one log line (docs/fsdp.md).
+    Nothing is changed on the model when it raises.
     """
     if state is None:
         state = THCState(**options)
@@ -241,6 +252,10 @@ def register(module, state: THCState | None = None, **options) -> THCState:
     if state.error_feedback:
         raise ValueError("hhook.fsdp.register does not support error_feedback (agreed scales are unbiased "
                          "without it)")
+    if isinstance(all_gather, int) and not isinstance(all_gather, bool):
+        all_gather = AllGatherOptions(bits=all_gather, seed=state.seed)
+    elif all_gather is not None and not isinstance(all_gather, AllGatherOptions):
+        raise TypeError(f"hhook.fsdp.register: all_gather must be None, a width or AllGatherOptions, got {all_gather!r}")
     fsdp_modules = _fsdp_modules(module)
     _check_params(module)
     plan = []
@@ -262,6 +277,8 @@ def register(module, state: THCState | None = None, **options) -> THCState:
                 f"DDP, or shard it (fully_shard on a 1-D mesh, or register_hsdp for shard + replicate)"
             )
         plan.append((name, m, group, shard, replicate))
+    gathers = None if all_gather is None else fsdp_all_gather.plan(
+        [(name, m, group) for name, m, group, *_ in plan], AllGatherState(all_gather))
     for name, m, group, shard, replicate in plan:
         factor = group.gradient_divide_factor
         hsdp = replicate is not None
@@ -274,7 +291,27 @@ def register(module, state: THCState | None = None, **options) -> THCState:
     if any(replicate is not None and replicate > 1 for *_, replicate in plan):
         logger.info("hhook.fsdp.register: native HSDP mesh: the reduce-scatter inside the shard group is "
                     "compressed, FSDP's replica all-reduce stays dense (register_hsdp compresses both)")
+    if gathers is not None:
+        fsdp_all_gather.apply(gathers)
     return state
+
+
+def compress_all_gather(module, bits: int = 8, **options) -> AllGatherState:
+    """Compress only the parameter all-gather of every ``FSDPModule`` in ``module``
+    (``options``: :class:`AllGatherOptions`' others); the reduce-scatter stays FSDP2's.
+    Raises as :func:`register` does for the all-gather, before changing anything."""
+    state = AllGatherState(AllGatherOptions(bits=bits, **options))
+    entries = [(name, m, group) for name, m in _fsdp_modules(module, "compress_all_gather")
+               if (group := _param_group(m)) is not None]
+    fsdp_all_gather.apply(fsdp_all_gather.plan(entries, state))
+    return state
+
+
+def all_gather_stats(module) -> dict | None:
+    """Bytes and calls of ``module``'s compressed all-gathers (``AllGatherState.stats``);
+    None where its all-gather is not compressed."""
+    state = fsdp_all_gather.find_state(module)
+    return None if state is None else state.stats()
 
 
 def _check_replica_layout(shard_group, replica_group, device) -> None:

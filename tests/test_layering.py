@@ -103,13 +103,13 @@ def test_profile_layers():
 #: and the ones below. Every module of the package must be placed.
 LAYERS = (
     ("codec", {"errors", "rng", "layout", "lanes", "rotation", "quantization", "backend", "cpu_kernels",
-               "cuda_kernels", "codec"}),
+               "cuda_kernels", "codec", "weight_quant"}),
     ("message and scale policy", {"message", "scales"}),
     ("schedule", {"futures", "teardown", "blame", "stats", "sequencer", "groups", "launch", "node_memory", "topology",
                   "state", "flat", "two_level", "allreduce", "decision", "prober", "widths", "advice"}),
     # "": the package's front, hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
     # adapters, over the DDP hook
-    ("integrations", {"ddp_hook", "horovod", "fsdp", "", "adapters", "lightning", "accelerate", "transformers"}),
+    ("integrations", {"ddp_hook", "horovod", "fsdp", "fsdp_all_gather", "", "adapters", "lightning", "accelerate", "transformers"}),
     ("benchmarks", {"simulation", "baselines", "profile"}),
 )
 INTEGRATIONS = {"hhook.ddp_hook", "hhook.horovod", "hhook.fsdp"}
