@@ -67,13 +67,14 @@ class AllGatherOptions:
     """The compressed all-gather's options (the same on every rank).
 
     ``bits``: 8 by default, 6 and 4 narrower. ``block_size``: values per float32 scale
-    (and per rotation block). ``rotate``: the codec's randomized Hadamard rotation first
-    (outliers cost few levels; docs/fsdp.md has the measurements). ``min_numel``: the
-    dense rule, :meth:`quantizes`."""
+    (and per rotation block). ``rotate``: ``"auto"`` rotates each block with the codec's
+    randomized Hadamard rotation where that lowers its max, ``True`` every block, ``False``
+    none (:mod:`hhook.weight_quant`; docs/fsdp.md has the measurements). ``min_numel``:
+    the dense rule, :meth:`quantizes`."""
 
     bits: int = 8
     block_size: int = 256
-    rotate: bool = True
+    rotate: bool | str = "auto"
     seed: int = 0
     min_numel: int = 4096
 
@@ -156,6 +157,21 @@ class AllGatherState:
         self.options = options
         self._stats = Counters()
         self._logged: set = set()
+        self._workspaces: list = [None, None, None]
+
+    def workspace(self, n_blocks: int, device: torch.device, slot: int = 0) -> torch.Tensor | None:
+        """A float32 ``(n_blocks, B)`` buffer, from one of three slots. On CPU they are kept
+        and reused (sized for the largest param group's shard): a fresh 10 MB tensor cost
+        more in page faults (about 5 ms here) than the arithmetic on it. Elsewhere slot 0
+        is a fresh tensor (the caching allocator reuses memory) and the others None (the
+        codec then makes its own temporaries)."""
+        B = self.options.block_size
+        if device.type != "cpu":
+            return torch.empty(n_blocks, B, device=device) if slot == 0 else None
+        buffer = self._workspaces[slot]
+        if buffer is None or buffer.numel() < n_blocks * B:
+            buffer = self._workspaces[slot] = torch.empty(n_blocks * B)
+        return buffer[: n_blocks * B].view(n_blocks, B)
 
     def count(self, kind, dense_bytes: int, wire_bytes: int) -> None:
         self._stats.add(kind, dense_bytes, wire_bytes)
@@ -232,18 +248,19 @@ class THCAllGather(AllGather):
             src = input_tensor.detach()
             dense_end = HEADER_BYTES + self.layout.dense_numel * dtype.itemsize
             dense = payload[HEADER_BYTES:dense_end].view(dtype)
-            blocks = torch.zeros(self.layout.n_blocks, codec.block_size, device=src.device)
+            blocks = self.state.workspace(self.layout.n_blocks, src.device)
             flat, at = blocks.view(-1), 0
             for s in self.layout.segments:
                 if s.block < 0:
                     dense[at:at + s.numel].copy_(src[s.offset:s.offset + s.numel])
                     at += s.numel
-                else:
-                    flat[s.block * codec.block_size:s.block * codec.block_size + s.numel].copy_(
-                        src[s.offset:s.offset + s.numel])
-            if not bool(torch.isfinite(blocks).all()):
+                else:  # the shard, then zeros to the end of its last block
+                    start, end = s.block * codec.block_size, (s.block + codec.n_blocks(s.numel)) * codec.block_size
+                    flat[start:start + s.numel].copy_(src[s.offset:s.offset + s.numel])
+                    flat[start + s.numel:end].zero_()
+            work = tuple(self.state.workspace(self.layout.n_blocks, src.device, slot) for slot in (1, 2))
+            if not codec.encode(blocks, self._codec_bytes(payload, dtype), work):
                 status = NONFINITE  # dense parameters carry their own inf/NaN
-            codec.encode(blocks, self._codec_bytes(payload, dtype))
         except Exception as exc:  # noqa: BLE001 - said in the header, raised after the all-gather on every rank
             status, failure = FAILED, exc
         payload[:8].view(torch.int32).copy_(torch.tensor([rng._to_int32(fp), status], dtype=torch.int32))
@@ -269,7 +286,9 @@ class THCAllGather(AllGather):
         """One rank's payload ``row`` into its slice ``out`` of FSDP's output."""
         dtype, codec = out.dtype, self.codec
         dense = row[HEADER_BYTES:HEADER_BYTES + self.layout.dense_numel * dtype.itemsize].view(dtype)
-        values = codec.decode(self._codec_bytes(row, dtype), self.layout.n_blocks).view(-1)
+        values = codec.decode(self._codec_bytes(row, dtype), self.layout.n_blocks,
+                              self.state.workspace(self.layout.n_blocks, row.device),
+                              self.state.workspace(self.layout.n_blocks, row.device, 1)).view(-1)
         at = 0
         for s in self.layout.segments:
             if s.block < 0:

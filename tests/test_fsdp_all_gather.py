@@ -24,23 +24,46 @@ def test_codes_pack_and_unpack_at_every_width(bits):
     assert torch.equal(unpack(out, bits, codes.numel()), codes)
 
 
-@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("workspaces", [False, True])
+@pytest.mark.parametrize("rotate", [False, True, "auto"])
 @pytest.mark.parametrize("bits", [8, 6, 4])
-def test_weight_codec_bound_and_zeros(bits, rotate):
+def test_weight_codec_bound_and_zeros(bits, rotate, workspaces):
     from hhook.weight_quant import WeightCodec
 
     codec = WeightCodec(bits, 64, rotate, seed=3)
     x = torch.randn(5, 64) * torch.tensor([1.0, 1e-30, 0.0, 1e4, 1.0])[:, None]
     x[4, 7] = 50.0  # an outlier
+    work = (torch.empty(5, 64), torch.empty(5, 64)) if workspaces else (None, None)
     payload = torch.empty(codec.nbytes(5), dtype=torch.uint8)
-    codec.encode(x.clone(), payload)
-    y = codec.decode(payload, 5)
+    assert codec.encode(x.clone(), payload, work)
+    y = codec.decode(payload, 5, *((torch.empty(5, 64), torch.empty(5, 64)) if workspaces else ()))
     err = (y - x).norm(dim=1)
     assert (err <= codec.bound(codec.scales(payload, 5)) * (1 + 1e-5) + 1e-6 * x.norm(dim=1)).all()
     assert torch.equal(y[2], torch.zeros(64))  # a zero block decodes to exact zeros
     again = torch.empty_like(payload)
-    codec.encode(x.clone(), again)
+    codec.encode(x.clone(), again, work)
     assert torch.equal(payload, again)  # round to nearest: a pure function of the values
+    x[0, 3] = float("nan")
+    assert not codec.encode(x.clone(), again, work)  # said, for the comm's dense fallback
+
+
+def test_auto_rotation_takes_the_better_domain_per_block():
+    """Uniform blocks stay as they are, heavy-tailed ones are rotated; the error is the
+    smaller of never and always rotating, block by block."""
+    from hhook.weight_quant import WeightCodec
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat((torch.rand(50, 256, generator=g) * 2 - 1, torch.randn(50, 256, generator=g) ** 5))
+    errs = {}
+    for mode in (False, True, "auto"):
+        codec = WeightCodec(8, 256, mode)
+        payload = torch.empty(codec.nbytes(100), dtype=torch.uint8)
+        codec.encode(x.clone(), payload)
+        errs[mode] = (codec.decode(payload, 100) - x).norm(dim=1)
+        turned = torch.signbit(codec.scales(payload, 100))
+    assert not turned[:50].any() and turned[50:].all()
+    assert (errs["auto"] <= torch.minimum(errs[False], errs[True]) * 1.0001).all()
+    assert errs[False][50:].mean() > 2 * errs[True][50:].mean() and errs[True][:50].mean() > 1.5 * errs[False][:50].mean()
 
 
 def _model(seed=0):
@@ -99,7 +122,7 @@ def _block_ratios(exact, decoded, world, codec, dtype):
             shards.append(blocks.view(-1, B))
         x, y = shards
         payload = torch.empty(codec.nbytes(x.shape[0]), dtype=torch.uint8)
-        codec.encode(x.clone(), payload)
+        codec.encode(x.clone(), payload, (torch.empty_like(x), torch.empty_like(x)))  # the comm's CPU path
         bound = codec.bound(codec.scales(payload, x.shape[0]))
         err = (y - x).norm(dim=1)
         slack = y.norm(dim=1) * (2.0 ** -8 if dtype == torch.bfloat16 else 1e-6) + 1e-12
@@ -121,7 +144,7 @@ def _gather(rank, world, bits, param_dtype, reshard):
         model(torch.randn(8, 37)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    codec = WeightCodec(bits, 256, True, 0)
+    codec = WeightCodec(bits)  # the default options: blocks of 256, rotation where it pays
     dtype = param_dtype or torch.float32
     first = {n: v[0] for n, v in seen.items()}
     return {"first": first, "stats": state.stats(),
@@ -300,24 +323,22 @@ def _late_mismatch_and_failure(rank, world):
     comm = model[0]._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
     out = []
     if rank == 1:
-        comm.codec = WeightCodec(8, 256, False, 0)  # same payload length, other fingerprint
+        comm.codec = WeightCodec(8, 256, False)  # same payload length, other fingerprint
     try:
         model(torch.randn(4, 37))
     except ConfigMismatchError:
         out.append("mismatch")
-    comm.codec = WeightCodec(8, 256, True, 0)
+    comm.codec = WeightCodec(8)
 
     class Broken(WeightCodec):
-        def encode(self, blocks, out):
+        def encode(self, blocks, out, work=(None, None)):
             raise ArithmeticError("rank 1's encoder broke")
 
-    if rank == 1:
-        comm.codec = Broken(8, 256, True, 0)
     model = _shard(_model())  # fresh FSDP state after the raise
     hhook.fsdp.compress_all_gather(model)
     comm = model[0]._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
     if rank == 1:
-        comm.codec = Broken(8, 256, True, 0)
+        comm.codec = Broken(8)
     try:
         model(torch.randn(4, 37))
     except ArithmeticError:
