@@ -13,7 +13,9 @@ uniform weights, with it 2.5-3.7x better on heavy-tailed ones. So ``rotate="auto
 default) rotates each block or not, whichever has the smaller max (round-to-nearest's
 error is proportional to it in either domain), and says which in the sign bit of the
 block's scale: no extra bytes, and the decoder undoes the rotation of those blocks only.
-``rotate=True`` rotates every block, ``False`` none.
+``rotate=True`` rotates every block, ``False`` none. "auto" tries only blocks whose max
+exceeds twice their RMS (a block of 256 rotated values is about Gaussian, its max near
+three RMS), so light-tailed layers cost no rotation at all.
 
 Round-to-nearest, not stochastic rounding: nothing is summed, so unbiasedness buys
 nothing and stochastic rounding doubles the error's variance; and the result is a pure
@@ -108,11 +110,20 @@ class WeightCodec:
         if self.rotate is True:
             return self._rotate(blocks, False, work[0]), _maxabs(blocks).neg_()
         plain = _maxabs(blocks)
-        rotated = self._rotate(work[1].copy_(blocks) if work[1] is not None else blocks.clone(), False, work[0])
+        # Candidates: a block whose max is under twice its RMS stays as it is (uniform: 1.7);
+        # rotated, its max would not be lower (about Gaussian: near 3 RMS at B = 256).
+        rms = torch.linalg.vector_norm(blocks, dim=1).mul_(1 / math.sqrt(self.block_size))
+        rows = (plain > 2 * rms).nonzero().view(-1)
+        if rows.numel() == 0:
+            return blocks, plain
+        n = rows.numel()
+        rotated = torch.index_select(blocks, 0, rows, out=work[1][:n]) if work[1] is not None else blocks[rows]
+        self._rotate(rotated, False, None if work[0] is None else work[0][:n])
         turned = _maxabs(rotated)
-        use = turned < plain
-        torch.where(use[:, None], rotated, blocks, out=blocks)
-        return blocks, torch.where(use, turned.neg(), plain)
+        use = turned < plain[rows]
+        rows, turned = rows[use], turned[use]
+        blocks.index_copy_(0, rows, rotated[use])
+        return blocks, plain.index_copy_(0, rows, turned.neg_())
 
     def encode(self, blocks: torch.Tensor, out: torch.Tensor, work=(None, None)) -> bool:
         """Quantize float32 ``(n, B)`` ``blocks`` (overwritten) into the uint8 payload
@@ -144,13 +155,12 @@ class WeightCodec:
         y = torch.empty(n_blocks, self.block_size, device=payload.device) if out is None else out
         y.view(-1).copy_(codes)
         y.sub_(self.q).mul_((scales.abs() / float(self.q))[:, None])
-        if self.rotate is True:
+        turned = torch.signbit(scales).nonzero().view(-1) if self.rotate == "auto" else None
+        if self.rotate is True or turned is not None and turned.numel() == n_blocks:
             return self._rotate(y, True, work)
-        if self.rotate == "auto":
-            turned = torch.signbit(scales).nonzero().view(-1)
-            if turned.numel():
-                rows = y.index_select(0, turned)
-                y.index_copy_(0, turned, self._rotate(rows, True, None if work is None else work[: rows.shape[0]]))
+        if turned is not None and turned.numel():  # only the rotated blocks
+            rows = y.index_select(0, turned)
+            y.index_copy_(0, turned, self._rotate(rows, True, None if work is None else work[: rows.shape[0]]))
         return y
 
 

@@ -568,3 +568,14 @@ def test_bytes_at_8_bits(param_dtype):
         assert calls == 1 and stats["wire_bytes"] == 8 + calls * 2 * payload  # handshake + payloads (a root keeps its params)
         assert stats["dense_bytes"] == calls * 2 * (weight + bias) * itemsize
         assert stats["ratio"] >= (3.9 if param_dtype is None else 1.95), stats
+
+
+def test_profiler_methods_take_ag():
+    from hhook.profile.train import parse_methods
+
+    names = {m.name: m.all_gather for m in parse_methods("fp32,bf16:ag=bf16,thc:4,thc:4:ag=8,fp32:ag=6,thc:4:ag=bf16")}
+    assert names == {"fp32": None, "bf16:ag=bf16": "bf16", "thc:4": None, "thc:4:ag=8": 8, "fp32:ag=6": 6,
+                     "thc:4:ag=bf16": "bf16"}
+    for bad in ("thc:4:ag=9", "fp32:ag=fp8", "fp16:ag=8"):
+        with pytest.raises(ValueError, match="ag=|takes no options"):
+            parse_methods(bad)

@@ -36,7 +36,9 @@ and :data:`ATTACH` (how the child attaches each kind to DDP).
 ``--parallel fsdp`` trains with FSDP2 instead of DDP (:func:`attach_fsdp`: ``fully_shard``
 on every top-level child with parameters and on the root, one 1-D mesh of every rank):
 fp32 is plain FSDP2, bf16 FSDP2 with ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``,
-thc ``hhook.fsdp.register``. Every collective then runs in Python and is counted: the
+thc ``hhook.fsdp.register``; ``ag=BITS`` adds hhook's compressed parameter all-gather
+(``register(all_gather=BITS)``, or ``compress_all_gather`` for fp32 and bf16), ``ag=bf16``
+all-gathers bfloat16 parameters (``param_dtype=torch.bfloat16``). Every collective then runs in Python and is counted: the
 reduce-scatters' input (hhook's: its messages) and the all-gathers' output separately
 (:mod:`hhook.profile.counting`), besides the total; every rank takes part in the
 evaluation's forward (its all-gathers), outside the clock and the step's bytes.
@@ -59,7 +61,7 @@ import traceback
 from . import methods
 from ..baselines.harness import KINDS as BASELINE_KINDS
 
-KINDS = (methods.FP32, methods.FP16, methods.BF16, methods.POWERSGD, methods.THC, methods.SBC, methods.LGC)
+KINDS = (methods.FP32_AG, methods.FP16, methods.BF16_AG, methods.POWERSGD, methods.THC, methods.SBC, methods.LGC)
 DEFAULT_METHODS = "fp32,fp16,bf16,powersgd,thc:4"
 POLL_S = 0.05
 STARTUP_S = 300.0  # allowance until the first step: imports and rendezvous are slow on a loaded machine
@@ -296,16 +298,24 @@ def attach_fsdp(method: dict, model, seed: int, device, hsdp: bool = False, rank
         mesh = mesh2d["shard"] if method["kind"] == "thc" else mesh2d
     else:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if method["kind"] == "bf16" else MixedPrecisionPolicy()
+    # ag=bf16: bfloat16 parameters (all-gathered so), reduced in float32 unless the method says bf16
+    params = torch.bfloat16 if method.get("all_gather") == "bf16" else None
+    reduce = torch.bfloat16 if method["kind"] == "bf16" else torch.float32 if params else None
+    mp = MixedPrecisionPolicy(param_dtype=params, reduce_dtype=reduce)
     for child in model.children():
         if any(True for _ in child.parameters()):
             fully_shard(child, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    if method["kind"] != "thc":
-        return None
     import hhook.fsdp
 
+    ag = method.get("all_gather")
+    if method["kind"] != "thc":
+        if isinstance(ag, int):
+            hhook.fsdp.compress_all_gather(model, bits=ag, seed=seed)
+        return None
     options = {"bits": method["bits"], "seed": seed}
+    if isinstance(ag, int):
+        options["all_gather"] = ag
     for name in ("chunk_mb", "rounding"):
         if method.get(name) is not None:
             options[name] = method[name]
@@ -416,6 +426,7 @@ def worker(spec: dict) -> dict:
     kinds = {"reduce_scatter": [], "all_gather": []}  # FSDP2: each step's reduce-scatter and all-gather bytes
     counter = {"bytes": 0, "reduce_scatter": 0, "all_gather": 0}
     clock = 0.0
+    setup_rss_mb = _peak_rss_mb()  # the model, its shards and the data, before the first step
     beat("step 0")
     with collective_bytes(counter):
         for step, idx in enumerate(batches(mine, spec["batch_size"], None), start=1):
@@ -462,7 +473,13 @@ def worker(spec: dict) -> dict:
               "final_accuracy": evals[-1]["accuracy"] if evals else None, "final_loss": loss.item(),
               "final_val_loss": evals[-1]["val_loss"] if evals else None}
     if fsdp:
+        import hhook.fsdp
+
         result["step_rs_bytes"], result["step_ag_bytes"] = kinds["reduce_scatter"], kinds["all_gather"]
+        result["all_gather_stats"] = hhook.fsdp.all_gather_stats(model)  # ag=BITS; evaluations included
+    result["setup_rss_mb"], result["peak_rss_mb"] = setup_rss_mb, _peak_rss_mb()
+    if device.type == "cuda":
+        result["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     if baseline is not None:
         result["baseline_stats"] = baseline.stats()
         if baseline.step_bytes != step_bytes:  # the counter misses broadcasts (LGC's mask): the method's own count
@@ -487,6 +504,13 @@ def worker(spec: dict) -> dict:
     dist.barrier()  # destroying the group under a peer still talking aborts Gloo at random
     dist.destroy_process_group()
     return result
+
+
+def _peak_rss_mb() -> float:
+    """This child's peak resident memory so far, MiB (one child per method and rank)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 #: What a child runs: the module is imported (not run as ``__main__``), so it is the same
