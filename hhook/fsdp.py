@@ -43,7 +43,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from . import fsdp_all_gather
+from . import fsdp_all_gather, fsdp_auto
 from .fsdp_all_gather import AllGatherOptions, AllGatherState
 from .layout import SUPPORTED_DTYPES, constant
 from .message import RANK_FAILED
@@ -117,13 +117,15 @@ class THCReduceScatter(ReduceScatter):
        rank's chunk had the same bits.
     """
 
-    def __init__(self, state: THCState, name: str, factor: float | None, returns_sum: bool | None = None):
+    def __init__(self, state: THCState, name: str, factor: float | None, returns_sum: bool | None = None,
+                 switch=None):
         if state.scales != "agreed":
             raise ValueError(PREDICTED_REFUSED)
         self.state = state
         self.name = name
         self.factor = factor
         self.returns_sum = factor is not None if returns_sum is None else bool(returns_sum)
+        self.switch = switch  # bits="auto" (hhook.fsdp_auto.Switch): dense while it says so
         self._verified: set = set()
 
     def allocate(self, size, *, dtype, device):
@@ -140,12 +142,8 @@ class THCReduceScatter(ReduceScatter):
         rank = group.rank()
         n = output_tensor.numel()
         state = self.state
-        if input_tensor.dtype not in SUPPORTED_DTYPES:  # exact fallback, counted
-            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
-            if not self.returns_sum:
-                output_tensor.div_(world)
-            state.count("dense_calls", 4 * input_tensor.numel(), input_tensor.nbytes)
-            return None
+        if input_tensor.dtype not in SUPPORTED_DTYPES or (self.switch is not None and self.switch.reduce_scatter_dense):
+            return self._dense(output_tensor, input_tensor, group)  # exact, counted
         device = input_tensor.device
         self._handshake(group, device)
         policy = state.policy("agreed", world)  # bits="auto": sized for this group, not the state's
@@ -200,6 +198,15 @@ class THCReduceScatter(ReduceScatter):
         return None
 
 
+    def _dense(self, output_tensor, input_tensor, group) -> None:
+        """Plain FSDP2's reduce-scatter of the same buffer (FSDP's division is off: the mean here)."""
+        dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
+        if not self.returns_sum:
+            output_tensor.div_(group.size())
+        self.state.count("dense_calls", 4 * input_tensor.numel(), input_tensor.nbytes)
+        return None
+
+
 def _fsdp_modules(module, caller: str = "register") -> list[tuple[str, object]]:
     """``[(name, FSDPModule), ...]`` in ``module`` (``named_modules`` order)."""
     if FSDPModule is None:
@@ -222,11 +229,20 @@ def _check_params(module, caller: str = "register") -> None:
             )
 
 
-def register(module, state: THCState | None = None, *, all_gather: int | AllGatherOptions | None = None,
+def register(module, state: THCState | None = None, *, all_gather: int | AllGatherOptions | bool | None = None,
              **options) -> THCState:
     """Compress FSDP2's gradient reduce-scatter of every ``FSDPModule`` in ``module``, and
     with ``all_gather`` (a width, 8, 6 or 4, or :class:`AllGatherOptions`) its parameter
     all-gather too (:mod:`hhook.fsdp_all_gather`; :func:`all_gather_stats` counts it).
+
+    ``bits`` defaults to ``"auto"``: as the DDP hook does, the job measures its step with
+    THC's reduce-scatter and the compressed all-gather (at ``all_gather``'s width, 8 by
+    default; ``all_gather=False`` leaves this candidate out), THC's reduce-scatter alone,
+    and plain FSDP2, in turns on every rank alike, and keeps the fastest
+    (:mod:`hhook.fsdp_auto`; ``state.stats()["decision"]``). On a mesh with a replicate
+    dimension, or modules sharded over different groups, ``"auto"`` compresses the
+    reduce-scatter at the auto rule's width without measuring (one log line). An integer
+    ``bits`` always compresses the reduce-scatter at that width.
 
     ``options`` are :class:`hhook.THCState`'s (``bits``, ``block_size``, ``seed``...);
     pass ``state`` to share one. Returns the state (``state.stats()`` counts bytes).
@@ -244,7 +260,7 @@ def register(module, state: THCState | None = None, *, all_gather: int | AllGath
     Nothing is changed on the model when it raises.
     """
     if state is None:
-        state = THCState(**options)
+        state = THCState(**{"bits": "auto", **options})
     elif options:
         raise TypeError("hhook.fsdp.register: pass either state or options, not both")
     if state.scales != "agreed":
@@ -254,8 +270,9 @@ def register(module, state: THCState | None = None, *, all_gather: int | AllGath
                          "without it)")
     if isinstance(all_gather, int) and not isinstance(all_gather, bool):
         all_gather = AllGatherOptions(bits=all_gather, seed=state.seed)
-    elif all_gather is not None and not isinstance(all_gather, AllGatherOptions):
-        raise TypeError(f"hhook.fsdp.register: all_gather must be None, a width or AllGatherOptions, got {all_gather!r}")
+    elif all_gather not in (None, False) and not isinstance(all_gather, AllGatherOptions):
+        raise TypeError("hhook.fsdp.register: all_gather must be None, False, a width or AllGatherOptions, got "
+                        f"{all_gather!r}")
     fsdp_modules = _fsdp_modules(module)
     _check_params(module)
     plan = []
@@ -277,12 +294,20 @@ def register(module, state: THCState | None = None, *, all_gather: int | AllGath
                 f"DDP, or shard it (fully_shard on a 1-D mesh, or register_hsdp for shard + replicate)"
             )
         plan.append((name, m, group, shard, replicate))
-    gathers = None if all_gather is None else fsdp_all_gather.plan(
-        [(name, m, group) for name, m, group, *_ in plan], AllGatherState(all_gather))
+    decider = fsdp_auto.decider(state, plan, all_gather is not False) if state.bits == "auto" else None
+    if decider is not None and all_gather is None:
+        all_gather = AllGatherOptions(seed=state.seed)  # the candidate's: 8 bits
+    entries, extra = [(name, m, group) for name, m, group, *_ in plan], decider.digest() if decider else 0
+    if all_gather in (None, False):  # the ranks agree on that too (one blocking all-reduce per shard group)
+        gathers = fsdp_all_gather.agree_without(entries, extra)
+    else:
+        gathers = fsdp_all_gather.plan(entries, AllGatherState(all_gather), extra)
+    switch = decider.switch if decider is not None else None
     for name, m, group, shard, replicate in plan:
         factor = group.gradient_divide_factor
         hsdp = replicate is not None
-        m.set_custom_reduce_scatter(THCReduceScatter(state, name, factor, returns_sum=hsdp or factor is not None))
+        m.set_custom_reduce_scatter(THCReduceScatter(state, name, factor, returns_sum=hsdp or factor is not None,
+                                                     switch=switch))
         if shard == 1:
             continue  # FSDP never calls the comm in a shard group of one: leave its division alone
         m.set_force_sum_reduction_for_comms(True)
@@ -292,7 +317,9 @@ def register(module, state: THCState | None = None, *, all_gather: int | AllGath
         logger.info("hhook.fsdp.register: native HSDP mesh: the reduce-scatter inside the shard group is "
                     "compressed, FSDP's replica all-reduce stays dense (register_hsdp compresses both)")
     if gathers is not None:
-        fsdp_all_gather.apply(gathers)
+        fsdp_all_gather.apply(gathers, switch)
+    if decider is not None:
+        decider.attach(module)
     return state
 
 

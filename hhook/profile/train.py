@@ -38,7 +38,9 @@ on every top-level child with parameters and on the root, one 1-D mesh of every 
 fp32 is plain FSDP2, bf16 FSDP2 with ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``,
 thc ``hhook.fsdp.register``; ``ag=BITS`` adds hhook's compressed parameter all-gather
 (``register(all_gather=BITS)``, or ``compress_all_gather`` for fp32 and bf16), ``ag=bf16``
-all-gathers bfloat16 parameters (``param_dtype=torch.bfloat16``). Every collective then runs in Python and is counted: the
+all-gathers bfloat16 parameters (``param_dtype=torch.bfloat16``), ``params=bf16`` sets
+``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)`` whatever the
+all-gather (``ag=8:params=bf16``: quantized from bfloat16; thc compresses the bfloat16 gradients). Every collective then runs in Python and is counted: the
 reduce-scatters' input (hhook's: its messages) and the all-gathers' output separately
 (:mod:`hhook.profile.counting`), besides the total; every rank takes part in the
 evaluation's forward (its all-gathers), outside the clock and the step's bytes.
@@ -299,8 +301,9 @@ def attach_fsdp(method: dict, model, seed: int, device, hsdp: bool = False, rank
     else:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # ag=bf16: bfloat16 parameters (all-gathered so), reduced in float32 unless the method says bf16
-    params = torch.bfloat16 if method.get("all_gather") == "bf16" else None
-    reduce = torch.bfloat16 if method["kind"] == "bf16" else torch.float32 if params else None
+    params = torch.bfloat16 if "bf16" in (method.get("all_gather"), method.get("params")) else None
+    # params=bf16: the whole bf16 policy (parameters and reduce), as most users set it
+    reduce = torch.bfloat16 if "bf16" in (method["kind"], method.get("params")) else torch.float32 if params else None
     mp = MixedPrecisionPolicy(param_dtype=params, reduce_dtype=reduce)
     for child in model.children():
         if any(True for _ in child.parameters()):

@@ -59,7 +59,8 @@ def add_parser(sub) -> None:
                     "baselines sbc[:p=P][:delay=H] and lgc[:k=K][:dense=N][:topk=N][:ae=N] (hhook/baselines; LGC is "
                     "patented, benchmark only; see docs/baselines.md); with --parallel fsdp/hsdp, fp32, bf16 and thc "
                     "take :ag=BITS (hhook's compressed parameter all-gather, 2..8 bits) or :ag=bf16 (bfloat16 "
-                    "parameters, MixedPrecisionPolicy(param_dtype=torch.bfloat16)) "
+                    "parameters, MixedPrecisionPolicy(param_dtype=torch.bfloat16)) and :params=bf16 (bfloat16 parameters "
+                    "for compute; with :ag=BITS quantized from them) "
                     f"(default {train.DEFAULT_METHODS})")
     tr.add_argument("--steps", type=integer(1), default=200, help="training steps per method (default 200)")
     tr.add_argument("--warmup", type=integer(0), default=5,
@@ -112,8 +113,9 @@ def check(args, env) -> dict:
                 train.check_fsdp_method(method)
             except ValueError as e:
                 raise UsageError(str(e)) from None
-    elif any(m.all_gather is not None for m in methods):
-        raise UsageError("ag= chooses FSDP2's parameter all-gather: it needs --parallel fsdp or hsdp")
+    elif any(m.all_gather is not None or m.params is not None for m in methods):
+        raise UsageError("ag= and params= choose FSDP2's parameter all-gather and dtype: they need --parallel fsdp "
+                         "or hsdp")
     if args.warmup >= args.steps:
         raise UsageError(f"--warmup must be in 0..steps-1 (steps {args.steps}), got {args.warmup}")
     batch = task.batch_size if args.batch_size is None else args.batch_size
@@ -139,7 +141,7 @@ def _percentile(values: list[float], q: float) -> float:
 def summarize(method: Method, status: str, message: str, results: list[dict], warmup: int, target: float) -> dict:
     """The row of ``method``: figures from rank 0's timings and evaluations."""
     row = {"method": method.name, "kind": method.kind, "bits": method.bits, "scales": method.scales,
-           "all_gather": method.all_gather,
+           "all_gather": method.all_gather, "param_dtype": method.params,
            "topology": method.topology, "rounding": method.rounding, "powersgd_rank": method.rank,
            "status": status, "message": message,
            "wall_s": max((r.get("wall_s", 0.0) for r in results), default=None)}
