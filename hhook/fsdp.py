@@ -229,33 +229,60 @@ def _check_params(module, caller: str = "register") -> None:
             )
 
 
+def _all_gather_options(all_gather, seed: int) -> AllGatherOptions | bool | None:
+    """``register``'s ``all_gather`` as :class:`AllGatherOptions` (a width), or as given."""
+    if isinstance(all_gather, int) and not isinstance(all_gather, bool):
+        return AllGatherOptions(bits=all_gather, seed=seed)
+    if all_gather not in (None, False) and not isinstance(all_gather, AllGatherOptions):
+        raise TypeError("hhook.fsdp.register: all_gather must be None, False, a width or AllGatherOptions, got "
+                        f"{all_gather!r}")
+    return all_gather
+
+
+def _plan(module) -> list[tuple]:
+    """``[(name, FSDPModule, param group, shard size, replicate size)]`` of the modules
+    ``register`` compresses; raises before anything changes."""
+    fsdp_modules = _fsdp_modules(module)
+    _check_params(module)
+    plan = []
+    for name, m in fsdp_modules:
+        group = _param_group(m)
+        if group is None:
+            continue
+        comm = getattr(group, "_reduce_scatter_comm", None)
+        if comm is not None and type(comm).__name__ != "DefaultReduceScatter":
+            raise ValueError(f"hhook.fsdp.register: {name} ({type(m).__name__}) already has a custom reduce-scatter "
+                             f"({type(comm).__name__}); hhook cannot combine with it")
+        shard, replicate = _mesh_sizes(group)
+        if shard is None:
+            raise ValueError(f"hhook.fsdp.register: {name} is replicated without sharding (a mesh with only a "
+                             "replicate dimension, FSDP2's replicate): it has no reduce-scatter to compress. Use "
+                             "hhook.register on DDP, or shard it (fully_shard on a 1-D mesh, or register_hsdp for "
+                             "shard + replicate)")
+        plan.append((name, m, group, shard, replicate))
+    return plan
+
+
 def register(module, state: THCState | None = None, *, all_gather: int | AllGatherOptions | bool | None = None,
              **options) -> THCState:
     """Compress FSDP2's gradient reduce-scatter of every ``FSDPModule`` in ``module``, and
-    with ``all_gather`` (a width, 8, 6 or 4, or :class:`AllGatherOptions`) its parameter
-    all-gather too (:mod:`hhook.fsdp_all_gather`; :func:`all_gather_stats` counts it).
+    with ``all_gather`` (8, 6, 4 or :class:`AllGatherOptions`) its parameter all-gather
+    (:mod:`hhook.fsdp_all_gather`; :func:`all_gather_stats`). ``options`` are
+    :class:`hhook.THCState`'s, or pass ``state``; returns the state. 1-D meshes and native
+    2-D HSDP meshes (whose replica all-reduce stays dense; :func:`register_hsdp`).
 
-    ``bits`` defaults to ``"auto"``: as the DDP hook does, the job measures its step with
-    THC's reduce-scatter and the compressed all-gather (at ``all_gather``'s width, 8 by
-    default; ``all_gather=False`` leaves this candidate out), THC's reduce-scatter alone,
-    and plain FSDP2, in turns on every rank alike, and keeps the fastest
-    (:mod:`hhook.fsdp_auto`; ``state.stats()["decision"]``). On a mesh with a replicate
-    dimension, or modules sharded over different groups, ``"auto"`` compresses the
-    reduce-scatter at the auto rule's width without measuring (one log line). An integer
-    ``bits`` always compresses the reduce-scatter at that width.
+    ``bits="auto"`` (the default) measures the step with THC's reduce-scatter plus the
+    compressed all-gather (``all_gather``'s width, 8 by default; ``False`` leaves it out),
+    THC's reduce-scatter alone and plain FSDP2 in turns, and keeps the fastest
+    (:mod:`hhook.fsdp_auto`; on 2-D meshes it compresses without measuring). An integer
+    ``bits`` always compresses the reduce-scatter.
 
-    ``options`` are :class:`hhook.THCState`'s (``bits``, ``block_size``, ``seed``...);
-    pass ``state`` to share one. Returns the state (``state.stats()`` counts bytes).
-    Works with 1-D meshes and with native 2-D HSDP meshes (there FSDP's replica all-reduce
-    stays dense; :func:`register_hsdp` compresses it too).
-
-    Raises ``ValueError`` for a module without ``FSDPModule``, one whose reduce-scatter is
-    already customised, a replicate-only mesh (FSDP2's ``replicate``: no reduce-scatter),
-    ``scales="predicted"`` or ``error_feedback=True``; ``TypeError`` for float64/complex
-    parameters. With ``all_gather``, also ``ConfigMismatchError`` on every rank when ranks
-    differ in its options or in which parameters they would quantize (a blocking handshake
-    per shard group), ``ValueError`` for a bad width or a module whose all-gather is already
-    customised, ``RuntimeError`` for a torch without ``set_custom_all_gather``; modules the
+    Raises ``ValueError`` for a module without ``FSDPModule``, a reduce-scatter or
+    all-gather already customised, a replicate-only mesh, ``scales="predicted"``,
+    ``error_feedback=True`` or a bad width; ``TypeError`` for float64/complex parameters;
+    ``ConfigMismatchError`` on every rank when ranks differ in the all-gather's options,
+    the parameters they would quantize or ``bits="auto"`` (a blocking handshake per shard
+    group); ``RuntimeError`` for a torch without ``set_custom_all_gather``. Modules the
     compressed all-gather cannot serve keep FSDP's, named in one log line (docs/fsdp.md).
     Nothing is changed on the model when it raises.
     """
@@ -268,32 +295,8 @@ def register(module, state: THCState | None = None, *, all_gather: int | AllGath
     if state.error_feedback:
         raise ValueError("hhook.fsdp.register does not support error_feedback (agreed scales are unbiased "
                          "without it)")
-    if isinstance(all_gather, int) and not isinstance(all_gather, bool):
-        all_gather = AllGatherOptions(bits=all_gather, seed=state.seed)
-    elif all_gather not in (None, False) and not isinstance(all_gather, AllGatherOptions):
-        raise TypeError("hhook.fsdp.register: all_gather must be None, False, a width or AllGatherOptions, got "
-                        f"{all_gather!r}")
-    fsdp_modules = _fsdp_modules(module)
-    _check_params(module)
-    plan = []
-    for name, m in fsdp_modules:
-        group = _param_group(m)
-        if group is None:
-            continue
-        comm = getattr(group, "_reduce_scatter_comm", None)
-        if comm is not None and type(comm).__name__ != "DefaultReduceScatter":
-            raise ValueError(
-                f"hhook.fsdp.register: {name} ({type(m).__name__}) already has a custom reduce-scatter "
-                f"({type(comm).__name__}); hhook cannot combine with it"
-            )
-        shard, replicate = _mesh_sizes(group)
-        if shard is None:
-            raise ValueError(
-                f"hhook.fsdp.register: {name} is replicated without sharding (a mesh with only a replicate "
-                f"dimension, FSDP2's replicate): it has no reduce-scatter to compress. Use hhook.register on "
-                f"DDP, or shard it (fully_shard on a 1-D mesh, or register_hsdp for shard + replicate)"
-            )
-        plan.append((name, m, group, shard, replicate))
+    all_gather = _all_gather_options(all_gather, state.seed)
+    plan = _plan(module)
     decider = fsdp_auto.decider(state, plan, all_gather is not False) if state.bits == "auto" else None
     if decider is not None and all_gather is None:
         all_gather = AllGatherOptions(seed=state.seed)  # the candidate's: 8 bits
