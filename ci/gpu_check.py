@@ -95,7 +95,7 @@ def stage_env(ctx: Context) -> dict:
     import torch.distributed as dist
 
     import hhook
-    from hhook import cuda_kernels
+    from hhook.codec.kernels import cuda as cuda_kernels
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
             "hhook": os.path.dirname(hhook.__file__), "nccl_available": dist.is_nccl_available(),
@@ -271,7 +271,7 @@ def kernel_smoke(device: str) -> list[str]:
     decode into each output dtype. Returns the kernels launched."""
     import torch
 
-    from hhook import cuda_kernels
+    from hhook.codec.kernels import cuda as cuda_kernels
     from hhook.codec import THCCodec
 
     launched = set()
@@ -304,7 +304,7 @@ def kernel_smoke(device: str) -> list[str]:
 
 
 def stage_sanitizer(ctx: Context) -> dict:
-    from hhook import cuda_kernels
+    from hhook.codec.kernels import cuda as cuda_kernels
 
     if ctx.dry:
         from cuda_support import build_emulator, emulated

@@ -24,7 +24,7 @@ import torch
 
 import digits  # the shared task, beside this script
 import hhook.horovod
-from hhook import rng
+from hhook.codec import rng
 from hhook.codec import THCCodec
 
 

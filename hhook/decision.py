@@ -4,7 +4,7 @@ Compression pays only where the wire is the bottleneck, and nobody can tell in a
 whether it is (a GPU fabric makes the wire free; CPU ranks sharing cores make the codec
 dear). So the hook measures the job itself:
 
-* **Candidates** (:func:`candidates`): THC at :func:`hhook.topology.auto_bits`'s width for
+* **Candidates** (:func:`candidates`): THC at :func:`hhook.codec.error_model.auto_bits`'s width for
   this world (or node count) and every narrower width down to :data:`MIN_WIDTH`, a bf16
   dense allreduce and DDP's plain fp32 allreduce. The auto width and the one below it
   always take a turn; each narrower one only while narrowing pays: the width above it
@@ -67,7 +67,7 @@ from .allreduce import thc_allreduce_async
 from .flat import cast_allreduce, dense_allreduce
 from .prober import EXPLOIT_BATCH, LAG, Prober  # noqa: F401 - part of this module's interface
 from .state import THCState
-from .topology import wire_bits_per_coord
+from .codec.error_model import wire_bits_per_coord
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def candidates(auto_width: int, floor: int = MIN_WIDTH) -> list[str]:
 
 def wire_bits(methods: list[str], participants: int, block_size: int = 1024) -> dict[str, float]:
     """Bits per coordinate each of ``methods`` puts on the wire when ``participants`` ranks
-    (or nodes) sum: THC's :func:`~hhook.topology.wire_bits_per_coord` (lanes, whose
+    (or nodes) sum: THC's :func:`~hhook.codec.error_model.wire_bits_per_coord` (lanes, whose
     headroom grows with them, and the block scales), 16 and 32 for the dense ones.
 
     Example::

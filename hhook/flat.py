@@ -40,7 +40,7 @@ import torch.distributed as dist
 from .futures import completed, new_future, settle, then, value_of
 from .groups import explain
 from .teardown import attach
-from .layout import SUPPORTED_DTYPES
+from .codec.layout import SUPPORTED_DTYPES
 from .sequencer import stream_of
 from .state import THCState
 

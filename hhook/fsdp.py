@@ -43,7 +43,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .layout import SUPPORTED_DTYPES, constant
+from .codec.layout import SUPPORTED_DTYPES, constant
 from .message import RANK_FAILED
 from .state import _LIVE, THCState
 

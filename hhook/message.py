@@ -31,8 +31,8 @@ import dataclasses
 
 import torch
 
-from . import rng
-from .layout import constant
+from .codec import rng
+from .codec.layout import constant
 from .errors import ConfigMismatchError, OpMismatchError, RankFailedError  # noqa: F401 - raised here, re-exported
 
 #: Words at the front of every message.

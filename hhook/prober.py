@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .errors import ConfigMismatchError
 from .groups import explain, reduces_on_host
-from .layout import constant
+from .codec.layout import constant
 
 if TYPE_CHECKING:
     from .decision import Decision

@@ -46,9 +46,10 @@ import zlib
 
 import torch
 
-from . import lanes, message, rng, rotation
+from . import message
+from .codec import lanes, rng, rotation
 from .codec import THCCodec
-from .layout import HEADER, SUPPORTED_DTYPES, agreed_status, constant
+from .codec.layout import HEADER, SUPPORTED_DTYPES, agreed_status, constant
 from .errors import ConfigMismatchError, OpMismatchError
 from .message import PREFIX
 
@@ -95,7 +96,7 @@ class KeyState:
     world_size: int
     layout: object = None  # what the key holds (e.g. the shapes of a DDP bucket's parameters)
     scales: torch.Tensor | None = None  # predicted block scales for the next call (predicted policy)
-    digest: int = 0  # of ``scales`` (:func:`hhook.rng.digest`), folded into the fingerprint
+    digest: int = 0  # of ``scales`` (:func:`hhook.codec.rng.digest`), folded into the fingerprint
     steps: int = 0
     residual: torch.Tensor | None = None  # this rank's error feedback, rotated domain
 

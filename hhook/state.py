@@ -13,14 +13,15 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import rng
+from .codec import rng
 from .codec import CODEC_VERSION, THCCodec
 from .groups import SecondGroup, explain
 from .errors import ConfigMismatchError
 from .scales import ScalePolicy
 from .sequencer import Sequencer
 from .stats import Counters, two_level_stats
-from .topology import Topology, TopologyError, auto_bits, detect_topology
+from .codec.error_model import auto_bits
+from .topology import Topology, TopologyError, detect_topology
 
 #: The scale policies (:mod:`hhook.scales`): agree on each step's maxima (two
 #: collectives; never clips; the default), or predict them from the previous step (one
@@ -65,7 +66,7 @@ class THCState:
         bits: bits per coordinate before headroom; ``2**bits`` quantization levels (1..8).
             ``"auto"``: the fewest bits whose predicted error of the mean, at this
             world size (or node count, two-level), is no worse than 4 bits at 4 ranks
-            rounding independently (:func:`hhook.topology.auto_bits`; correlated
+            rounding independently (:func:`hhook.codec.error_model.auto_bits`; correlated
             rounding: 5 at 2 ranks, 4 at 3-8, 3 at 16, 2 at 64-128, 1 at 1024; 3 for
             8 nodes of 8): large jobs average rounding noise away and get narrower lanes.
             In the DDP hook ``"auto"`` (:func:`hhook.register`'s default) goes further:
@@ -108,7 +109,7 @@ class THCState:
             groups): at :func:`hhook.register`, else at the first call; a request that
             cannot hold raises :class:`~hhook.topology.TopologyError` on every rank.
         rounding: ``"correlated"`` (default): the ranks' rounding thresholds for each
-            coordinate are spread over the unit interval (:class:`hhook.rng.Stream`),
+            coordinate are spread over the unit interval (:class:`hhook.codec.rng.Stream`),
             each still uniform, so the rounding stays unbiased and the codes add exactly
             as before, but the errors largely cancel in the sum: about half the error of
             the mean at 3-8 bits, a quarter or less at 1-2 bits or where ranks' gradients
@@ -393,7 +394,7 @@ class THCState:
 
     def codec_bits(self, world_size: int | None = None) -> int:
         """The bits the codec uses: ``bits``, or for ``"auto"`` the rule of
-        :func:`~hhook.topology.auto_bits` at ``world_size`` ranks (default: this group's;
+        :func:`~hhook.codec.error_model.auto_bits` at ``world_size`` ranks (default: this group's;
         a two-level state's shards use the inter-node state's, sized for the number of
         nodes)."""
         if self.bits != "auto":
@@ -401,7 +402,7 @@ class THCState:
         return auto_bits(self.world_size if world_size is None else world_size, rounding=self.rounding)
 
     def auto_width(self) -> int:
-        """The auto rule's bits for this layout: :func:`~hhook.topology.auto_bits` of the
+        """The auto rule's bits for this layout: :func:`~hhook.codec.error_model.auto_bits` of the
         node count (two-level) or of the world size (flat)."""
         topo = self.node_layout()
         if topo.two_level:

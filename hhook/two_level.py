@@ -52,7 +52,7 @@ from .errors import PeerTimeoutError, RankFailedError
 from .futures import completed, new_future, value_of
 from .teardown import attach
 from .groups import explain, timeout_of
-from .layout import SUPPORTED_DTYPES
+from .codec.layout import SUPPORTED_DTYPES
 from .stats import Counters
 from .sequencer import stream_of
 from .topology import Topology

@@ -5,8 +5,8 @@ A width shares the parent's options, byte counters, node layout, second communic
 sequencer and handshake, and its **call counter**: every call of every width (and of the
 parent itself) takes the next number of one counter per group (the parent's, and on
 two-level layouts the parent's ``inter`` state's for the shards' rings). The rounding
-streams are keyed by the seed, the rank and that number (:func:`hhook.rng.stream_key`,
-:func:`~hhook.rng.shared_key`), so no two calls of a run draw the same stream, whichever
+streams are keyed by the seed, the rank and that number (:func:`hhook.codec.rng.stream_key`,
+:func:`~hhook.codec.rng.shared_key`), so no two calls of a run draw the same stream, whichever
 widths they ran at: the rounding errors of different steps stay independent. A fixed
 ``bits`` has no widths: its streams are its own counter's, 0, 1, 2, ...
 """

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import hhook
-from hhook import rng
+from hhook.codec import rng
 from hhook.codec import THCCodec
 from hhook.errors import ConfigMismatchError
 from hhook.scales import PredictedScales, ScalePolicy

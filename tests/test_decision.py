@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hhook
-from hhook import rotation
+from hhook.codec import rotation
 from hhook.decision import LAG, Decision, Prober, candidates, wire_bits
 
 from distributed import run_world
@@ -606,7 +606,7 @@ def test_switching_flushes_error_feedback_residuals():
 # -- every (width, call) draws its own rounding stream ----------------------------------
 def _stream_worker(rank, world, scales, topology):
     from hhook import codec as codec_module
-    from hhook import rng
+    from hhook.codec import rng
 
     original = codec_module.THCCodec.stream
     drawn = []

@@ -92,7 +92,7 @@ def _wire_bytes(n, world, bits):
     """What one comm hands to collectives for one call with output numel ``n``: the
     one-time handshake (2 floats), every chunk's scale vector, every chunk's message."""
     from hhook.codec import THCCodec
-    from hhook.layout import HEADER
+    from hhook.codec.layout import HEADER
     from hhook.message import PREFIX
 
     codec = THCCodec(bits, 1024, 0, world)
@@ -366,7 +366,7 @@ def _hsdp_states(rank, world):
     """register_hsdp with a replica_state built by the user, and bits="auto" sized for the
     groups the messages cross (2 ranks each on a 2 x 2 grid), not for the WORLD of 4."""
     import hhook.fsdp
-    from hhook.topology import auto_bits
+    from hhook.codec.error_model import auto_bits
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))

@@ -10,16 +10,8 @@ import torch.distributed as dist
 import hhook
 from hhook.simulation import heavy_tailed, simulate_allreduce, simulate_two_level, vnmse
 from hhook.stats import Counters, two_level_stats
-from hhook.topology import (
-    TopologyError,
-    auto_bits,
-    detect_topology,
-    layout_fingerprint,
-    local_record,
-    plan_layout,
-    predicted_vnmse,
-    wire_bits_per_coord,
-)
+from hhook.codec.error_model import auto_bits, predicted_vnmse, wire_bits_per_coord
+from hhook.topology import TopologyError, detect_topology, layout_fingerprint, local_record, plan_layout
 from hhook.two_level import two_level_allreduce, two_level_allreduce_async
 
 from distributed import run_world

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from ..codec import THCCodec
-from .. import rng
+from ..codec import rng
 from .methods import FP16, FP32, THC_BITS, ZLIB, Method, parse
 from .units import iterations
 

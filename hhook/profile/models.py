@@ -278,7 +278,7 @@ class ClusterInputs:
     ``copy_Bps``: memory copies (two-level's shared-memory path on CPUs).
     ``host_cores``: all ranks share this many cores (the emulated cluster on one host):
     CPU work and CPU-borne transfers slow down by ``n / host_cores``; None on a real
-    cluster. ``bits``: THC bits, or "auto" (:func:`hhook.topology.auto_bits` per layout).
+    cluster. ``bits``: THC bits, or "auto" (:func:`hhook.codec.error_model.auto_bits` per layout).
     ``intra``: two-level's path inside a node, "shm" (CPU) or "collectives" (NCCL/Gloo).
     ``calls``: tensors reduced per step (DDP's buckets): each pays the latencies and
     ``codec_call_s`` once.
@@ -333,7 +333,7 @@ def _latency_round_s(N: int, k: int, inp: ClusterInputs, f: float) -> float:
 def thc_bits(inp: ClusterInputs, participants: int, ranks_per_node: int = 1) -> int:
     """The bits THC runs at over ``participants`` (nodes of ``ranks_per_node``)."""
     if inp.bits == "auto":
-        from ..topology import auto_bits
+        from ..codec.error_model import auto_bits
 
         return auto_bits(participants, ranks_per_node, inp.block_size)
     return int(inp.bits)

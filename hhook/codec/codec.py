@@ -13,7 +13,7 @@ around two collectives:
    (identical tensors, whose mean is exact without any rounding).
 3. :meth:`THCCodec.quantize` rounds stochastically onto the agreed scales (plus the
    error-feedback residual) and packs the codes into lanes of integer words
-   (:mod:`hhook.lanes`).
+   (:mod:`hhook.codec.lanes`).
 4. The transport SUM-allreduces the words: every lane adds up without carries.
 5. :meth:`THCCodec.decode` unpacks the lane sums, dequantizes to the mean, rotates back
    and writes the averaged result into the output in its own dtype.
@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_kernels, cuda_kernels, lanes, quantization, rng, rotation
+from . import lanes, quantization, rng, rotation
+from .kernels import cpu as cpu_kernels
+from .kernels import cuda as cuda_kernels
 from .layout import HEADER, SUPPORTED_DTYPES, Prepared, agreed_status, constant
-from .errors import ConfigMismatchError
+from ..errors import ConfigMismatchError
 
 #: Bumped whenever the bits on the wire change meaning; part of the fingerprint.
 #: 3: the rounding mode (correlated by default) joined the fingerprint.
 CODEC_VERSION = 3
-#: How ranks draw their rounding thresholds (:class:`hhook.rng.Stream`): spread over the
+#: How ranks draw their rounding thresholds (:class:`hhook.codec.rng.Stream`): spread over the
 #: unit interval across ranks (about half the error of the mean, docs/codec.md), or each
 #: rank on its own. Part of the fingerprint.
 ROUNDINGS = ("correlated", "independent")
@@ -48,8 +50,8 @@ _FINGERPRINT_BITS = 24  # integers below 2**24 are exact in float32
 def fused_backend(x: torch.Tensor, block: int):
     """The fused module that computes the codec for tensors like ``x``, or None.
 
-    CUDA tensors go to :mod:`hhook.cuda_kernels` when its kernels compiled for that
-    device, CPU tensors to :mod:`hhook.cpu_kernels` when a C compiler built it (each
+    CUDA tensors go to :mod:`hhook.codec.kernels.cuda` when its kernels compiled for that
+    device, CPU tensors to :mod:`hhook.codec.kernels.cpu` when a C compiler built it (each
     once; a failure logs one line and falls back here); ``HHOOK_FORCE_REFERENCE=1``
     forces this reference everywhere.
     """

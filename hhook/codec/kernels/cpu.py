@@ -7,7 +7,7 @@ thread); each stage here is one pass per block, from ``csrc/thc_cpu.c``:
    Walsh-Hadamard butterflies in L1, per-block max ``|y|``; the rotated blocks go to a
    recycled workspace (``Prepared.blocks``), the scale vector to ``Prepared.scales``.
 2. ``quantize``: ``y + residual``, stochastic rounding with the counter-based RNG of
-   :mod:`hhook.rng` (independent or correlated thresholds, :class:`hhook.rng.Stream`), written straight into the lane words of :mod:`hhook.lanes`, and the
+   :mod:`hhook.codec.rng` (independent or correlated thresholds, :class:`hhook.codec.rng.Stream`), written straight into the lane words of :mod:`hhook.codec.lanes`, and the
    new residual. Given the same rotated blocks and scales the words equal the
    reference's bit for bit (same float32 operations in the same order, no contraction).
 3. ``decode``: unpack, dequantize, inverse rotation, crop, store in the output's dtype.
@@ -50,8 +50,8 @@ from pathlib import Path
 import torch
 
 from . import backend
-from . import layout as spec
-from . import rng, rotation
+from .. import layout as spec
+from .. import rng, rotation
 from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by hhook.profile.codec_bench
 
 logger = logging.getLogger(__name__)

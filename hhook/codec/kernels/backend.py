@@ -1,8 +1,8 @@
-r"""What the fused backends (:mod:`hhook.cpu_kernels`, :mod:`hhook.cuda_kernels`) share.
+r"""What the fused backends (:mod:`hhook.codec.kernels.cpu`, :mod:`hhook.codec.kernels.cuda`) share.
 
 The switch that forces the torch reference, where their sources live, and the check of
 the tensors whose raw pointers they hand to compiled code. Like the backends, it reads
-no codec: :mod:`hhook.codec` dispatches to them.
+no codec: :class:`hhook.codec.THCCodec` dispatches to them.
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ def forced_off() -> bool:
 
 
 def source_path(name: str) -> Path:
-    """``hhook/csrc/<name>``: installed package data, or in a checkout the symlink to
-    ``csrc/``, else ``csrc/`` beside the package."""
-    here = Path(__file__).resolve().parent
-    for folder in (Path(__file__).parent / "csrc", here.parent / "csrc"):
-        if (folder / name).is_file():
-            return folder / name
-    raise FileNotFoundError(f"hhook: {name} is missing from {here / 'csrc'} and {here.parent / 'csrc'}")
+    """``csrc/<name>`` beside the backends (installed as package data)."""
+    path = Path(__file__).resolve().parent / "csrc" / name
+    if not path.is_file():
+        raise FileNotFoundError(f"hhook: {name} is missing from {path.parent}")
+    return path
 
 
 def check(tensor: torch.Tensor, numel: int, what: str, dtype=None, device_type=None, contiguous=False) -> None:

@@ -5,8 +5,8 @@ the levels are ``-M, -M + s, ..., M`` with step ``s = 2 M / (L - 1)``, and
 
     c = floor((y + M) * inv + u),   inv = (L - 1) / (2 M)  (0 where M == 0)
 
-with ``u`` uniform in [0, 1) from :mod:`hhook.rng`: independent across ranks, or
-correlated (:class:`hhook.rng.Stream`: the ranks' thresholds for one coordinate spread
+with ``u`` uniform in [0, 1) from :mod:`hhook.codec.rng`: independent across ranks, or
+correlated (:class:`hhook.codec.rng.Stream`: the ranks' thresholds for one coordinate spread
 over the ``n`` strata of [0, 1), each still uniform). ``E[c s - M] = y``: unbiased. The
 float32 operations are, in this order: ``a = y + M``, ``b = a * inv``, ``t = b + u``,
 ``floor(t)``, clamp to ``[0, L - 1]`` (guards rounding at ``y = M``). A kernel that
@@ -57,7 +57,7 @@ def quantize_into(
 
     ``codes`` is an integer buffer (any dtype that holds ``L - 1``). The threshold of
     coordinate ``i`` (row-major over ``blocks``) is ``rng.thresholds(key, i, B)``; ``key`` is
-    a :class:`hhook.rng.Stream` or a bare private key (independent rounding). When
+    a :class:`hhook.codec.rng.Stream` or a bare private key (independent rounding). When
     ``residual`` (shaped like ``blocks``) is given, it receives ``y - (c s - M)``: the
     rounding error of this rank's own codes, for error feedback.
     """

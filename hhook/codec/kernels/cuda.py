@@ -69,10 +69,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import backend, rng
+from .. import rng
+from . import backend
 from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by tests/test_cuda.py
-from .layout import HEADER as _HEADER
-from .layout import Prepared
+from ..layout import HEADER as _HEADER
+from ..layout import Prepared
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ def kernel_source() -> str:
 
 # -- host-side constants -----------------------------------------------------------------
 def sign_bits(seed: int, block: int) -> np.ndarray:
-    """The sign diagonal of :func:`hhook.rotation.signs` as a bit table: bit ``p`` of word
+    """The sign diagonal of :func:`hhook.codec.rotation.signs` as a bit table: bit ``p`` of word
     ``p // 32`` is set where entry ``p`` is -1."""
     key = rng.sign_key(seed)
     table = np.zeros(-(-block // 32), dtype=np.uint32)
