@@ -24,11 +24,11 @@ The scale policy (:mod:`hhook.scales`) decides the rounds of each tensor:
   Continuations never wait (a wait there can deadlock Gloo's few worker threads).
 
 Errors surface through the returned future (in DDP: from ``loss.backward()``) on every
-rank alike: a configuration mismatch raises :class:`~hhook.message.ConfigMismatchError`
+rank alike: a configuration mismatch raises :class:`~hhook.errors.ConfigMismatchError`
 when the mismatched tensor's future completes (on GPUs with agreed scales, which read
 nothing on the host, at the next call, ``stats()`` or ``thc_allreduce``'s return); a rank
 that fails while encoding sends filler and every other rank raises
-:class:`~hhook.message.RankFailedError`. Non-finite inputs on any rank make every
+:class:`~hhook.errors.RankFailedError`. Non-finite inputs on any rank make every
 rank's result NaN (no exception), so ``GradScaler`` skips the step everywhere.
 """
 

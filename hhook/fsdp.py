@@ -2,7 +2,7 @@ r"""THC compression for FSDP2 (``torch.distributed.fsdp.fully_shard``) and custo
 
 :func:`register` puts a :class:`THCReduceScatter` on every ``FSDPModule`` of a model.
 FSDP's reduce-scatter input is a flat buffer of ``world_size`` per-rank chunks (dim 0
-padded). Each chunk is one THC message of the shared format (:mod:`hhook.message`: the
+padded). Each chunk is one THC message of the shared format (:mod:`hhook.scales.message`: the
 prefix with count, status and fingerprints, then the codes), encoded by the agreed scale
 policy (:class:`hhook.scales.ScalePolicy`) under the key ``(module name, chunk index)``,
 with its rotation blocks inside the chunk. The scale vectors of all chunks are
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .codec.layout import SUPPORTED_DTYPES, constant
-from .message import RANK_FAILED
+from .scales.message import RANK_FAILED
 from .state import _LIVE, THCState
 
 try:  # torch >= 2.6
@@ -107,9 +107,9 @@ class THCReduceScatter(ReduceScatter):
        status word of *every* chunk's message.
     4. ``reduce_scatter_tensor`` (SUM) of the messages: this rank receives the summed
        message of its chunk.
-    5. ``policy.decode``: raises :class:`~hhook.message.ConfigMismatchError`,
-       :class:`~hhook.message.RankFailedError` (the failed rank: its own exception) or
-       :class:`~hhook.message.OpMismatchError` on every rank; writes NaN over the whole
+    5. ``policy.decode``: raises :class:`~hhook.errors.ConfigMismatchError`,
+       :class:`~hhook.errors.RankFailedError` (the failed rank: its own exception) or
+       :class:`~hhook.errors.OpMismatchError` on every rank; writes NaN over the whole
        shard on every rank if any rank's buffer was non-finite; the input itself if every
        rank's chunk had the same bits.
     """

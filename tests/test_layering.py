@@ -110,7 +110,7 @@ def test_profile_layers():
 LAYERS = (
     ("base", {"errors", "launch", "stats"}),  # what every layer raises, reads from the launcher, counts
     ("codec", {"codec"}),
-    ("message and scale policy", {"message", "scales"}),
+    ("scales", {"scales"}),
     ("schedule", {"futures", "teardown", "blame", "sequencer", "groups", "node_memory", "topology",
                   "state", "flat", "two_level", "allreduce", "decision", "prober", "widths", "advice"}),
     # "": the package's front, hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
@@ -119,7 +119,7 @@ LAYERS = (
     ("benchmarks", {"simulation", "baselines", "profile"}),
 )
 #: Layers that are folders of hhook/ (the others are modules at its top).
-FOLDERS = {"codec"}
+FOLDERS = {"codec", "scales"}
 INTEGRATIONS = {"hhook.ddp_hook", "hhook.horovod", "hhook.fsdp"}
 #: One module per framework, each over hhook.adapters and the DDP hook, none over another.
 FRAMEWORK_ADAPTERS = {"hhook.lightning", "hhook.accelerate", "hhook.transformers"}
@@ -159,7 +159,7 @@ def test_layers_are_folders():
 
 
 def test_the_layer_check_finds_an_upward_import():
-    assert _layer("hhook.codec.rng") < _layer("hhook.message") < _layer("hhook.flat") < _layer("hhook.fsdp")
+    assert _layer("hhook.codec.rng") < _layer("hhook.scales.message") < _layer("hhook.flat") < _layer("hhook.fsdp")
     assert _layer("hhook.codec.kernels.cpu") == _layer("hhook.codec")
     assert _layer("hhook.profile.commands.train") == _layer("hhook.baselines.sbc") == len(LAYERS) - 1
 

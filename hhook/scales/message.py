@@ -31,9 +31,9 @@ import dataclasses
 
 import torch
 
-from .codec import rng
-from .codec.layout import constant
-from .errors import ConfigMismatchError, OpMismatchError, RankFailedError  # noqa: F401 - raised here, re-exported
+from ..codec import rng
+from ..codec.layout import constant
+from ..errors import ConfigMismatchError, OpMismatchError, RankFailedError
 
 #: Words at the front of every message.
 PREFIX = 12

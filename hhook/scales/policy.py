@@ -1,40 +1,30 @@
-r"""Scale policies: how every rank comes to hold the same per-block scales.
+r"""The scale policies: agreed or predicted scales over one per-key state.
 
-Both policies speak one message format (:mod:`hhook.message`) and share one per-key state
-(:class:`KeyState`: residual, predicted scales, what the key holds). A policy never
-communicates: :meth:`ScalePolicy.begin` prepares a tensor and says whether it needs a MAX
-round first (``plan.max_vector``); the schedule (:mod:`hhook.allreduce`) runs the
-collectives and hands the results to :meth:`~ScalePolicy.finish` (the words to SUM) and
-:meth:`~ScalePolicy.decode` (the mean).
+Both policies speak one message format (:mod:`hhook.scales.message`) and share one
+per-key state (:class:`KeyState`: residual, predicted scales, what the key holds). A
+policy never communicates: :meth:`ScalePolicy.begin` prepares a tensor and says whether
+it needs a MAX round first (``plan.max_vector``); the schedule (:mod:`hhook.schedule`)
+runs the collectives and hands the results to :meth:`~ScalePolicy.finish` (the words to
+SUM) and :meth:`~ScalePolicy.decode` (the mean).
 
 * **Agreed** (``THCState(scales="agreed")``): every call MAX-allreduces this step's block
   maxima, then quantizes onto them. The scales never clip: the rounding is unbiased.
 * **Predicted** (``"predicted"``): a key's scales for step ``t`` are computed at step
   ``t - 1`` from what every rank received, so each step is **one** SUM allreduce. A key
   with no history (its first call, or after a reset) takes one agreed round instead.
-  The next step's scales are the *maximum* over ranks of this step's block maxima, not
+  The next step's scales bound the *maximum* over ranks of this step's block maxima, not
   their mean (a mean clips the rank with the largest gradient every step, which biases
-  the average: 0.42 for an exact 0.5 in PyTorch's hook-parity case). A sum cannot carry a
-  maximum directly, so each rank sends, per block, a **thermometer**: for each of
-  :data:`THRESHOLDS` (quarter octaves from 1/4 to 4 times the scale in use) one bit, "my
-  block maximum is above it". Lanes of ``log2(n + 1)`` bits sum the bits into counts of
-  ranks above each threshold; the highest threshold any rank passed bounds the maximum
-  from below, the next one from above, and the next scale is that upper bound. So a
-  key whose blocks do not grow by more than the rounding (up to 19%) between two steps
-  never clips, and repeated identical inputs average to the exact mean. One more bit
-  per block says "my block is not all zero": a block that is zero on every rank decodes
-  to exactly zero and keeps its scale (a gradient that pauses comes back on the scale
-  it had). A block that grew past the thermometer's top, or shrank below its bottom
-  while non-zero, is clipped (with error feedback the clipped mass is carried into the
-  next call) or rounded coarsely on that step, and the key's next call takes an agreed
-  round, which measures the new maxima exactly (Horovod's :class:`PredictedScales`, which
-  has no agreed round, follows the block instead: 4x down or 8x up per step).
-
-Horovod's ``compress`` may not communicate, so there the first call of a key cannot take
-an agreed round: :meth:`PredictedScales.encode` sends it dense (float32 behind a small
-header, exact) with each rank's block maxima as log2 codes whose sums give the geometric
-mean of the ranks' maxima; the first predicted step may clip where ranks' maxima differ
-by more than 4x, and the thermometer takes over from the next one.
+  the average: 0.42 for an exact 0.5 in PyTorch's hook-parity case), carried in the SUM
+  as a thermometer (:mod:`hhook.scales.thermometer`). So a key whose blocks do not grow
+  by more than the rounding (up to 19%) between two steps never clips, and repeated
+  identical inputs average to the exact mean. A block that is zero on every rank decodes
+  to exactly zero and keeps its scale (a gradient that pauses comes back on the scale it
+  had). A block that grew past the thermometer's top, or shrank below its bottom while
+  non-zero, is clipped (with error feedback the clipped mass is carried into the next
+  call) or rounded coarsely on that step, and the key's next call takes an agreed round,
+  which measures the new maxima exactly (Horovod's
+  :class:`~hhook.scales.PredictedScales`, which has no agreed round, follows the block
+  instead: 4x down or 8x up per step).
 """
 
 from __future__ import annotations
@@ -42,37 +32,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import zlib
 
 import torch
 
-from . import message
-from .codec import lanes, rng, rotation
-from .codec import THCCodec
-from .codec.layout import HEADER, SUPPORTED_DTYPES, agreed_status, constant
-from .errors import ConfigMismatchError, OpMismatchError
+from ..codec import THCCodec, rng, rotation
+from ..codec.layout import HEADER
+from . import message, thermometer
 from .message import PREFIX
 
 logger = logging.getLogger(__name__)
 
-#: Thermometer thresholds per octave and their range in octaves around the scale in use.
-THERMO_PER_OCTAVE = 4
-THERMO_OCTAVES = 2
-THRESHOLDS = tuple(2.0 ** (i / THERMO_PER_OCTAVE) for i in range(-THERMO_OCTAVES * THERMO_PER_OCTAVE,
-                                                               THERMO_OCTAVES * THERMO_PER_OCTAVE + 1))
-#: Thermometer bits per block: "my block is not all zero", then one per threshold.
-THERMO_BITS = 1 + len(THRESHOLDS)
-#: Blocks whose scale is below this fraction of the tensor's largest one are measured
-#: against that floor (a block whose scale was zero would otherwise stay zero forever).
-_FLOOR = 2.0**-12
 #: Step kinds, folded into the fingerprint: ranks on different kinds of step fail loudly.
-_AGREED, _PREDICTED, _DENSE = 0x41, 0x51, 0x44  # _PREDICTED 0x50 before the thermometer's zero bit
-#: Words (floats) at the front of a dense (Horovod warm-up) message: count, flag, two fingerprint halves.
-DENSE_HEADER = 4
-#: Dense warm-up steps code block maxima as ceil(_LOG_STEPS * log2(max)), clamped to +-_LOG_RANGE.
-_LOG_STEPS = 8
-_LOG_RANGE = 1000
-_MANTISSAS = torch.tensor([2.0 ** (i / _LOG_STEPS) for i in range(_LOG_STEPS)], dtype=torch.float32)
+#: (``DENSE``: Horovod's warm-up step, :mod:`hhook.scales.one_round`.)
+AGREED, PREDICTED, DENSE = 0x41, 0x51, 0x44
 
 
 def default_headroom(bits: int) -> float:
@@ -113,7 +85,7 @@ class Plan:
     state: KeyState | None = None
     prepared: object = None
     max_vector: torch.Tensor | None = None  # to MAX-allreduce before finish(); None: one round
-    kind: int = _AGREED
+    kind: int = AGREED
     scales: torch.Tensor | None = None  # the predicted scales in use (one round)
     fps: tuple = (0, 0)
     n_meta: int = 0
@@ -125,10 +97,10 @@ class Plan:
     @property
     def dense(self) -> bool:
         """A float32 warm-up message (Horovod's first step of a key)."""
-        return self.kind == _DENSE
+        return self.kind == DENSE
 
     def describe(self) -> str:
-        kind = {_AGREED: "agreed", _PREDICTED: "predicted", _DENSE: "warm-up"}[self.kind]
+        kind = {AGREED: "agreed", PREDICTED: "predicted", DENSE: "warm-up"}[self.kind]
         return f"{self.codec.describe()}, numel={self.tensor.numel()}, {kind} step"
 
 
@@ -247,16 +219,9 @@ class ScalePolicy:
 
     # -- sizes ---------------------------------------------------------------------
     @staticmethod
-    def meta_layout(codec: THCCodec) -> lanes.LaneLayout:
-        """Thermometer lanes: each holds the count of ranks above one threshold."""
-        width = codec.world_size.bit_length()
-        word_bits = codec.layout.word_bits
-        return lanes.LaneLayout(width, word_bits // width, codec.layout.word_dtype)
-
-    def message_numel(self, codec: THCCodec, numel: int, predicted: bool) -> int:
+    def message_numel(codec: THCCodec, numel: int, predicted: bool) -> int:
         """Words of a message for a tensor of ``numel`` (one round or agreed)."""
-        n_meta = self.meta_layout(codec).n_words(codec.n_blocks(numel) * THERMO_BITS) if predicted else 0
-        return PREFIX + n_meta + codec.words_numel(numel)
+        return PREFIX + (thermometer.words(codec, numel) if predicted else 0) + codec.words_numel(numel)
 
     # -- stage 1 -------------------------------------------------------------------
     def begin(self, tensor, key, rank: int, world_size: int, call: int, config: int = 0, layout=None,
@@ -277,9 +242,9 @@ class ScalePolicy:
         state = self.key_state(key, numel, world_size, layout)
         plan = Plan(tensor, world_size, codec, codec.stream(rank, call, shared), config, state)
         if self.predict and state is not None and state.scales is not None:
-            plan.kind, plan.scales = _PREDICTED, state.scales
-            plan.n_meta = self.meta_layout(codec).n_words(codec.n_blocks(numel) * THERMO_BITS)
-        digest = state.digest if plan.kind == _PREDICTED else 0
+            plan.kind, plan.scales = PREDICTED, state.scales
+            plan.n_meta = thermometer.words(codec, numel)
+        digest = state.digest if plan.kind == PREDICTED else 0
         plan.fps = message.fingerprints(codec.fingerprint(numel), config, plan.kind, digest)
         plan.error = error
         try:
@@ -289,7 +254,7 @@ class ScalePolicy:
                 plan.header = plan.prepared.scales[:HEADER].clone()
         except Exception as exc:  # noqa: BLE001 - sent on as filler, raised on every rank
             plan.error = exc
-        if plan.kind == _AGREED:
+        if plan.kind == AGREED:
             if plan.error is None:
                 plan.max_vector = plan.prepared.scales
             else:  # a flag no finite rank sends; the SUM's status word says why
@@ -301,7 +266,7 @@ class ScalePolicy:
     def finish(self, plan: Plan, agreed: torch.Tensor | None = None) -> torch.Tensor:
         """The words to SUM-allreduce: ``agreed`` is the MAX-reduced vector of an agreed
         round (None for a predicted one). Never raises: a local failure sends filler of
-        the same length that makes every rank raise :class:`~hhook.message.RankFailedError`."""
+        the same length that makes every rank raise :class:`~hhook.errors.RankFailedError`."""
         codec, numel = plan.codec, plan.tensor.numel()
         length = PREFIX + plan.n_meta + codec.words_numel(numel)
         if plan.error is None:
@@ -319,32 +284,21 @@ class ScalePolicy:
         residual = self._residual(plan.state, codec, plan.tensor.device)
         # Written by quantize(), kept by decode() only if the step was not skipped.
         plan.new_residual = torch.empty_like(residual) if residual is not None else None
-        if plan.kind == _PREDICTED:
+        if plan.kind == PREDICTED:
             # The local header: this rank's flag, digest unknown (never "identical" here).
             agreed = torch.cat([codec.header(numel, prepared.scales[0], device=plan.scales.device), plan.scales])
-            ref = self._ref(plan.scales)
-            ratio = prepared.scales[HEADER:] / ref
-            thresholds = constant((0.0, *THRESHOLDS), torch.float32, ratio.device)
-            meta_layout = self.meta_layout(codec)
-            codes = lanes.code_buffer(ratio.numel() * THERMO_BITS, meta_layout, ratio.device)
-            # A NaN ratio (this rank is non-finite: the step is skipped anyway) counts as below.
-            torch.gt(ratio[:, None], thresholds[None, :], out=codes[: ratio.numel() * THERMO_BITS].view(ratio.numel(), -1))
-            words[PREFIX : PREFIX + plan.n_meta] = lanes.pack(codes, meta_layout)
+            words[PREFIX : PREFIX + plan.n_meta] = thermometer.encode(prepared.scales[HEADER:], plan.scales, codec)
         plan.agreed = agreed
         codec.quantize(prepared, agreed, plan.stream, residual, plan.new_residual, out=words[PREFIX + plan.n_meta :])
         message.write_prefix(words, plan.fps, plan.header)
         return words
 
-    @staticmethod
-    def _ref(scales: torch.Tensor) -> torch.Tensor:
-        return torch.maximum(scales, scales.max() * _FLOOR)
-
     # -- stage 5 -------------------------------------------------------------------
     def decode(self, sums: torch.Tensor, plan: Plan, out: torch.Tensor, defer=None) -> torch.Tensor:
         """Write the mean into ``out`` (shaped like the tensor); returns ``out``.
 
-        Raises :class:`~hhook.message.OpMismatchError`, :class:`ConfigMismatchError` or
-        :class:`~hhook.message.RankFailedError` (this rank's own exception on the rank
+        Raises :class:`~hhook.errors.OpMismatchError`, :class:`~hhook.errors.ConfigMismatchError` or
+        :class:`~hhook.errors.RankFailedError` (this rank's own exception on the rank
         that failed). On a GPU an agreed round reads nothing on the host: a bad prefix
         writes NaN and ``defer(bad, nonfinite, what)`` gets the device flags, for the
         caller to raise where a read is free; without ``defer`` it reads them here.
@@ -354,7 +308,7 @@ class ScalePolicy:
             raise plan.error
         codec = plan.codec
         body = sums[PREFIX + plan.n_meta :]
-        if plan.kind == _AGREED and defer is not None:
+        if plan.kind == AGREED and defer is not None:
             bad, nonfinite = message.device_verdict(sums, plan.world_size, plan.fps)
             codec.decode(plan.prepared, plan.agreed, body, out)
             out.masked_fill_(bad, float("nan"))
@@ -369,12 +323,8 @@ class ScalePolicy:
             # Scales and residual stay as they were, as a skipped GradScaler step expects.
             return out.fill_(float("nan")), True
         zero = None
-        if plan.kind == _PREDICTED:
-            meta = sums[PREFIX : PREFIX + plan.n_meta]
-            n_blocks = plan.scales.numel()
-            counts = lanes.unpack(meta, self.meta_layout(codec), n_blocks * THERMO_BITS).view(n_blocks, -1)
-            zero = counts[:, 0] == 0  # every rank's block is all zero: it decodes to exactly zero
-            passed = (counts[:, 1:] > 0).sum(dim=1)  # thermometer: counts never rise
+        if plan.kind == PREDICTED:
+            zero, passed = thermometer.decode(sums[PREFIX : PREFIX + plan.n_meta], codec, plan.scales.numel())
             if zero.any():
                 plan.agreed[HEADER:].masked_fill_(zero, 0.0)  # a zero scale decodes to 0
         if verdict.identical:  # every rank sent these bits: they are the mean
@@ -385,19 +335,16 @@ class ScalePolicy:
             if zero is not None and state.residual is not None:  # nothing of a zero block was sent
                 plan.new_residual[zero] = state.residual[zero]
             state.residual = plan.new_residual
-        if plan.kind == _AGREED:
+        if plan.kind == AGREED:
             self._seed(plan)
         else:
-            top = len(THRESHOLDS)
-            if self.remeasure and bool(((passed == 0) & ~zero).any() | (passed == top).any()):
+            if self.remeasure and bool(thermometer.out_of_range(zero, passed)):
                 # A block left the thermometer's range: its maximum is unknown, so measure
                 # it with an agreed round at the next call rather than creep towards it.
                 state.scales, state.digest = None, 0
                 state.steps += 1
             else:
-                bounds = constant((*THRESHOLDS, 2 * THRESHOLDS[-1]), torch.float32, passed.device)
-                # Elementwise float32 operations on identical integers: identical on every rank.
-                scales = bounds[passed].mul_(self.headroom).mul_(self._ref(plan.scales))
+                scales = thermometer.next_scales(passed, plan.scales, self.headroom)
                 self._advance(state, torch.where(zero, plan.scales, scales))
         return out, False
 
@@ -415,139 +362,3 @@ class ScalePolicy:
             state.scales = scales
             state.digest = int(rng.digest(scales.contiguous().view(torch.int32))) if sync else 0
         state.steps += 1
-
-
-class PredictedScales(ScalePolicy):
-    r"""The one-round policy as Horovod's ``compress`` needs it: ``encode`` never
-    communicates, so a key with no history is sent dense (float32, exact) instead of
-    taking an agreed round.
-
-    Args:
-        bits, block_size, seed, error_feedback, rounding: as :class:`hhook.THCState`.
-        warmup_steps: dense steps of each key before predicted ones (at least 1).
-        headroom: as :class:`ScalePolicy`.
-    """
-
-    #: Horovod cannot take an agreed round: a key whose blocks left the thermometer's range
-    #: follows them (4x down, 8x up per step) rather than fall back to a dense step.
-    remeasure = False
-
-    def __init__(self, bits=4, block_size=1024, seed=0, error_feedback=False, warmup_steps=1, headroom=None,
-                 rounding="correlated"):
-        super().__init__(bits, block_size, seed, error_feedback, True, headroom, rounding)
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be an integer >= 1, got {warmup_steps!r}")
-        self.warmup_steps = warmup_steps
-
-    def predicted(self, key) -> torch.Tensor | None:
-        state = self.keys.get(key)
-        if state is None or state.scales is None or state.steps < self.warmup_steps:
-            return None
-        return state.scales
-
-    def encode(self, tensor: torch.Tensor, key, rank: int, world_size: int, call: int, label: str | None = None):
-        """``(words, plan)``: the tensor to SUM-allreduce and what :meth:`decode` needs.
-        ``key`` None sends the tensor uncompressed.
-
-        Horovod calls ``compress`` in each rank's own gradient order, so ``call`` may
-        differ between ranks: the counter every rank holds alike is the key's: a hash of
-        ``label`` (what names it alike on every rank; default ``repr(key)``) and its step
-        count, which every rank advances on the same decodes.
-        """
-        numel = tensor.numel()
-        if tensor.dtype in SUPPORTED_DTYPES and numel and key is not None and self.predicted(key) is not None:
-            label = repr(key) if label is None else label
-            shared = zlib.crc32(label.encode()) << 32 | self.keys[key].steps & rng.MASK32
-            plan = self.begin(tensor, key, rank, world_size, call, shared=shared)
-            return self.finish(plan), plan
-        return self._encode_dense(tensor, key, world_size)
-
-    def decode(self, words: torch.Tensor, plan: Plan, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The mean into ``out`` (default: the tensor given to :meth:`encode`, or a
-        contiguous copy of it); returns ``out``."""
-        tensor = plan.tensor
-        if out is None:
-            out = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        if plan.kind == _DENSE:
-            return self._decode_dense(words, plan, out)
-        return super().decode(words, plan, out)[0]
-
-    def _encode_dense(self, tensor, key, world_size):
-        """``[1, flag, fp_hi, fp_lo | log2-coded block maxima | tensor]`` in float32/64.
-
-        Every entry but the tensor is a small integer, summed exactly in any order, so
-        the scales predicted from it are identical on every rank even where the float
-        sums of a reduction differ in their last bits between ranks.
-        """
-        numel = tensor.numel()
-        dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-        flat = tensor.detach().reshape(-1).to(dtype)
-        codec = self.codec(world_size) if tensor.dtype in SUPPORTED_DTYPES and numel else None
-        state = self.key_state(key, numel, world_size) if codec is not None else None
-        n_meta, padded = 0, numel
-        flag = torch.zeros((), dtype=dtype, device=tensor.device)
-        if codec is not None:
-            # Padded to whole blocks, like the codes: tensors whose lengths differ within a
-            # block make equally long messages, so the fingerprint reports the mismatch.
-            padded = codec.n_blocks(numel) * codec.block_for(numel)
-            prepared = codec.prepare(tensor.detach())
-            flag = prepared.scales[0].to(dtype)
-            maxima = prepared.scales[HEADER:]
-            n_meta = 2 * maxima.numel()
-            residual = self._residual(state, codec, tensor.device)
-            if residual is not None:  # sent exactly now: hand the carried error over too
-                back = self._unrotated(residual, codec, numel)
-                flat = flat + back.to(dtype)
-            config = codec.fingerprint(numel)
-        else:
-            config = rng.mix32(rng.mix32(numel ^ 0x54484348) ^ world_size) >> 8
-        combined = rng.mix32(config ^ rng.mix32(_DENSE)) >> 8  # 24 bits, in two exact halves
-        hi, lo = combined >> 12, combined & 0xFFF
-        words = torch.zeros(DENSE_HEADER + n_meta + padded, dtype=dtype, device=tensor.device)
-        words[:DENSE_HEADER] = constant([1.0, 0.0, float(hi), float(lo)], dtype, tensor.device)
-        words[1] = flag
-        if n_meta:
-            # Per block: 1 if this rank's maximum is non-zero, and ceil(8 log2 max), a
-            # 1/8-octave code (0 for a zero maximum). Their sums give the geometric mean
-            # of the non-zero maxima.
-            nonzero, codes = words[DENSE_HEADER : DENSE_HEADER + n_meta].view(2, -1)
-            torch.gt(maxima, 0, out=nonzero)
-            torch.log2(maxima.to(dtype), out=codes)
-            codes.mul_(_LOG_STEPS).ceil_().clamp_(-_LOG_RANGE, _LOG_RANGE).mul_(nonzero)
-        words[DENSE_HEADER + n_meta :][:numel] = flat
-        plan = Plan(tensor, world_size, codec, 0, 0, state, kind=_DENSE, fps=(world_size * hi, world_size * lo))
-        plan.n_meta = n_meta
-        return words, plan
-
-    def _decode_dense(self, words, plan, out):
-        n = plan.world_size
-        count, flag, fp_a, fp_b = words[:DENSE_HEADER].tolist()
-        if count != n:
-            message.check_prefix(count, 0, 0, 0, (), n, (0, 0), torch.int64, "warm-up step")  # raises OpMismatchError
-        if (fp_a, fp_b) != plan.fps:
-            what = plan.codec.describe() if plan.codec is not None else "uncompressed"
-            raise ConfigMismatchError(
-                "hhook: ranks disagree on the THC configuration or the tensor length "
-                f"(this rank: {what}, numel={plan.tensor.numel()}, warm-up step). Every rank must use "
-                "the same options and run the same steps."
-            )
-        if flag:
-            return out.fill_(float("nan"))
-        meta = words[DENSE_HEADER:][: plan.n_meta]
-        body = words[DENSE_HEADER + plan.n_meta :]
-        out.copy_(body[: out.numel()].div_(n).view(out.shape))
-        state = plan.state
-        if state is not None:
-            # Exact integer sums: floor of the mean code over the ranks whose block was
-            # non-zero, then 2**(k/8) from a table and an exact ldexp.
-            count, total = meta.view(2, -1)
-            k = torch.div(total, count.clamp_min(1), rounding_mode="floor").to(torch.int64)
-            mant = _MANTISSAS.to(meta.device)[k.bitwise_and(_LOG_STEPS - 1)]
-            scales = torch.ldexp(mant, k.bitwise_right_shift(3).to(torch.float32)).mul_(count > 0)
-            if state.residual is not None:
-                state.residual.zero_()
-            self._advance(state, scales.mul_(self.headroom))
-        return out
-
-
-__all__ = ["KeyState", "default_headroom", "OpMismatchError", "Plan", "PredictedScales", "ScalePolicy", "THRESHOLDS", "agreed_status"]
