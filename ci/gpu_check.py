@@ -426,7 +426,7 @@ def _nccl_world_of_one() -> dict:
     import torch.distributed as dist
 
     import hhook
-    from hhook.flat import _reduce
+    from hhook.schedule.flat import _reduce
     from hhook.launch import free_port
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1,
@@ -489,9 +489,9 @@ def _nccl_world_of_one() -> dict:
 
 def stage_nccl(ctx: Context) -> dict:
     if ctx.dry:
-        from hhook.flat import _reduce  # noqa: F401 - the path the GPU run takes exists
+        from hhook.schedule.flat import _reduce  # noqa: F401 - the path the GPU run takes exists
 
-        return {"would": ["a world of one on NCCL through hhook.flat._reduce, sync debug mode 'error'",
+        return {"would": ["a world of one on NCCL through hhook.schedule.flat._reduce, sync debug mode 'error'",
                           "FSDP2 + hhook.fsdp.register, 2 ranks sharing the GPU over Gloo, against plain FSDP2"]}
     from cuda_support import fsdp_thc_ranks
     from distributed import run_world

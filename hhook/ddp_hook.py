@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from .advice import one_process
-from .allreduce import thc_allreduce_async
-from .flat import dense_allreduce
-from .futures import completed, then
+from .schedule.allreduce import thc_allreduce_async
+from .schedule.flat import dense_allreduce
+from .schedule.futures import completed, then
 from .codec import warm_up
 from .decision import ensure as ensure_decision
 from .decision import exchange as decided_exchange
@@ -217,7 +217,7 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
     part; any other object raises :class:`TypeError`). The process group defaults to the
     model's own (also for a state dict, which holds none). With ``topology="auto"`` (or a
     number of ranks per node) the node layout is found here, on every rank, so a bad
-    layout raises :class:`~hhook.topology.TopologyError` at registration. The state
+    layout raises :class:`~hhook.schedule.topology.TopologyError` at registration. The state
     learns the model's parameter names, so that a run resumed from a checkpoint of the
     state continues bit for bit through DDP's first iteration, whose buckets are not
     yet the rebuilt ones the saved state describes.

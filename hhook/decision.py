@@ -63,8 +63,8 @@ import zlib
 
 import torch
 
-from .allreduce import thc_allreduce_async
-from .flat import cast_allreduce, dense_allreduce
+from .schedule.allreduce import thc_allreduce_async
+from .schedule.flat import cast_allreduce, dense_allreduce
 from .prober import EXPLOIT_BATCH, LAG, Prober  # noqa: F401 - part of this module's interface
 from .state import THCState
 from .codec.error_model import wire_bits_per_coord

@@ -335,7 +335,7 @@ def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | No
     ``replica_group`` (``ValueError`` on every rank otherwise); one built without a
     process group takes ``replica_group``.
     """
-    from .allreduce import thc_allreduce
+    from .schedule.allreduce import thc_allreduce
 
     if not isinstance(replica_group, dist.ProcessGroup):
         raise TypeError(f"hhook.fsdp.register_hsdp: replica_group must be a ProcessGroup, got {replica_group!r}")

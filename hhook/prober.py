@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigMismatchError
-from .groups import explain, reduces_on_host
+from .schedule.groups import explain, reduces_on_host
 from .codec.layout import constant
 
 if TYPE_CHECKING:

@@ -15,13 +15,13 @@ import torch.distributed as dist
 
 from .codec import rng
 from .codec import CODEC_VERSION, THCCodec
-from .groups import SecondGroup, explain
+from .schedule.groups import SecondGroup, explain
 from .errors import ConfigMismatchError
 from .scales import ScalePolicy
-from .sequencer import Sequencer
+from .schedule.sequencer import Sequencer
 from .stats import Counters, two_level_stats
 from .codec.error_model import auto_bits
-from .topology import Topology, TopologyError, detect_topology
+from .schedule.topology import Topology, TopologyError, detect_topology
 
 #: The scale policies (:mod:`hhook.scales`): agree on each step's maxima (two
 #: collectives; never clips; the default), or predict them from the previous step (one
@@ -32,7 +32,7 @@ SCALE_MODES = ("agreed", "predicted")
 #: default 25 MB bucket in 3 (docs/train.md: 4 MB pieces cost more than they hide).
 DEFAULT_CHUNK_MB = 12
 #: ``topology=``: every rank a peer (the default), nodes from the launcher or hostnames,
-#: or an integer number of ranks per node (:mod:`hhook.topology`).
+#: or an integer number of ranks per node (:mod:`hhook.schedule.topology`).
 TOPOLOGIES = ("flat", "auto")
 
 #: Version of :meth:`THCState.state_dict`'s layout (pickles of older hhooks have none).
@@ -100,14 +100,14 @@ class THCState:
             per bucket); ``0``: never split.
         topology: ``"flat"`` (default): every rank of the group is a peer of one THC
             allreduce. ``"auto"`` or an integer number of ranks per node: two-level THC
-            (:mod:`hhook.two_level`) when the group spans several nodes of equal size:
+            (:mod:`hhook.schedule.two_level`) when the group spans several nodes of equal size:
             dense inside each node, THC between nodes with lanes sized for the number
             of nodes, each rank encoding ``1 / ranks_per_node`` of the tensor. Nodes
-            come from the launcher's variables or the hostnames (:mod:`hhook.topology`);
+            come from the launcher's variables or the hostnames (:mod:`hhook.schedule.topology`);
             one node, one rank per node or uneven nodes fall back to flat with one log
             line. The layout is found once, blocking, on every rank (it creates process
             groups): at :func:`hhook.register`, else at the first call; a request that
-            cannot hold raises :class:`~hhook.topology.TopologyError` on every rank.
+            cannot hold raises :class:`~hhook.schedule.topology.TopologyError` on every rank.
         rounding: ``"correlated"`` (default): the ranks' rounding thresholds for each
             coordinate are spread over the unit interval (:class:`hhook.codec.rng.Stream`),
             each still uniform, so the rounding stays unbiased and the codes add exactly
@@ -425,11 +425,11 @@ class THCState:
         """The node layout of ``process_group`` under the ``topology`` option, found once.
 
         The first call (on every rank, at the same point of the program: it may create
-        process groups) runs :func:`~hhook.topology.detect_topology` (one small
+        process groups) runs :func:`~hhook.schedule.topology.detect_topology` (one small
         all-gather, also for ``"flat"``, so ranks that disagree fail together), checks it
         against the layout a checkpoint was saved with, and for two-level builds :attr:`inter`, the THC state
         of this rank's shard between nodes (same options; ``bits="auto"`` sized for the
-        node count). Raises :class:`~hhook.topology.TopologyError` on every rank alike.
+        node count). Raises :class:`~hhook.schedule.topology.TopologyError` on every rank alike.
         """
         if self._topo is None:
             if not dist.is_initialized():

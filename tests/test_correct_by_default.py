@@ -302,7 +302,7 @@ def test_schedule_options_are_part_of_the_handshake(option, values):
 def _ddp_mismatch_worker(rank, world, option, values):
     """The same through DDP's hook: the check comes before the plain iterations (a rank
     with another start_iter would pair its plain SUM with a peer's MAX)."""
-    from hhook.topology import TopologyError
+    from hhook.schedule.topology import TopologyError
 
     torch.manual_seed(0)
     ddp = DDP(torch.nn.Linear(20, 20))

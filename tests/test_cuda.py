@@ -656,7 +656,7 @@ def test_thc_allreduce_under_allocator_pressure(world):
 
 
 def _second_backend(rank, world_size):
-    from hhook.groups import SecondGroup
+    from hhook.schedule.groups import SecondGroup
 
     return type(SecondGroup(None, "cuda").backend).__name__
 

@@ -267,7 +267,7 @@ def _subgroup_timeout_worker(rank, world, scales):
     import torch.distributed as dist
 
     import hhook
-    from hhook.groups import timeout_of
+    from hhook.schedule.groups import timeout_of
 
     both = hhook.THCState(bits=4, scales=scales)  # WORLD (torch's default timeout) beside a subgroup
     hhook.thc_allreduce(torch.randn(4000) * (10.0 if rank == 1 else 1.0), both)
@@ -285,7 +285,7 @@ def _subgroup_timeout_worker(rank, world, scales):
     tic = time.monotonic()
     try:
         t = torch.ones(10)
-        hhook.futures.then(second.all_reduce(t).get_future(), lambda v: v[0], t, "a test SUM", second).wait()
+        hhook.schedule.futures.then(second.all_reduce(t).get_future(), lambda v: v[0], t, "a test SUM", second).wait()
         out["error"] = None
     except hhook.PeerTimeoutError as e:
         out["error"] = str(e)

@@ -111,15 +111,14 @@ LAYERS = (
     ("base", {"errors", "launch", "stats"}),  # what every layer raises, reads from the launcher, counts
     ("codec", {"codec"}),
     ("scales", {"scales"}),
-    ("schedule", {"futures", "teardown", "blame", "sequencer", "groups", "node_memory", "topology",
-                  "state", "flat", "two_level", "allreduce", "decision", "prober", "widths", "advice"}),
+    ("schedule", {"schedule", "state", "decision", "prober", "widths", "advice"}),
     # "": the package's front, hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
     # adapters, over the DDP hook
     ("integrations", {"ddp_hook", "horovod", "fsdp", "", "adapters", "lightning", "accelerate", "transformers"}),
     ("benchmarks", {"simulation", "baselines", "profile"}),
 )
 #: Layers that are folders of hhook/ (the others are modules at its top).
-FOLDERS = {"codec", "scales"}
+FOLDERS = {"codec", "scales", "schedule"}
 INTEGRATIONS = {"hhook.ddp_hook", "hhook.horovod", "hhook.fsdp"}
 #: One module per framework, each over hhook.adapters and the DDP hook, none over another.
 FRAMEWORK_ADAPTERS = {"hhook.lightning", "hhook.accelerate", "hhook.transformers"}
@@ -159,7 +158,7 @@ def test_layers_are_folders():
 
 
 def test_the_layer_check_finds_an_upward_import():
-    assert _layer("hhook.codec.rng") < _layer("hhook.scales.message") < _layer("hhook.flat") < _layer("hhook.fsdp")
+    assert _layer("hhook.codec.rng") < _layer("hhook.scales.message") < _layer("hhook.schedule.flat") < _layer("hhook.fsdp")
     assert _layer("hhook.codec.kernels.cpu") == _layer("hhook.codec")
     assert _layer("hhook.profile.commands.train") == _layer("hhook.baselines.sbc") == len(LAYERS) - 1
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hhook
-from hhook.allreduce import check_tensor
+from hhook.schedule.allreduce import check_tensor
 
 from distributed import run_world
 

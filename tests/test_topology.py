@@ -1,4 +1,4 @@
-"""Node detection (hhook.topology), the two-level schedule (hhook.two_level) and bits="auto"."""
+"""Node detection (hhook.schedule.topology), the two-level schedule (hhook.schedule.two_level) and bits="auto"."""
 
 import math
 import os
@@ -11,8 +11,8 @@ import hhook
 from hhook.simulation import heavy_tailed, simulate_allreduce, simulate_two_level, vnmse
 from hhook.stats import Counters, two_level_stats
 from hhook.codec.error_model import auto_bits, predicted_vnmse, wire_bits_per_coord
-from hhook.topology import TopologyError, detect_topology, layout_fingerprint, local_record, plan_layout
-from hhook.two_level import two_level_allreduce, two_level_allreduce_async
+from hhook.schedule.topology import TopologyError, detect_topology, layout_fingerprint, local_record, plan_layout
+from hhook.schedule.two_level import two_level_allreduce, two_level_allreduce_async
 
 from distributed import run_world
 
@@ -350,7 +350,7 @@ def test_targets_wire_bits_and_error_at_scale():
 
 @pytest.mark.parametrize("k", [2, 3, 4, 8])
 def test_node_mean_exact_for_equal_rows(k):
-    from hhook.two_level import _node_mean
+    from hhook.schedule.two_level import _node_mean
 
     g = torch.Generator().manual_seed(k)
     row = torch.randn(1000, generator=g) * torch.logspace(-30, 30, 1000)

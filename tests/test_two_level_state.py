@@ -14,7 +14,7 @@ import torch.nn as nn
 import hhook
 from hhook.simulation import heavy_tailed, vnmse
 from hhook.codec.error_model import auto_bits
-from hhook.topology import TopologyError
+from hhook.schedule.topology import TopologyError
 from tests.distributed import logged, run_world
 
 MODES = ["agreed", "predicted"]

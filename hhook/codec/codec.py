@@ -1,6 +1,6 @@
 r"""The THC codec: homomorphic compression that a stock SUM allreduce can add.
 
-The codec does no communication. A transport (:mod:`hhook.allreduce` for
+The codec does no communication. A transport (:mod:`hhook.schedule.allreduce` for
 torch.distributed, the profiler for MPI, :mod:`hhook.horovod`) drives it in three stages
 around two collectives:
 

@@ -1,5 +1,5 @@
 r"""Node-shared memory for two-level THC on CPUs: the regions where the ranks of a node
-meet (:mod:`hhook.two_level`), within a budget, and never left behind.
+meet (:mod:`hhook.schedule.two_level`), within a budget, and never left behind.
 
 A region is one file of :data:`SHM_DIR` (tmpfs), ``(k + 1) x numel`` elements: the
 ``k`` ranks' rows and the node's result. Every rank of a node asks for the same regions

@@ -24,7 +24,7 @@ import time
 
 import torch.distributed as dist
 
-from .errors import Blame
+from ..errors import Blame
 
 #: Longest wait (s) for the reports of the ranks a timed-out rank waited for (at most half
 #: the group's timeout).

@@ -1,6 +1,6 @@
 r"""Nodes of a job: which ranks share a machine, and the process groups of two-level THC.
 
-Two-level THC (:mod:`hhook.two_level`, DESIGN.md sec. 8) reduces densely inside each node
+Two-level THC (:mod:`hhook.schedule.two_level`, DESIGN.md sec. 8) reduces densely inside each node
 and compresses only between nodes, so it needs to know the nodes. :func:`detect_topology`
 finds them and builds the sub-groups, once:
 
@@ -34,7 +34,7 @@ Example::
     >>> topo.describe()
     '4 ranks as 2 nodes x 2 (two-level)'
     >>> inter = THCState(process_group=topo.inter_group, bits=4)
-    >>> fut = hhook.two_level.two_level_allreduce_async(grad, topo, inter, key="w")
+    >>> fut = hhook.schedule.two_level.two_level_allreduce_async(grad, topo, inter, key="w")
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .codec import rng
+from ..codec import rng
 from .groups import explained, timeout_of
-from .launch import launcher_layout
+from ..launch import launcher_layout
 from .node_memory import SHM_DIR, NodeMemory, budget_bytes, free_bytes, sweep_stale
 
 logger = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class Topology:
     """The node layout of a process group and, for two-level, this rank's sub-groups.
 
     Attributes:
-        two_level: True when :mod:`hhook.two_level` applies (else the flat path).
+        two_level: True when :mod:`hhook.schedule.two_level` applies (else the flat path).
         world_size, rank: of the parent group.
         nodes: global ranks of every node (two-level), or None.
         n_nodes, ranks_per_node: 1 and ``world_size`` for flat.
@@ -268,7 +268,7 @@ class Topology:
         self.fingerprint = layout_fingerprint(world_size, plan.nodes)
         self.token = token  # the same on every rank of this node, random per job
         #: CPU tensors meet inside the node in shared memory (probed at detection; a
-        #: :class:`~hhook.node_memory.NodeMemory`), else through collectives on
+        #: :class:`~hhook.schedule.node_memory.NodeMemory`), else through collectives on
         #: ``intra_group``/``gather_group``.
         self.node_memory: NodeMemory | None = None
         self._sequencers: dict = {}
@@ -305,7 +305,7 @@ class Topology:
         )
 
     def sequencer(self, name: str):
-        """A :class:`~hhook.sequencer.Sequencer` shared by every two-level call on this
+        """A :class:`~hhook.schedule.sequencer.Sequencer` shared by every two-level call on this
         topology for the collectives it launches from continuations on one group."""
         from .sequencer import Sequencer
 
@@ -320,9 +320,9 @@ class Topology:
 
 def _probe_shared_memory(topo: Topology) -> NodeMemory | None:
     """Do the ranks of every node see one another's writes in one file of
-    :data:`~hhook.node_memory.SHM_DIR`? (Not where "nodes" given by an integer span
+    :data:`~hhook.schedule.node_memory.SHM_DIR`? (Not where "nodes" given by an integer span
     hosts.) Blocking, at detection: first the files of dead jobs go
-    (:func:`~hhook.node_memory.sweep_stale`), every rank writes its rank into its slot, a
+    (:func:`~hhook.schedule.node_memory.sweep_stale`), every rank writes its rank into its slot, a
     barrier inside the node, every rank reads all slots; then every rank of the parent
     group agrees (MIN) on the verdict and on the byte budget. Gloo only: the probe's
     collectives are on CPU tensors. None where shared memory cannot be used."""

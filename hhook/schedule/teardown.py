@@ -13,7 +13,7 @@ the job has finished. So, before ``torch.distributed.destroy_process_group`` and
 1. :func:`quiesce`: wait, without the GIL, until torch has released every continuation
    hhook attached (each is counted from attachment until its last reference goes, on the
    thread that ran it), then a short grace for what torch does right after;
-2. :func:`hhook.groups.end_second_groups`: end hhook's own communicators (their threads
+2. :func:`hhook.schedule.groups.end_second_groups`: end hhook's own communicators (their threads
    are joined: nothing of them outlives this).
 
 A collective still in flight is waited for at most the groups' timeout.

@@ -1,6 +1,6 @@
 r"""Two-level THC: dense inside each node, homomorphic between nodes (DESIGN.md sec. 8).
 
-For a tensor of ``d`` coordinates on ``N`` nodes of ``k`` ranks (:class:`~hhook.topology.Topology`):
+For a tensor of ``d`` coordinates on ``N`` nodes of ``k`` ranks (:class:`~hhook.schedule.topology.Topology`):
 
 1. **Inside the node, dense.** The flat tensor, padded to ``k s`` (``s = ceil(d / k)``),
    goes through one ``all_to_all`` on the node's group: local rank ``j`` receives shard
@@ -9,7 +9,7 @@ For a tensor of ``d`` coordinates on ``N`` nodes of ``k`` ranks (:class:`~hhook.
    value itself, so identical inputs stay exact). This is a reduce-scatter with the
    same traffic as a ring's, ``(k - 1) / k`` of the tensor per rank.
 2. **Between nodes, THC.** Local rank ``j`` averages its node-mean shard with local rank
-   ``j`` of every other node through the flat schedule (:mod:`hhook.flat`) on the
+   ``j`` of every other node through the flat schedule (:mod:`hhook.schedule.flat`) on the
    ``inter_state``, whose process group is this rank's inter-node group: lanes are sized
    for ``N`` nodes, not ``N k`` ranks, each rank encodes ``1 / k`` of the tensor, and the
    ``k`` rings of a node run at once.
@@ -19,7 +19,7 @@ For a tensor of ``d`` coordinates on ``N`` nodes of ``k`` ranks (:class:`~hhook.
 Nothing waits. The ``all_to_all`` is launched by the caller, in call order. Stage 2 is
 launched from its continuation and stage 3 from stage 2's: continuations run in
 completion order, which differs between ranks, so both go through a
-:class:`~hhook.sequencer.Sequencer` per group (tickets drawn in call order, launches in
+:class:`~hhook.schedule.sequencer.Sequencer` per group (tickets drawn in call order, launches in
 ticket order): every rank pairs the same collectives. The all-gather has its own group
 because new tensors keep entering the first one from the caller's thread.
 
@@ -47,14 +47,14 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ..codec.layout import SUPPORTED_DTYPES
+from ..errors import PeerTimeoutError, RankFailedError
+from ..stats import Counters
 from .flat import check_tensor, flat_allreduce_async, payload_bytes, plain_allreduce
-from .errors import PeerTimeoutError, RankFailedError
 from .futures import completed, new_future, value_of
-from .teardown import attach
 from .groups import explain, timeout_of
-from .codec.layout import SUPPORTED_DTYPES
-from .stats import Counters
 from .sequencer import stream_of
+from .teardown import attach
 from .topology import Topology
 
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,4 +1,4 @@
-"""Futures for the schedules (:mod:`hhook.flat`, :mod:`hhook.two_level`) and the hook:
+"""Futures for the schedules (:mod:`hhook.schedule.flat`, :mod:`hhook.schedule.two_level`) and the hook:
 CUDA-aware where the value lives on a GPU, and exceptions handed to the waiter as they
 are (torch wraps an exception raised in a ``then`` callback in a RuntimeError; a
 :class:`~hhook.errors.ConfigMismatchError` should stay one)."""
@@ -36,7 +36,7 @@ def settle(result: torch.futures.Future, fn, *args) -> None:
 def value_of(fut: torch.futures.Future, what: str | None = None, group=None):
     """``fut.value()``; where ``what`` names the collective that ``fut`` completes, a
     stalled or lost peer of ``group`` raises as :class:`~hhook.errors.PeerTimeoutError` or
-    :class:`~hhook.errors.PeerLostError` saying so (:func:`hhook.groups.explain`)."""
+    :class:`~hhook.errors.PeerLostError` saying so (:func:`hhook.schedule.groups.explain`)."""
     try:
         return fut.value()
     except BaseException as exc:  # noqa: BLE001 - re-raised, explained where it can be
@@ -51,7 +51,7 @@ def value_of(fut: torch.futures.Future, what: str | None = None, group=None):
 def then(fut: torch.futures.Future, fn, like: torch.Tensor, what: str | None = None, group=None) -> torch.futures.Future:
     """``fut.then(fn)`` where ``fn`` takes ``fut``'s value and its exception (or ``fut``'s)
     reaches the waiter unwrapped; ``what`` and ``group`` as :func:`value_of`. Counted
-    until released (:func:`hhook.teardown.attach`)."""
+    until released (:func:`hhook.schedule.teardown.attach`)."""
     result = new_future(like)
     attach(fut, lambda f: settle(result, lambda: fn(value_of(f, what, group))))
     return result

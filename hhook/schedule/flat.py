@@ -1,6 +1,6 @@
 r"""The flat schedule: THC allreduce over one process group, every rank a peer.
 
-:mod:`hhook.allreduce` dispatches here (or to :mod:`hhook.two_level`, which runs this
+:mod:`hhook.schedule.allreduce` dispatches here (or to :mod:`hhook.schedule.two_level`, which runs this
 schedule between nodes).
 
 Nothing here waits. :func:`flat_allreduce_async` launches the first collective and
@@ -19,8 +19,8 @@ The scale policy (:mod:`hhook.scales`) decides the rounds of each tensor:
   scale vector; its continuation quantizes onto the agreed scales and launches the SUM of
   the words; that one's continuation decodes. Continuations run on the process group's
   threads in completion order, so the SUMs go on a second communicator over the same
-  ranks (:mod:`hhook.groups`), launched in hook order by a
-  :class:`~hhook.sequencer.Sequencer`: every rank pairs the same collectives.
+  ranks (:mod:`hhook.schedule.groups`), launched in hook order by a
+  :class:`~hhook.schedule.sequencer.Sequencer`: every rank pairs the same collectives.
   Continuations never wait (a wait there can deadlock Gloo's few worker threads).
 
 Errors surface through the returned future (in DDP: from ``loss.backward()``) on every
@@ -34,15 +34,19 @@ rank's result NaN (no exception), so ``GradScaler`` skips the step everywhere.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
+from ..codec.layout import SUPPORTED_DTYPES
 from .futures import completed, new_future, settle, then, value_of
 from .groups import explain
-from .teardown import attach
-from .codec.layout import SUPPORTED_DTYPES
 from .sequencer import stream_of
-from .state import THCState
+from .teardown import attach
+
+if TYPE_CHECKING:
+    from ..state import THCState
 
 
 def _all(futures: list, value: torch.Tensor, starts: list[int]) -> torch.futures.Future:

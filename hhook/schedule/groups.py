@@ -4,7 +4,7 @@ Agreed scales need two collectives per tensor: the MAX is launched from the hook
 order, and the SUM from the MAX's continuation, in completion order, which differs
 between ranks. Launched on one group they would pair unrelated collectives, so the SUMs
 go on a second communicator over the same ranks (in hook order, through a
-:class:`~hhook.sequencer.Sequencer`).
+:class:`~hhook.schedule.sequencer.Sequencer`).
 
 ``torch.distributed.new_group`` cannot make it safely from inside a library: without
 ``use_local_synchronization`` every rank of WORLD must call it, in the same order as
@@ -27,7 +27,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from . import errors
+from .. import errors
 from .blame import blame
 
 _lock = threading.Lock()
@@ -49,7 +49,7 @@ def end_second_groups(parent=None) -> None:
     thread that takes the GIL once the interpreter finalizes is ended by Python mid-C++,
     which aborts the process ("terminate called without an active exception"). Never
     from a worker thread of a backend (it would join itself): there, nothing happens.
-    :mod:`hhook.teardown` calls it."""
+    :mod:`hhook.schedule.teardown` calls it."""
     if isinstance(threading.current_thread(), threading._DummyThread):  # not a thread of the program
         return
     every = parent is None or parent == dist.GroupMember.WORLD
@@ -106,7 +106,7 @@ def peers_of(group) -> str:
 
 def explain(exc: BaseException, what: str, group) -> BaseException:
     """:func:`hhook.errors.explain` with ``group``'s timeout and peers, and
-    :func:`hhook.blame.blame` to name the rank that stalled."""
+    :func:`hhook.schedule.blame.blame` to name the rank that stalled."""
     timeout = timeout_of(group).total_seconds()
     others = others_of(group)
     return errors.explain(exc, what, timeout, peers_of(group), lambda kind: blame(kind, others, timeout))

@@ -1,14 +1,18 @@
 r"""THC allreduce, the entry every integration calls: the flat schedule
-(:mod:`hhook.flat`) or, on a state whose topology found several nodes, the two-level one
-(:mod:`hhook.two_level`: dense inside the node, THC between nodes)."""
+(:mod:`hhook.schedule.flat`) or, on a state whose topology found several nodes, the two-level one
+(:mod:`hhook.schedule.two_level`: dense inside the node, THC between nodes)."""
 
 from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from .flat import check_tensor, flat_allreduce_async
-from .state import THCState
 from .two_level import two_level_allreduce_async
+
+if TYPE_CHECKING:
+    from ..state import THCState
 
 
 def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=None) -> torch.futures.Future:
@@ -25,7 +29,7 @@ def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=
     rank's tensor holds inf or NaN, every rank's result is all NaN. In a world of one
     rank the tensor is returned as it is. float64 and sparse tensors take an exact plain
     allreduce. With ``THCState(topology=...)`` finding several nodes the tensor is
-    averaged two-level (:mod:`hhook.two_level`), with the same guarantees.
+    averaged two-level (:mod:`hhook.schedule.two_level`), with the same guarantees.
     """
     check_tensor(tensor)
     state.ensure_checked(tensor.device)
