@@ -436,8 +436,8 @@ def _nccl_world_of_one() -> dict:
         state = hhook.THCState(bits=4)
         device = torch.device("cuda", 0)
         state.handshake(device)
-        policy = state.policy(state.mode(device))
-        out = {"second_communicator": type(state.second_group(device).backend).__name__}
+        policy = state.policy(state.scales)
+        out = {"second_communicator": type(state.runtime.second_group(device).backend).__name__}
         hhook_dir = os.path.dirname(hhook.__file__)
         side = torch.cuda.Stream()
         pairs = []

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from .codec.layout import SUPPORTED_DTYPES, constant
 from .scales.message import RANK_FAILED
-from .state import _LIVE, THCState
+from .state import THCState
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule
@@ -141,7 +141,7 @@ class THCReduceScatter(ReduceScatter):
             dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
             if not self.returns_sum:
                 output_tensor.div_(world)
-            state.count("dense_calls", 4 * input_tensor.numel(), input_tensor.nbytes)
+            state.counters.add("dense_calls", 4 * input_tensor.numel(), input_tensor.nbytes)
             return None
         device = input_tensor.device
         self._handshake(group, device)
@@ -185,13 +185,13 @@ class THCReduceScatter(ReduceScatter):
         # 4. Each rank receives the lane sums of its own chunk's message.
         summed = torch.empty(L, dtype=words.dtype, device=device)
         dist.reduce_scatter_tensor(summed, words.view(-1), op=dist.ReduceOp.SUM, group=group)
-        state.count("compressed_calls", 4 * input_tensor.numel(), scales.nbytes + words.nbytes)
+        state.counters.add("compressed_calls", 4 * input_tensor.numel(), scales.nbytes + words.nbytes)
         if failure is not None:
             raise failure  # this rank's own exception; the others raise RankFailedError
         # 5. Decode this rank's chunk: the mean over the shard group.
         _, nonfinite = policy.decode(summed, plans[rank], output_tensor)
         if nonfinite:
-            state.count("nonfinite_calls", 0, 0)
+            state.counters.add("nonfinite_calls", 0, 0)
         elif self.returns_sum:
             output_tensor.mul_(world)
         return None
@@ -307,9 +307,9 @@ def _adopt_replica_group(replica_state: THCState, replica_group: dist.ProcessGro
     ``replica_group`` (averaging over WORLD instead gave relative errors near 1). A state
     built without a group (``THCState(bits=8)``) and not used yet takes ``replica_group``."""
     group = replica_state.process_group
-    if group is None and replica_state.calls == 0 and replica_state._topo is None:
+    if group is None and replica_state.calls == 0 and replica_state.runtime.topo is None:
         replica_state.process_group = replica_group
-        replica_state._reset_derived()
+        replica_state.reset_runtime()
         return
     mine = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     if mine != dist.get_process_group_ranks(replica_group):
@@ -368,7 +368,7 @@ def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | No
     if replica_state is None:
         replica_state = THCState(process_group=replica_group, bits=state.bits, block_size=state.block_size,
                                  seed=state.seed, start_iter=0)
-        _LIVE.discard(replica_state)  # idle in a single replica; reported through the returned pair
+        replica_state.reported_through_parent()  # idle in a single replica; reported through the returned pair
     replicas = dist.get_world_size(replica_group)
     for name, m, factor in modules:
         def hook(output: torch.Tensor, key=f"hsdp:{name}", factor=factor) -> None:

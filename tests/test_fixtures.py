@@ -55,7 +55,7 @@ def _without_origin(saved: dict) -> dict:
 def _keys(state) -> dict:
     """policy name -> key -> (numel, residual, scales) of a live state."""
     return {name: {k: (ks.numel, ks.residual, ks.scales) for k, ks in policy.keys.items()}
-            for name, policy in state.policies.items()}
+            for name, policy in state.keys.policies.items()}
 
 
 def _saved_keys(saved: dict) -> dict:

@@ -381,7 +381,7 @@ def _hsdp_states(rank, world):
         _step(model, x, y)
         grads = [p.grad.full_tensor() for p in model.parameters()]
         out[f"errors_{bits}"] = [((a - b).norm() / b.norm()).item() for a, b in zip(grads, full)]
-        out[f"bits_{bits}"] = sorted({p.bits for p in state.policies.values()} | {p.bits for p in replica.policies.values()})
+        out[f"bits_{bits}"] = sorted({p.bits for p in state.keys.policies.values()} | {p.bits for p in replica.keys.policies.values()})
         out["auto_bits_2"] = auto_bits(2)
     try:
         hhook.fsdp.register_hsdp(_shard(_model(), mesh=mesh["shard"]), mesh["replicate"].get_group(), bits=8,

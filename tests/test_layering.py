@@ -111,14 +111,16 @@ LAYERS = (
     ("base", {"errors", "launch", "stats"}),  # what every layer raises, reads from the launcher, counts
     ("codec", {"codec"}),
     ("scales", {"scales"}),
-    ("schedule", {"schedule", "state", "decision", "prober", "widths", "advice"}),
+    ("schedule", {"schedule"}),
+    ("state", {"state"}),
+    ("decision", {"decision"}),
     # "": the package's front, hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
     # adapters, over the DDP hook
     ("integrations", {"ddp_hook", "horovod", "fsdp", "", "adapters", "lightning", "accelerate", "transformers"}),
     ("benchmarks", {"simulation", "baselines", "profile"}),
 )
 #: Layers that are folders of hhook/ (the others are modules at its top).
-FOLDERS = {"codec", "scales", "schedule"}
+FOLDERS = {"codec", "scales", "schedule", "state", "decision"}
 INTEGRATIONS = {"hhook.ddp_hook", "hhook.horovod", "hhook.fsdp"}
 #: One module per framework, each over hhook.adapters and the DDP hook, none over another.
 FRAMEWORK_ADAPTERS = {"hhook.lightning", "hhook.accelerate", "hhook.transformers"}

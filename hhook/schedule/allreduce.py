@@ -37,7 +37,7 @@ def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=
     if not topo.two_level:
         return flat_allreduce_async(tensor, state, key, layout)
     state.check_deferred()
-    return two_level_allreduce_async(tensor, topo, state.inter, key, state._intra, layout)
+    return two_level_allreduce_async(tensor, topo, state.inter, key, state.intra_counters, layout)
 
 
 def thc_allreduce(tensor: torch.Tensor, state: THCState, key=None) -> torch.Tensor:

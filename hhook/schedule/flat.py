@@ -104,10 +104,10 @@ def dense_allreduce(state: THCState, tensor: torch.Tensor) -> torch.futures.Futu
     (float64, sparse gradients).
     """
     if state.world_size == 1:
-        state.count("local_calls", 0, 0)
+        state.counters.add("local_calls", 0, 0)
         return completed(tensor)
     size = payload_bytes(tensor)
-    state.count("dense_calls", size if tensor.is_sparse or tensor.dtype == torch.float64 else 4 * tensor.numel(), size)
+    state.counters.add("dense_calls", size if tensor.is_sparse or tensor.dtype == torch.float64 else 4 * tensor.numel(), size)
     return plain_allreduce(tensor, state.process_group, state.world_size)
 
 
@@ -121,7 +121,7 @@ def cast_allreduce(state: THCState, tensor: torch.Tensor, dtype: torch.dtype) ->
     # first allocated a float32 temporary of the bucket, whose fresh pages cost more
     # than the allreduce on loopback.
     low = tensor.to(dtype).div_(state.world_size)
-    state.count("dense_calls", 4 * tensor.numel(), low.nbytes)
+    state.counters.add("dense_calls", 4 * tensor.numel(), low.nbytes)
     fut = dist.all_reduce(low, group=state.process_group, async_op=True).get_future()
     return then(fut, lambda value: tensor.copy_(value[0]), tensor, f"the {dtype} allreduce of {tensor.numel()} elements",
                 state.process_group)
@@ -141,13 +141,13 @@ def flat_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout
         return completed(tensor)
     if state.world_size == 1 or tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES:
         return dense_allreduce(state, tensor)
-    if tensor.device.type not in state._verified:
+    if tensor.device.type not in state.runtime.verified:
         state.handshake(tensor.device)
     if layout is None:
         layout = (tuple(tensor.shape), str(tensor.dtype))
-    policy = state.policy(state.mode(tensor.device))
+    policy = state.policy(state.scales)
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
-    pieces = state.chunks(target.numel(), target.device)
+    pieces = state.options.chunks(target.numel(), target.device)
     if len(pieces) == 1:
         fut = _reduce(state, policy, target, key, layout, failed)
     else:
@@ -169,38 +169,38 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=N
     SUM's continuation."""
     plan = policy.begin(target, key, state.rank, state.world_size, state.next_call(), state.config_id(), layout,
                         failed)
-    defer = state.defer if target.is_cuda or state._defer_on_cpu else None
+    defer = state.runtime.defer if target.is_cuda or state.runtime.defer_on_cpu else None
     what = f"the THC allreduce of {target.numel()} elements (key {key!r})"
 
     def decode(sums: torch.Tensor) -> torch.Tensor:
         _, nonfinite = policy.decode(sums, plan, target, defer)
         if nonfinite is True:
-            state.count("nonfinite_calls", 0, 0)
+            state.counters.add("nonfinite_calls", 0, 0)
         return target
 
     if plan.max_vector is None:  # predicted scales: one round
         words = policy.finish(plan)
-        state.count("compressed_calls", 4 * target.numel(), words.nbytes)
+        state.counters.add("compressed_calls", 4 * target.numel(), words.nbytes)
         fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=state.process_group, async_op=True).get_future()
         return then(fut, lambda value: decode(value[0]), target, f"the SUM of the codes of {what}", state.process_group)
 
-    ticket = state._sequencer.ticket()
-    second = state.second_group(target.device)
+    ticket = state.runtime.sequencer.ticket()
+    second = state.runtime.second_group(target.device)
     length = policy.message_numel(plan.codec, target.numel(), predicted=False)
-    state.count("compressed_calls", 4 * target.numel(), plan.max_vector.nbytes + length * plan.codec.layout.word_bits // 8)
+    state.counters.add("compressed_calls", 4 * target.numel(), plan.max_vector.nbytes + length * plan.codec.layout.word_bits // 8)
     result = new_future(target)
 
     def finish_and_sum(f: torch.futures.Future) -> None:
         try:
             agreed = f.value()[0]
         except BaseException as exc:  # the MAX itself failed: no rank can go on with this ticket
-            state._sequencer.launch(ticket, None)
+            state.runtime.sequencer.launch(ticket, None)
             result.set_exception(explain(exc, f"the MAX of the block scales of {what}", state.process_group))
             return
         try:
             words = policy.finish(plan, agreed)  # by contract never raises: a local failure sends filler
         except BaseException as exc:  # noqa: BLE001 - a bug: the waiter must learn of it, not hang
-            state._sequencer.launch(ticket, None)
+            state.runtime.sequencer.launch(ticket, None)
             result.set_exception(exc)
             return
 
@@ -211,12 +211,12 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=N
             except BaseException as exc:
                 result.set_exception(exc)
 
-        state._sequencer.launch(ticket, launch, stream_of(words))
+        state.runtime.sequencer.launch(ticket, launch, stream_of(words))
 
     try:
         fut = dist.all_reduce(plan.max_vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)
     except BaseException:
-        state._sequencer.launch(ticket, None)  # later tickets must not wait for this one
+        state.runtime.sequencer.launch(ticket, None)  # later tickets must not wait for this one
         raise
     attach(fut.get_future(), finish_and_sum)
     return result

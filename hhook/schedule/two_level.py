@@ -71,7 +71,7 @@ def ensure_handshake(state, device: torch.device, sequencer) -> None:
     inter-node group: it takes a ticket of that group's ``sequencer`` and waits (here,
     not in a continuation) until the earlier tickets have launched. Every rank then
     issues the handshake at the same place among that group's collectives."""
-    if device.type in state._verified:
+    if device.type in state.runtime.verified:
         return
     turn = threading.Event()
     sequencer.launch(sequencer.ticket(), turn.set)
@@ -89,7 +89,7 @@ def _dense_world(tensor: torch.Tensor, topo: Topology, inter_state, intra_stats)
     """float64 and sparse tensors: one exact allreduce over the parent group (its bytes
     cross nodes: counted as the inter state's wire bytes, the call in ``intra_stats``)."""
     size = payload_bytes(tensor)
-    inter_state.count(None, 0, size)
+    inter_state.counters.add(None, 0, size)
     if intra_stats is not None:
         intra_stats.add("dense_calls", size, 0)
     return plain_allreduce(tensor, topo.group, topo.world_size)
@@ -230,7 +230,7 @@ def two_level_allreduce_async(
             bad = out[:, 0].isnan().any() if out.dim() == 2 else out[::s].isnan().any()
             if out.is_cuda:  # no host read: NaN now, the error at the next check (as flat's)
                 out.masked_fill_(bad | failed_peer, float("nan"))
-                inter_state.defer(failed_peer, bad, f"two-level tensor of {d} elements")
+                inter_state.runtime.defer(failed_peer, bad, f"two-level tensor of {d} elements")
             elif failed_peer:
                 raise RankFailedError(
                     "hhook: another rank of this node failed while reducing this tensor (two-level THC); "

@@ -25,7 +25,7 @@ dear). So the hook measures the job itself:
   and cost a whole round trip a step, 15 ms of 63 on a 10 ms link); the result is read
   :data:`LAG` iterations later (long completed) and fed to :class:`Decision`. While a
   choice is held, the periods of :data:`EXPLOIT_BATCH` iterations share one reduction
-  (:class:`~hhook.prober.Prober`).
+  (:class:`~hhook.decision.Prober`).
   So every rank holds the slowest rank's periods and nothing else: the same numbers, the
   same decision. A rank whose state differs (another checkpoint, a bug) makes the
   fingerprint differ and every rank raises :class:`~hhook.errors.ConfigMismatchError`.
@@ -45,7 +45,7 @@ dear). So the hook measures the job itself:
   forgets its predicted scales (they start with an agreed round on return).
 
 :class:`Decision` is plain data (``state_dict``/``load_state_dict``; pickled with the
-:class:`~hhook.state.THCState`); :class:`Prober` holds the clock and the in-flight
+:class:`~hhook.state.THCState`); :class:`~hhook.decision.Prober` holds the clock and the in-flight
 reduction and is rebuilt after loading. Saving changes nothing (any rank may save at any
 time: rank 0 alone, every rank, every step): the saved decision holds the reductions in
 flight, read without taking them from the live run, so a resumed run feeds them where an
@@ -61,13 +61,7 @@ import math
 import statistics
 import zlib
 
-import torch
-
-from .schedule.allreduce import thc_allreduce_async
-from .schedule.flat import cast_allreduce, dense_allreduce
-from .prober import EXPLOIT_BATCH, LAG, Prober  # noqa: F401 - part of this module's interface
-from .state import THCState
-from .codec.error_model import wire_bits_per_coord
+from ..codec.error_model import wire_bits_per_coord
 
 logger = logging.getLogger(__name__)
 
@@ -452,60 +446,3 @@ class Decision:
         """For ``stats()``: the method in use, the phase and the last decisions."""
         return {"method": self.choice if self.phase == "exploit" else (self.current or self._hold()),
                 "phase": self.phase, "choice": self.choice, "decisions": [dict(d) for d in self.decisions]}
-
-
-def ensure(state: THCState) -> Decision:
-    """``state.decision``: built on first use, or restored from the plain data a
-    :meth:`THCState.load_state_dict` left there."""
-    if isinstance(state.decision, dict):
-        state.decision = Decision.from_state_dict(state.decision)
-    elif state.decision is None:
-        state.decision = build(state)
-    return state.decision
-
-
-def build(state: THCState) -> Decision:
-    """The decision of a ``bits="auto"`` state, its candidates sized by the node layout."""
-    topo = state.node_layout()
-    if topo.two_level and state.error_feedback:
-        raise ValueError("hhook: bits='auto' with error_feedback=True on two-level layouts is not supported yet; "
-                         "pass an integer bits= (THC always) or error_feedback=False")
-    names = candidates(state.auto_width())
-    participants = topo.n_nodes if topo.two_level else state.world_size
-    return Decision(names, wire_bits=wire_bits(names, participants, state.block_size))
-
-
-def exchange(state: THCState, bucket, layout, split=None) -> torch.futures.Future:
-    """The DDP hook's ``bits="auto"`` path: the method of this iteration, timed and decided
-    by :class:`Decision`, for one bucket. ``split(reduce)``: a resumed run's first
-    iteration reduces the bucket as the saved keys it holds (``reduce(key, tensor,
-    layout)`` is this iteration's exchange), or returns None for the usual path."""
-    buffer = bucket.buffer()
-    prober = state._prober
-    if prober is None:
-        prober = state._prober = Prober()
-    if not prober.verified:
-        prober.verify(state, state.decision, buffer.device)
-    if prober.first:
-        prober.method = prober.begin(state, state.decision, state.iter)
-    prober.first = bucket.is_last()
-    method = prober.method
-    fut = split(lambda key, tensor, lay: _exchange_as(method, state, key, tensor, lay)) if split is not None else None
-    if fut is None:
-        fut = _exchange_as(method, state, bucket.index(), buffer, layout)
-    if bucket.is_last():
-        prober.launch(state, state.decision, state.iter, buffer.device)
-    return fut
-
-
-def _exchange_as(method: str, state: THCState, key: int, buffer: torch.Tensor, layout) -> torch.futures.Future:
-    bits = thc_bits(method)
-    if buffer.is_sparse:
-        return dense_allreduce(state, buffer)
-    if method != PLAIN:
-        state.release_other_widths(key, buffer, keep=bits)
-    if bits is not None:
-        return thc_allreduce_async(buffer, state.variant(bits), key=key, layout=layout)
-    if method == BF16 and buffer.dtype == torch.float32:
-        return cast_allreduce(state, buffer, torch.bfloat16)
-    return dense_allreduce(state, buffer)

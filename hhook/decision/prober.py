@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigMismatchError
-from .schedule.groups import explain, reduces_on_host
-from .codec.layout import constant
+from ..codec.layout import constant
+from ..errors import ConfigMismatchError
+from ..schedule.groups import explain, reduces_on_host
 
 if TYPE_CHECKING:
     from .decision import Decision
-    from .state import THCState
+    from ..state import THCState
 
 #: The period of iteration j is fed to the decision at iteration j + LAG: its reduction is
 #: launched behind j + 1's last bucket and has a whole iteration to complete.
@@ -51,7 +51,7 @@ class Prober:
         fp = float(decision.fingerprint())
         vector = torch.tensor([fp, -fp], dtype=torch.float64, device=device)
         dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group)
-        state.count(None, 0, vector.nbytes)
+        state.counters.add(None, 0, vector.nbytes)
         high, low = vector.tolist()
         if high != -low:
             raise ConfigMismatchError("hhook: the ranks' bits='auto' decision states differ; every rank must resume "
@@ -95,7 +95,7 @@ class Prober:
         self.measured = []
         work = dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)
         self.group = state.process_group
-        state.count(None, 0, vector.nbytes)
+        state.counters.add(None, 0, vector.nbytes)
         host = event = None
         if on_device:  # read later from pinned memory: no host read of the stream now
             work.wait()  # NCCL: the current stream waits for the reduction, the host does not
