@@ -102,21 +102,17 @@ static void fwht(float *x, int64_t n) {
 #define HH_INLINE static inline __attribute__((always_inline))
 #define HH_GROUP 32 /* coordinates of the first pass's register group */
 
-static inline __m128i mix32_x4(__m128i x) {
-    x = _mm_xor_si128(x, _mm_srli_epi32(x, 16));
-    x = _mm_mullo_epi32(x, _mm_set1_epi32((int)HH_MUL1));
-    x = _mm_xor_si128(x, _mm_srli_epi32(x, 15));
-    x = _mm_mullo_epi32(x, _mm_set1_epi32((int)HH_MUL2));
-    return _mm_xor_si128(x, _mm_srli_epi32(x, 15));
-}
-
-static inline __m256i mix32_x8(__m256i x) {
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)HH_MUL1));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)HH_MUL2));
-    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-}
+/* mix32 on 4 (SSE) or 8 (AVX2) lanes at once: P is the intrinsics' prefix, V the vector. */
+#define HH_MIX32_LANES(name, V, P, xor_)                                 \
+    static inline V name(V x) {                                          \
+        x = xor_(x, P##_srli_epi32(x, 16));                              \
+        x = P##_mullo_epi32(x, P##_set1_epi32((int)HH_MUL1));            \
+        x = xor_(x, P##_srli_epi32(x, 15));                              \
+        x = P##_mullo_epi32(x, P##_set1_epi32((int)HH_MUL2));            \
+        return xor_(x, P##_srli_epi32(x, 15));                           \
+    }
+HH_MIX32_LANES(mix32_x4, __m128i, _mm, _mm_xor_si128)
+HH_MIX32_LANES(mix32_x8, __m256i, _mm256, _mm256_xor_si256)
 
 /* First pass, strides 1..16, one group of 32 in eight 128-bit registers (strides 4..16
  * are then register to register: no lane-crossing shuffle, slow on 2x128-bit cores).
@@ -230,6 +226,18 @@ static inline uint32_t max_u32_x8(__m256i v) {
 }
 #endif
 
+/* Adds the element hashes of y[0..count) (their 16-bit halves) into lo and hi: the
+ * digest of a block's source values, index_hash the block's index term. */
+static inline void digest_halves(const float *y, int64_t count, uint32_t index_hash, uint32_t *lo, uint32_t *hi) {
+    for (int64_t i = 0; i < count; i++) {
+        uint32_t u;
+        memcpy(&u, y + i, 4);
+        uint32_t h = mix32(u + index_hash + (uint32_t)i * HH_DIGEST_MUL);
+        *lo += h & 0xFFFFu;
+        *hi += h >> 16;
+    }
+}
+
 /* -- stage 1 ---------------------------------------------------------------------- */
 /* Rotated blocks [first_block, last_block) into blocks_out (float32, n_blocks x B), their
  * max |y| into maxima; returns through digest_out the sum of this range's element hashes
@@ -264,13 +272,7 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
                 for (int64_t i = count; i < block; i++) y[i] = 0.0f;
                 if (count < block) { /* the digest covers the tensor, not the padding */
                     hash = 0;
-                    for (int64_t i = 0; i < count; i++) {
-                        uint32_t u;
-                        memcpy(&u, y + i, 4);
-                        uint32_t h = mix32(u + index_hash + (uint32_t)i * HH_DIGEST_MUL);
-                        lo += h & 0xFFFFu;
-                        hi += h >> 16;
-                    }
+                    digest_halves(y, count, index_hash, &lo, &hi);
                 }
             }
             /* large outputs: butterflies in scratch, the last pass streams to y */
@@ -287,14 +289,8 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
 #endif
         {
             load_f32(src, dtype, start, count, y);
-            for (int64_t i = 0; i < count; i++) {
-                uint32_t u;
-                memcpy(&u, y + i, 4);
-                uint32_t h = mix32(u + index_hash + (uint32_t)i * HH_DIGEST_MUL);
-                lo += h & 0xFFFFu;
-                hi += h >> 16;
-                y[i] *= signs[i];
-            }
+            digest_halves(y, count, index_hash, &lo, &hi);
+            for (int64_t i = 0; i < count; i++) y[i] *= signs[i];
             for (int64_t i = count; i < block; i++) y[i] = 0.0f;
             fwht(y, block);
             /* max |y| on the bit patterns: integer order is float order for |y|, and

@@ -247,6 +247,19 @@ __device__ __forceinline__ hh_u64 hh_load_signed(const typename In::T* x, const 
     return sum;
 }
 
+// The tile of coordinates a CUDA block of stages 1 and 3 holds: T threads of HH_R
+// coordinates each in s (shared memory), tile_blocks blocks of B, from base; n_blocks
+// blocks in the whole padded tensor.
+#define HH_TILE(total, log2B)                                  \
+    extern __shared__ float hh_smem[];                         \
+    const int T = blockDim.x, t = threadIdx.x;                 \
+    const int tile = HH_R * T;                                 \
+    const int B = 1 << (log2B);                                \
+    const int tile_blocks = tile >> (log2B);                   \
+    float* s = hh_smem;                                        \
+    const hh_i64 base = (hh_i64)blockIdx.x * tile;             \
+    const hh_i64 n_blocks = (total) >> (log2B)
+
 // ---- stage 1: rotate, measure, digest ---------------------------------------------------
 // Grid: one CUDA block per tile of HH_R * blockDim.x coordinates (a multiple of B); at
 // least one block, also for an empty tensor. Dynamic shared memory:
@@ -255,16 +268,9 @@ __device__ __forceinline__ hh_u64 hh_load_signed(const typename In::T* x, const 
 template <class In>
 __device__ void hh_prepare(const typename In::T* x, const hh_u32* signs, float* scales, hh_u64* workspace,
                            hh_i64 numel, hh_i64 total, int log2B, float norm, float fingerprint, int vec) {
-    extern __shared__ float hh_smem[];
-    const int T = blockDim.x, t = threadIdx.x;
-    const int tile = HH_R * T;
-    const int B = 1 << log2B;
-    const int tile_blocks = tile >> log2B;
-    float* s = hh_smem;
+    HH_TILE(total, log2B);
     hh_u32* smax = (hh_u32*)(hh_smem + hh_pad(tile));
     hh_u32* last = smax + tile_blocks;
-    const hh_i64 base = (hh_i64)blockIdx.x * tile;
-    const hh_i64 n_blocks = total >> log2B;
 
     for (int b = t; b < tile_blocks; b += T) smax[b] = 0u;
     hh_u64 digest = hh_load_signed<In>(x, signs, s, base, tile, numel, log2B, vec != 0, true);
@@ -433,16 +439,9 @@ __device__ void hh_decode(const W* words, const hh_u32* signs, const float* agre
                           const typename In::T* source, hh_i64 numel, hh_i64 total, hh_i64 n_words,
                           int log2B, int levels, int world, int width, float norm, int vec_out,
                           int vec_in) {
-    extern __shared__ float hh_smem[];
-    const int T = blockDim.x, t = threadIdx.x;
-    const int tile = HH_R * T;
-    const int B = 1 << log2B;
-    const int tile_blocks = tile >> log2B;
-    float* s = hh_smem;
+    HH_TILE(total, log2B);
     float* mul = hh_smem + hh_pad(tile);
     float* sub = mul + tile_blocks;
-    const hh_i64 base = (hh_i64)blockIdx.x * tile;
-    const hh_i64 n_blocks = total >> log2B;
     const float* maxima = agreed + HH_HEADER;
 
     if (hh_nonfinite(agreed) || hh_mismatch(agreed) || hh_identical(agreed)) {
