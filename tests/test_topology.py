@@ -375,7 +375,7 @@ def _inputs_doc():
 
 
 def test_scale_model_layouts_and_wire_bits():
-    from hhook.profile.models import inputs_from_json, layout_step, scale_rows
+    from hhook.profile.scale_model import inputs_from_json, layout_step, scale_rows
 
     inp = inputs_from_json({**_inputs_doc(), "host_cores": None})
     for N, k in [(1, 4), (3, 1)]:  # one node, or one rank per node: two-level is flat
@@ -396,7 +396,7 @@ def test_scale_model_layouts_and_wire_bits():
 def test_scale_model_against_the_measured_layouts():
     """The model, on the inputs ci/measure_topology.sh measured, against the step times
     it recorded in the same run (docs/topology.md): the target, 15% on every row."""
-    from hhook.profile.models import inputs_from_json, validation_rows
+    from hhook.profile.scale_model import inputs_from_json, validation_rows
 
     doc = _inputs_doc()
     rows = validation_rows(inputs_from_json(doc), doc["measured"])

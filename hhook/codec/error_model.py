@@ -26,7 +26,7 @@ _ROUNDING_EXCESS = {1: 1.4, 2: 1.08}
 _REFERENCE_VNMSE = 9e-3
 # Correlated rounding's error relative to independent rounding's: a + c / N by bits
 # (``b >= 3`` share one row) and whether N is a power of two (N ranks then fill the
-# 2**L strata, :class:`hhook.rng.Stream`). Upper envelope of heavy_tailed simulations
+# 2**L strata, :class:`hhook.codec.rng.Stream`). Upper envelope of heavy_tailed simulations
 # over 2-1024 flat ranks (tests/test_topology.py checks it): 0.50-0.53
 # from 4 ranks at 3-8 bits, 0.63 at 2, 0.68 at 3; 0.38-0.66 at 2 bits; 0.12-0.48 at 1.
 # Node means (two-level) measured lower still (0.44 at 8 x 8, 3 bits).

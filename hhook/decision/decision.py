@@ -58,20 +58,16 @@ from __future__ import annotations
 import json
 import logging
 import math
-import statistics
 import zlib
 
-from ..codec.error_model import wire_bits_per_coord
+from . import descent
+from .descent import median as _median
+from .methods import PLAIN, thc_bits
 
 logger = logging.getLogger(__name__)
 
-#: The narrowest THC width tried (fewer bytes, more rounding error).
-MIN_WIDTH = 2
-#: A width below auto - 1 takes a turn only if the width above it was at least this
-#: fraction faster than the one above that: fewer bytes must still be buying time.
-DESCEND_GAIN = 0.03
 #: Iterations per candidate's turn; the first of each turn is not measured. Five samples
-#: per candidate: a median of three let one noisy step (a shared host) pick the wrong one.
+#: per candidate, so that one noisy step (a shared host) does not pick the wrong one.
 WINDOW = 6
 #: A candidate whose first two measured steps both exceed this times the best so far, or
 #: whose median of three or more does, is dropped (one step never drops it).
@@ -81,10 +77,9 @@ REDECIDE_EVERY = 1000
 #: Re-decide when the median of the running method's last DRIFT_WINDOW periods is more
 #: than 1 + DRIFT times its baseline (the median of its first DRIFT_WINDOW periods after
 #: the decision), or less than 1 / (1 + DRIFT) of it.
-#: 0.5 and 16 (were 0.3 and 8): on a shared 2-core host bursts of a dozen steps 30% slower
-#: re-decided twice in 150 steps, each round costing ~30 steps of slower candidates; a
-#: change that moves the winner (10 Gbit/s to 100 Mbit/s: fp32's step 27x) still shows
-#: within 9 steps, and smaller ones wait for the scheduled round.
+#: Bursts of a dozen slower steps on a shared host stay below the drift; a change that
+#: moves the winner (10 Gbit/s to 100 Mbit/s: fp32's step 27x) shows within 9 steps,
+#: smaller ones wait for the scheduled round.
 DRIFT = 0.5
 DRIFT_WINDOW = 16
 #: ... and at once when the last JUMP_STEPS periods all moved JUMP times from the
@@ -93,46 +88,6 @@ JUMP = 3.0
 JUMP_STEPS = 3
 #: Decisions kept in ``stats()`` (and checkpoints).
 KEPT_DECISIONS = 8
-#: The plain iterations' method and the dense candidates.
-PLAIN, FP32, BF16 = "plain", "fp32", "bf16"
-#: Bits per coordinate each dense candidate hands to its allreduce (THC's: :func:`wire_bits`).
-DENSE_WIRE_BITS = {BF16: 16.0, FP32: 32.0}
-
-
-def candidates(auto_width: int, floor: int = MIN_WIDTH) -> list[str]:
-    """The candidates in probing order: THC from ``auto_width`` down to ``floor`` bits
-    (the narrow ones are tried only while narrowing pays), bf16, fp32.
-
-    Example::
-        >>> candidates(5)
-        ['thc:5', 'thc:4', 'thc:3', 'thc:2', 'bf16', 'fp32']
-    """
-    widths = range(auto_width, min(floor, auto_width) - 1, -1)
-    return [f"thc:{b}" for b in widths] + [BF16, FP32]
-
-
-def wire_bits(methods: list[str], participants: int, block_size: int = 1024) -> dict[str, float]:
-    """Bits per coordinate each of ``methods`` puts on the wire when ``participants`` ranks
-    (or nodes) sum: THC's :func:`~hhook.codec.error_model.wire_bits_per_coord` (lanes, whose
-    headroom grows with them, and the block scales), 16 and 32 for the dense ones.
-
-    Example::
-        >>> wire_bits(["thc:5", "thc:4", "thc:3", "bf16", "fp32"], 2)
-        {'thc:5': 6.431, 'thc:4': 5.365, 'thc:3': 4.031, 'bf16': 16.0, 'fp32': 32.0}
-    """
-    return {m: DENSE_WIRE_BITS[m] if thc_bits(m) is None
-            else round(wire_bits_per_coord(thc_bits(m), participants, block_size), 3) for m in methods}
-
-
-def thc_bits(method: str) -> int | None:
-    """The width of a THC candidate (``"thc:4"`` -> 4), None for a dense one."""
-    return int(method.split(":")[1]) if method.startswith("thc:") else None
-
-
-def _median(values) -> float | None:
-    return statistics.median(values) if values else None
-
-
 class Decision:
     r"""The decision's logic and state, plain data only, driven by reduced numbers.
 
@@ -239,15 +194,15 @@ class Decision:
                 self.last_probe = iteration
                 self.history[str(iteration)] = [self.current, measured]
                 return self.current
-            if not self.queue or self._awaits_wider_turn(self.queue[0]):
+            if not self.queue or descent.awaits_wider_turn(self, self.queue[0]):
                 break  # (the latter: the best so far runs until the turn above is all back)
             self.current, self.assigned = self.queue.pop(0), 0
-            bound = self._bound(self.current)
-            best = self._best(exclude=self.current)
+            bound = descent.bound(self, self.current)
+            best = descent.best(self, exclude=self.current)
             if bound is not None and best is not None and bound > 2 * o["drop_ratio"] * best:
                 self.dropped[self.current] = bound
                 self._log_drop(self.current, bound, best, "model")
-            elif not self._narrowing_pays(self.current):
+            elif not descent.narrowing_pays(self, self.current):
                 wider = f"thc:{thc_bits(self.current) + 1}"
                 self.dropped[self.current] = self.dropped.get(wider) or self.estimates().get(wider) or 0.0
                 logger.info("hhook: bits='auto' skips %s (one bit more was no faster than two more, "
@@ -292,13 +247,12 @@ class Decision:
             self.samples.setdefault(method, []).append(period)
         if self.phase == "explore":
             if period is not None and method not in self.dropped:
-                best = self._best(exclude=method)
+                best = descent.best(self, exclude=method)
                 ratio = self.options["drop_ratio"]
                 taken = self.samples.get(method, [])
                 # One step, however far off, must not drop a candidate: a period that spans
-                # an evaluation or a save is 3x and more (it dropped THC 3 bits, the
-                # transformer's fastest width at 4 ranks, twice). Its first two measured
-                # steps both slow, or the median of three or more, drop it.
+                # an evaluation or a save is 3x and more. Its first two measured steps both
+                # slow, or the median of three or more, drop it.
                 worst = None if len(taken) < 2 else min(taken) if len(taken) == 2 else _median(taken)
                 if best is not None and worst is not None and worst > ratio * best:
                     self.dropped[method] = worst
@@ -311,74 +265,6 @@ class Decision:
     def estimates(self) -> dict[str, float]:
         """This exploration's median period per candidate (seconds)."""
         return {m: _median(v) for m, v in self.samples.items() if v}
-
-    def _fp32_estimate(self) -> float | None:
-        if self.samples.get(FP32):
-            return _median(self.samples[FP32])
-        return _median(self.plain) if not self.decisions else None  # plain iterations: the job's start only
-
-    def _bound(self, method: str) -> float | None:
-        """A lower bound on ``method``'s period before it runs: fp32's own sample; bf16
-        sends half the bytes of fp32, so it takes at least half its step."""
-        fp32 = self._fp32_estimate()
-        if fp32 is None or method not in DENSE_WIRE_BITS:
-            return None
-        return fp32 * DENSE_WIRE_BITS[method] / DENSE_WIRE_BITS[FP32]
-
-    def _narrowing_pays(self, method: str) -> bool:
-        """Whether THC ``method`` should take its turn: always for dense candidates, the
-        auto width and the one below it; a narrower width only while the width above it
-        ran :data:`DESCEND_GAIN` faster than the one above that, or ran within that of it
-        and would save as much by the bytes it saves (:meth:`_byte_gain`): fewer bytes
-        still buy time. A width above it that was dropped or skipped, or measured more than
-        that slower than the one above that, stops the descent (the codec costs more than
-        the bytes save)."""
-        bits = thc_bits(method)
-        if bits is None or f"thc:{bits + 2}" not in self.options["candidates"]:
-            return True
-        wider, widest = f"thc:{bits + 1}", f"thc:{bits + 2}"
-        est = self.estimates()
-        if wider in self.dropped or est.get(wider) is None:
-            return False
-        if widest in self.dropped:  # one bit fewer survived where two more were dropped
-            return True
-        if est.get(widest) is None:
-            return False
-        if est[wider] <= (1 - DESCEND_GAIN) * est[widest]:
-            return True  # measured
-        # within the noise of a turn (not measured slower by as much): the bytes decide
-        return (est[wider] <= (1 + DESCEND_GAIN) * est[widest]
-                and self._byte_gain(wider, est[wider], method) >= DESCEND_GAIN * est[wider])
-
-    def _byte_gain(self, wider: str, period: float, method: str) -> float:
-        """The time ``method`` would save on THC ``wider`` (its median ``period``) by its
-        fewer bytes alone, at the time per wire bit that fp32 against ``wider`` measured
-        (0 where fp32 was not slower, or unknown). fp32 against THC spans five times the bytes of one width
-        against the next, so noise that hides a 3% gain between widths does not hide this
-        one; THC's codec cost only makes it an underestimate."""
-        wire, fp32 = self.options.get("wire_bits"), self._fp32_estimate()
-        if not wire or fp32 is None:
-            return 0.0
-        per_bit = (fp32 - period) / (wire[FP32] - wire[wider])
-        return max(per_bit, 0.0) * (wire[wider] - wire[method])
-
-    def _awaits_wider_turn(self, method: str) -> bool:
-        """Whether a narrower THC ``method``'s turn must wait for periods of the turn of
-        the width above it (:meth:`_narrowing_pays` judges that width on its whole turn,
-        not on the first periods back: with two of five, one slow step stopped the
-        descent at 100 Mbit/s)."""
-        bits = thc_bits(method)
-        if bits is None or f"thc:{bits + 2}" not in self.options["candidates"]:
-            return False
-        wider = f"thc:{bits + 1}"
-        return wider not in self.dropped and any(
-            entry[0] == wider and int(it) <= self.last_probe for it, entry in self.history.items())
-
-    def _best(self, exclude: str | None = None) -> float | None:
-        values = [v for m, v in self.estimates().items() if m != exclude]
-        if exclude != FP32 and not self.samples.get(FP32) and self._fp32_estimate() is not None:
-            values.append(self._fp32_estimate())
-        return min(values) if values else None
 
     def _ranked(self) -> list[str]:
         est = self.estimates()

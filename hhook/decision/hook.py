@@ -9,7 +9,8 @@ from ..codec.error_model import auto_bits
 from ..schedule.allreduce import thc_allreduce_async
 from ..schedule.flat import cast_allreduce, dense_allreduce
 from ..state import THCState
-from .decision import BF16, PLAIN, Decision, candidates, thc_bits, wire_bits
+from .decision import Decision
+from .methods import BF16, PLAIN, candidates, thc_bits, wire_bits
 from .prober import Prober
 from .widths import release_other_widths, variant
 

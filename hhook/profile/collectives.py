@@ -178,7 +178,7 @@ class Runner:
             torch.div(half.to(torch.float32), comm.size, out=self.out)
             timer.lap("decode")
         elif self.state is not None:
-            from ..allreduce import thc_allreduce
+            from ..schedule.allreduce import thc_allreduce
 
             self.out.copy_(self.x)
             comm.sync()

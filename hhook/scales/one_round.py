@@ -17,7 +17,7 @@ from ..codec import rng
 from ..codec.layout import HEADER, SUPPORTED_DTYPES, constant
 from ..errors import ConfigMismatchError
 from . import message
-from .policy import DENSE, Plan, ScalePolicy
+from .policy import DENSE, Plan, ScalePolicy, advance, unrotated
 
 #: Words (floats) at the front of a dense (warm-up) message: count, flag, two fingerprint halves.
 DENSE_HEADER = 4
@@ -106,7 +106,7 @@ class PredictedScales(ScalePolicy):
             n_meta = 2 * maxima.numel()
             residual = self._residual(state, codec, tensor.device)
             if residual is not None:  # sent exactly now: hand the carried error over too
-                back = self._unrotated(residual, codec, numel)
+                back = unrotated(residual, codec, numel)
                 flat = flat + back.to(dtype)
             config = codec.fingerprint(numel)
         else:
@@ -156,5 +156,5 @@ class PredictedScales(ScalePolicy):
             scales = torch.ldexp(mant, k.bitwise_right_shift(3).to(torch.float32)).mul_(count > 0)
             if state.residual is not None:
                 state.residual.zero_()
-            self._advance(state, scales.mul_(self.headroom))
+            advance(state, scales.mul_(self.headroom))
         return out

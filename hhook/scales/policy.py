@@ -104,6 +104,30 @@ class Plan:
         return f"{self.codec.describe()}, numel={self.tensor.numel()}, {kind} step"
 
 
+def _checked_headroom(headroom):
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not (
+        headroom > 0 and math.isfinite(headroom)
+    ):
+        raise ValueError(f"headroom must be a positive number, got {headroom!r}")
+    return headroom
+
+
+def unrotated(residual: torch.Tensor, codec: THCCodec, numel: int) -> torch.Tensor:
+    """A residual (rotated blocks) back in the tensor's domain, cropped to ``numel``."""
+    return rotation.unrotate(residual, codec.seed).reshape(-1)[:numel]
+
+
+def advance(state: KeyState, scales: torch.Tensor, sync: bool = True) -> None:
+    """A predicting key's next scales (and their digest, when ``sync`` may read them)."""
+    # All zero (the tensor was zero on every rank): agree again rather than predict 0.
+    if sync and not bool(scales.max() > 0):
+        state.scales, state.digest = None, 0
+    else:
+        state.scales = scales
+        state.digest = int(rng.digest(scales.contiguous().view(torch.int32))) if sync else 0
+    state.steps += 1
+
+
 class ScalePolicy:
     r"""Encoder and decoder of THC messages with per-key state; ``predict`` picks the policy.
 
@@ -122,12 +146,7 @@ class ScalePolicy:
     def __init__(self, bits=4, block_size=1024, seed=0, error_feedback=False, predict=True, headroom=None,
                  rounding="correlated"):
         THCCodec(bits, block_size, seed, rounding=rounding)  # validates
-        if headroom is None:
-            headroom = default_headroom(bits)
-        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not (
-            headroom > 0 and math.isfinite(headroom)
-        ):
-            raise ValueError(f"headroom must be a positive number, got {headroom!r}")
+        headroom = _checked_headroom(default_headroom(bits) if headroom is None else headroom)
         self.bits = bits
         self.block_size = block_size
         self.seed = seed
@@ -202,12 +221,7 @@ class ScalePolicy:
         state = self.keys.pop(key, None)
         if state is None or state.residual is None or state.numel != numel:
             return None
-        return self._unrotated(state.residual, self.codec(state.world_size), numel)
-
-    @staticmethod
-    def _unrotated(residual: torch.Tensor, codec: THCCodec, numel: int) -> torch.Tensor:
-        """A residual (rotated blocks) back in the tensor's domain, cropped to ``numel``."""
-        return rotation.unrotate(residual, codec.seed).reshape(-1)[:numel]
+        return unrotated(state.residual, self.codec(state.world_size), numel)
 
     def _residual(self, state: KeyState | None, codec: THCCodec, device) -> torch.Tensor | None:
         if not self.error_feedback or state is None:
@@ -345,20 +359,10 @@ class ScalePolicy:
                 state.steps += 1
             else:
                 scales = thermometer.next_scales(passed, plan.scales, self.headroom)
-                self._advance(state, torch.where(zero, plan.scales, scales))
+                advance(state, torch.where(zero, plan.scales, scales))
         return out, False
 
     def _seed(self, plan: Plan, sync: bool = True) -> None:
         """After an agreed round: the next scales of a predicting key are the agreed maxima."""
         if self.predict and plan.state is not None and plan.agreed is not None:
-            self._advance(plan.state, plan.agreed[HEADER:] * self.headroom, sync)
-
-    @staticmethod
-    def _advance(state: KeyState, scales: torch.Tensor, sync: bool = True) -> None:
-        # All zero (the tensor was zero on every rank): agree again rather than predict 0.
-        if sync and not bool(scales.max() > 0):
-            state.scales, state.digest = None, 0
-        else:
-            state.scales = scales
-            state.digest = int(rng.digest(scales.contiguous().view(torch.int32))) if sync else 0
-        state.steps += 1
+            advance(plan.state, plan.agreed[HEADER:] * self.headroom, sync)

@@ -174,55 +174,171 @@ def two_level_allreduce_async(
     if tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES:
         return _dense_world(tensor, topo, inter_state, intra_stats)
     ensure_handshake(inter_state, tensor.device, topo.sequencer("inter"))
-
     if layout is None:  # what the key holds is the whole tensor, not the shard (whose length may not change)
         layout = (tuple(tensor.shape), str(tensor.dtype))
-    k = topo.ranks_per_node
-    d = tensor.numel()
-    s = shard_numel(d, k)
-    dtype = tensor.dtype
-    j = topo.local_rank
-    flat = tensor.view(-1) if tensor.is_contiguous() else None
-    # Shared memory where the node has it and the region fits its budget, else collectives
-    # (every rank of the node asks for the same regions in the same order: the same answer).
-    region = topo.node_memory.region(key, k * s, dtype) \
-        if topo.node_memory is not None and tensor.device.type == "cpu" else None
-    shm = region is not None
-    inter_seq, gather_seq = topo.sequencer("inter"), topo.sequencer("gather")
-    result = new_future(tensor)
-    failure: list = []  # this rank's first exception, set on the result once the gather is done
+    call = _TwoLevelCall(tensor, topo, inter_state, key, intra_stats, layout)
+    call.scatter()
+    return call.result
 
-    # Stage 1's buffers. Shared memory: this rank's row of the node's [k, k s] region
-    # (the tensor copied in once), the node's result row. Collectives: the tensor itself
-    # (when it needs no padding) and a receive buffer.
-    if shm:
-        rows, shared_result, new_file = region
-        rows[j, :d].copy_(flat if flat is not None else tensor.reshape(-1))
-        rows[j, d:].zero_()  # the padding: a reused region holds the previous call's tail
-        send, recv = None, None
-    else:
-        if flat is not None and d == k * s:  # the tensor itself can be sent
-            send = flat
+
+class _TwoLevelCall:
+    """One tensor's two-level reduction, in its stages: :meth:`scatter` inside the node
+    (stage 1), :meth:`reduce_between_nodes` (stage 2, THC on this rank's shard),
+    :meth:`gather` inside the node (stage 3) and :meth:`finish`. Each stage is launched
+    from the previous one's continuation; a failure anywhere raises on every rank of the
+    node (``failure``: this rank's first exception, set on the result once the gather is
+    done)."""
+
+    def __init__(self, tensor: torch.Tensor, topo: Topology, inter_state, key, intra_stats, layout):
+        self.tensor, self.topo, self.inter_state, self.key, self.intra_stats, self.layout = \
+            tensor, topo, inter_state, key, intra_stats, layout
+        self.k, self.d = topo.ranks_per_node, tensor.numel()
+        self.s = shard_numel(self.d, self.k)
+        self.dtype, self.j = tensor.dtype, topo.local_rank
+        self.flat = tensor.view(-1) if tensor.is_contiguous() else None
+        # Shared memory where the node has it and the region fits its budget, else collectives
+        # (every rank of the node asks for the same regions in the same order: the same answer).
+        self.region = topo.node_memory.region(key, self.k * self.s, self.dtype) \
+            if topo.node_memory is not None and tensor.device.type == "cpu" else None
+        self.shm = self.region is not None
+        self.inter_seq, self.gather_seq = topo.sequencer("inter"), topo.sequencer("gather")
+        self.result = new_future(tensor)
+        self.failure: list = []
+        self.new_file = None
+
+    def _buffers(self):
+        """Stage 1's buffers. Shared memory: this rank's row of the node's [k, k s] region
+        (the tensor copied in once), the node's result row. Collectives: the tensor itself
+        (when it needs no padding) and a receive buffer. Returns (send, recv)."""
+        tensor, k, s, d = self.tensor, self.k, self.s, self.d
+        if self.shm:
+            self.rows, self.shared_result, self.new_file = self.region
+            self.rows[self.j, :d].copy_(self.flat if self.flat is not None else tensor.reshape(-1))
+            self.rows[self.j, d:].zero_()  # the padding: a reused region holds the previous call's tail
+            return None, None
+        if self.flat is not None and d == k * s:  # the tensor itself can be sent
+            send = self.flat
         else:
-            send = torch.zeros(k * s, dtype=dtype, device=tensor.device)
+            send = torch.zeros(k * s, dtype=self.dtype, device=tensor.device)
             send[:d].copy_(tensor.reshape(-1))
-        recv = torch.empty(k * s, dtype=dtype, device=tensor.device)
-    if intra_stats is not None:
-        intra_stats.add("compressed_calls", 4 * d, (k * s + s) * tensor.element_size())
-    inter_ticket, gather_ticket = inter_seq.ticket(), gather_seq.ticket()
+        return send, torch.empty(k * s, dtype=self.dtype, device=tensor.device)
 
-    def finish(h: torch.futures.Future | None, out: torch.Tensor, status: torch.Tensor | None) -> None:
+    def _mapped(self) -> None:
+        if self.shm and self.new_file is not None:
+            self.topo.node_memory.done(self.new_file)  # the memory lives on (or nobody will map it now)
+
+    def _skip_turns(self) -> None:
+        self.inter_seq.launch(self.inter_ticket, None)  # later tensors must not wait for this one's turn
+        self.gather_seq.launch(self.gather_ticket, None)
+
+    def scatter(self) -> None:
+        """Stage 1: each rank of the node receives every rank's copy of its shard (or, in
+        shared memory, a barrier once every rank has written its row)."""
+        send, self.recv = self._buffers()
+        if self.intra_stats is not None:
+            self.intra_stats.add("compressed_calls", 4 * self.d, (self.k * self.s + self.s) * self.tensor.element_size())
+        self.inter_ticket, self.gather_ticket = self.inter_seq.ticket(), self.gather_seq.ticket()
+        try:
+            if self.shm:  # a barrier: every rank of the node has written its row
+                work = dist.all_reduce(torch.zeros(1), group=self.topo.intra_group, async_op=True)
+            else:
+                work = dist.all_to_all_single(self.recv, send, group=self.topo.intra_group, async_op=True)
+        except BaseException:
+            self._mapped()
+            self._skip_turns()
+            raise
+        attach(work.get_future(), self.after_scatter)
+
+    def after_scatter(self, f: torch.futures.Future) -> None:
+        """The node's mean of this rank's shard, then stage 2 in its turn."""
+        k, s, j = self.k, self.s, self.j
+        try:
+            f.value()
+        except BaseException as exc:  # noqa: BLE001 - the node's collective failed on every member
+            self._mapped()  # not every rank may have mapped it: nobody will now
+            self._skip_turns()
+            self.result.set_exception(explain(
+                exc, f"the node's reduce-scatter of a two-level tensor of {self.d} elements", self.topo.intra_group))
+            return
+        self._mapped()  # every rank of the node has mapped it
+        try:
+            if self.shm:
+                shard = _node_mean(self.rows[:, j * s:(j + 1) * s], k, in_place=False)
+            else:
+                shard = _node_mean(self.recv.view(k, s), k)
+        except BaseException as exc:  # noqa: BLE001 - a local failure: raised on every rank (filler between nodes)
+            self.failure.append(exc)
+            shard = torch.zeros(s, dtype=torch.float32, device=self.tensor.device)
+        self.inter_seq.launch(self.inter_ticket, lambda: self.reduce_between_nodes(shard), stream_of(shard))
+
+    def reduce_between_nodes(self, shard: torch.Tensor) -> None:
+        """Stage 2: THC of this rank's shard over the nodes' ring, then the gather."""
+        try:
+            failed = self.failure[0] if self.failure else None
+            fut = flat_allreduce_async(shard, self.inter_state, self.key, self.layout, failed)
+        except BaseException as exc:  # noqa: BLE001
+            self.failure.append(exc)
+            shard.fill_(float("nan"))
+            self.gather(shard)
+            return
+        attach(fut, lambda g: self.after_inter(g, shard))
+
+    def after_inter(self, g: torch.futures.Future, shard: torch.Tensor) -> None:
+        try:
+            g.value()
+        except BaseException as exc:  # noqa: BLE001 - e.g. a mismatch between nodes: raised after the gather
+            self.failure.append(exc)
+            shard.fill_(float("nan"))
+        self.gather(shard)
+
+    def gather(self, mean_shard: torch.Tensor) -> None:
+        """Stage 3, in ticket order: every local rank launches it whatever happened before,
+        with its status (1 if it failed), so that a failure anywhere in the node raises on
+        every rank of it."""
+        k, s, j, dtype, device = self.k, self.s, self.j, self.dtype, self.tensor.device
+        piece = mean_shard.to(dtype)
+        bad = _nonfinite(piece)  # THC writes NaN over whole pieces; make sure of whole shards
+        if piece.is_cuda:
+            piece.masked_fill_(bad, float("nan"))
+        elif bad:
+            piece.fill_(float("nan"))
+        failed = 1.0 if self.failure else 0.0
+        if self.shm:
+            self.shared_result[j * s:(j + 1) * s].copy_(piece)
+            out, send = self.shared_result, torch.tensor([failed])
+        else:
+            send = torch.empty(s + 1, dtype=dtype, device=device)
+            send[:s].copy_(piece)
+            send[s] = failed
+            out = torch.empty(k * (s + 1), dtype=dtype, device=device)
+
+        def launch() -> None:
+            try:
+                if self.shm:  # a barrier (every rank of the node has written its shard) and the statuses
+                    work = dist.all_reduce(send, group=self.topo.gather_group, async_op=True)
+                    attach(work.get_future(), lambda h: self.finish(h, out, send[0]))
+                else:
+                    work = _all_gather(out, send, self.topo.gather_group, k)
+                    attach(work.get_future(), lambda h: self.finish(h, out, None))
+            except BaseException as exc:  # noqa: BLE001
+                self.failure.append(exc)
+                self.finish(None, out, None)
+
+        self.gather_seq.launch(self.gather_ticket, launch, stream_of(send))
+
+    def finish(self, h: torch.futures.Future | None, out: torch.Tensor, status: torch.Tensor | None) -> None:
         """``out``: the gathered shards (``k s``, or ``k`` rows of ``s + 1`` whose last
         entry is the shard owner's status); ``status``: the node's summed status (shared
         memory). A status above zero: some rank of the node failed, so every rank of it
         raises (that rank its own exception)."""
+        tensor, s, d = self.tensor, self.s, self.d
         try:
             if h is not None:
-                value_of(h, f"the node's all-gather of a two-level tensor of {d} elements", topo.gather_group)
-            if failure:
-                raise failure[0]
+                value_of(h, f"the node's all-gather of a two-level tensor of {d} elements", self.topo.gather_group)
+            if self.failure:
+                raise self.failure[0]
             if status is None:  # statuses travelled with the shards
-                rows = out.view(k, s + 1)
+                rows = out.view(self.k, s + 1)
                 status, out = rows[:, s].sum(), rows[:, :s]
             failed_peer = status > 0
             # A non-finite shard travels as all NaN (see gather), so its first element
@@ -230,7 +346,7 @@ def two_level_allreduce_async(
             bad = out[:, 0].isnan().any() if out.dim() == 2 else out[::s].isnan().any()
             if out.is_cuda:  # no host read: NaN now, the error at the next check (as flat's)
                 out.masked_fill_(bad | failed_peer, float("nan"))
-                inter_state.runtime.defer(failed_peer, bad, f"two-level tensor of {d} elements")
+                self.inter_state.runtime.defer(failed_peer, bad, f"two-level tensor of {d} elements")
             elif failed_peer:
                 raise RankFailedError(
                     "hhook: another rank of this node failed while reducing this tensor (two-level THC); "
@@ -238,113 +354,29 @@ def two_level_allreduce_async(
                 )
             elif bad:
                 tensor.fill_(float("nan"))
-                if intra_stats is not None:
-                    intra_stats.add("nonfinite_calls")
-                result.set_result(tensor)
+                if self.intra_stats is not None:
+                    self.intra_stats.add("nonfinite_calls")
+                self.result.set_result(tensor)
                 return
-            if out.dim() == 2:  # row by row: one pass over the tensor
-                flat_out = tensor.view(-1) if flat is not None else torch.empty(d, dtype=dtype, device=out.device)
-                for i in range(k):
-                    stop = min((i + 1) * s, d)
-                    if stop > i * s:
-                        flat_out[i * s:stop].copy_(out[i, :stop - i * s])
-                if flat is None:
-                    tensor.copy_(flat_out.view(tensor.shape))
-            else:  # the node's shared result row
-                tensor.copy_(out[:d].view(tensor.shape))
-            result.set_result(tensor)
+            self._write_back(out)
+            self.result.set_result(tensor)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            result.set_exception(exc)
+            self.result.set_exception(exc)
 
-    def gather(mean_shard: torch.Tensor) -> None:
-        """Stage 3, in ticket order: every local rank launches it whatever happened before,
-        with its status (1 if it failed), so that a failure anywhere in the node raises on
-        every rank of it."""
-        piece = mean_shard.to(dtype)
-        bad = _nonfinite(piece)  # THC writes NaN over whole pieces; make sure of whole shards
-        if piece.is_cuda:
-            piece.masked_fill_(bad, float("nan"))
-        elif bad:
-            piece.fill_(float("nan"))
-        failed = 1.0 if failure else 0.0
-        if shm:
-            shared_result[j * s:(j + 1) * s].copy_(piece)
-            out, send = shared_result, torch.tensor([failed])
-        else:
-            send = torch.empty(s + 1, dtype=dtype, device=tensor.device)
-            send[:s].copy_(piece)
-            send[s] = failed
-            out = torch.empty(k * (s + 1), dtype=dtype, device=tensor.device)
-
-        def launch() -> None:
-            try:
-                if shm:  # a barrier (every rank of the node has written its shard) and the statuses
-                    work = dist.all_reduce(send, group=topo.gather_group, async_op=True)
-                    attach(work.get_future(), lambda h: finish(h, out, send[0]))
-                else:
-                    work = _all_gather(out, send, topo.gather_group, k)
-                    attach(work.get_future(), lambda h: finish(h, out, None))
-            except BaseException as exc:  # noqa: BLE001
-                failure.append(exc)
-                finish(None, out, None)
-
-        gather_seq.launch(gather_ticket, launch, stream_of(send))
-
-    def after_inter(g: torch.futures.Future, shard: torch.Tensor) -> None:
-        try:
-            g.value()
-        except BaseException as exc:  # noqa: BLE001 - e.g. a mismatch between nodes: raised after the gather
-            failure.append(exc)
-            shard.fill_(float("nan"))
-        gather(shard)
-
-    def after_scatter(f: torch.futures.Future) -> None:
-        try:
-            f.value()
-        except BaseException as exc:  # noqa: BLE001 - the node's collective failed on every member
-            if shm and new_file is not None:
-                topo.node_memory.done(new_file)  # not every rank may have mapped it: nobody will now
-            inter_seq.launch(inter_ticket, None)
-            gather_seq.launch(gather_ticket, None)
-            result.set_exception(explain(exc, f"the node's reduce-scatter of a two-level tensor of {d} elements",
-                                         topo.intra_group))
+    def _write_back(self, out: torch.Tensor) -> None:
+        """The gathered mean into the tensor: row by row (one pass), or the node's shared
+        result row."""
+        tensor, k, s, d = self.tensor, self.k, self.s, self.d
+        if out.dim() != 2:
+            tensor.copy_(out[:d].view(tensor.shape))
             return
-        if shm and new_file is not None:
-            topo.node_memory.done(new_file)  # every rank of the node has mapped it: the memory lives on
-        try:
-            if shm:
-                shard = _node_mean(rows[:, j * s:(j + 1) * s], k, in_place=False)
-            else:
-                shard = _node_mean(recv.view(k, s), k)
-        except BaseException as exc:  # noqa: BLE001 - a local failure: raised on every rank (filler between nodes)
-            failure.append(exc)
-            shard = torch.zeros(s, dtype=torch.float32, device=tensor.device)
-
-        def launch() -> None:
-            try:
-                fut = flat_allreduce_async(shard, inter_state, key, layout, failure[0] if failure else None)
-            except BaseException as exc:  # noqa: BLE001
-                failure.append(exc)
-                shard.fill_(float("nan"))
-                gather(shard)
-                return
-            attach(fut, lambda g: after_inter(g, shard))
-
-        inter_seq.launch(inter_ticket, launch, stream_of(shard))
-
-    try:
-        if shm:  # a barrier: every rank of the node has written its row
-            work = dist.all_reduce(torch.zeros(1), group=topo.intra_group, async_op=True)
-        else:
-            work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
-    except BaseException:
-        if shm and new_file is not None:
-            topo.node_memory.done(new_file)
-        inter_seq.launch(inter_ticket, None)  # later tensors must not wait for this one's turn
-        gather_seq.launch(gather_ticket, None)
-        raise
-    attach(work.get_future(), after_scatter)
-    return result
+        flat_out = self.flat if self.flat is not None else torch.empty(d, dtype=self.dtype, device=out.device)
+        for i in range(k):
+            stop = min((i + 1) * s, d)
+            if stop > i * s:
+                flat_out[i * s:stop].copy_(out[i, :stop - i * s])
+        if self.flat is None:
+            tensor.copy_(flat_out.view(tensor.shape))
 
 
 def two_level_allreduce(tensor: torch.Tensor, topo: Topology, inter_state, key=None,

@@ -92,7 +92,11 @@ class GroupRuntime:
 
 
 def check_deferred(state: THCState, wait: bool = False) -> None:
-    """:meth:`THCState.check_deferred`: the state's, its inter-node state's and its widths'."""
+    """:meth:`THCState.check_deferred`: count and raise what earlier decodes flagged on
+    the device, for every copy that has arrived (all of them with ``wait``), in the
+    state, its inter-node state and its widths: a bad prefix (different options, a wrong
+    reduction, a failed rank) raises :class:`ConfigMismatchError` here, on every rank, at
+    the next hook call, ``stats()`` or ``thc_allreduce``'s return."""
     if state.inter is not None:
         check_deferred(state.inter, wait)
     for width in state.variants.values():
@@ -106,7 +110,16 @@ def check_deferred(state: THCState, wait: bool = False) -> None:
 
 
 def node_layout(state: THCState) -> Topology:
-    """:meth:`THCState.node_layout`: found once, on every rank."""
+    """:meth:`THCState.node_layout`: the node layout of ``process_group`` under the
+    ``topology`` option, found once.
+
+    The first call (on every rank, at the same point of the program: it may create
+    process groups) runs :func:`~hhook.schedule.topology.detect_topology` (one small
+    all-gather, also for ``"flat"``, so ranks that disagree fail together), checks it
+    against the layout a checkpoint was saved with, and for two-level builds
+    ``state.inter``, the THC state of this rank's shard between nodes (same options;
+    ``bits="auto"`` sized for the node count). Raises
+    :class:`~hhook.schedule.topology.TopologyError` on every rank alike."""
     runtime = state.runtime
     if runtime.topo is None:
         if not dist.is_initialized():
@@ -154,8 +167,10 @@ def adopt_layout(state: THCState, topo: Topology) -> None:
 
 
 def check_options(state: THCState, group, device: torch.device) -> None:
-    """:meth:`THCState.check_options`: one blocking MAX allreduce of the options
-    fingerprint over ``group``; also builds the fused backend for ``device``."""
+    """:meth:`THCState.check_options`: a blocking MAX allreduce over ``group`` of the
+    state's options fingerprint (codec and schedule): differing options raise
+    :class:`ConfigMismatchError` on every rank before the first message. Also builds the
+    fused backend for ``device`` (a first compile belongs here, not in a later stage)."""
     world = dist.get_world_size(group)
     f, codec = state.options.fingerprint(world, state.decision)
     warm_up(device)
@@ -174,8 +189,10 @@ def check_options(state: THCState, group, device: torch.device) -> None:
 
 
 def handshake(state: THCState, device: torch.device) -> None:
-    """:meth:`THCState.handshake`: the options check on the state's group, then the
-    second communicator of ``device``'s type."""
+    """:meth:`THCState.handshake`: once per state and device type, blocking, in the same
+    place on every rank: :func:`check_options` on the state's group, then the second
+    communicator of ``device``'s type that agreed rounds use (predicted keys take one at
+    their first call, too)."""
     check_options(state, state.process_group, device)
     runtime = state.runtime
     if device.type not in runtime.second:
@@ -185,8 +202,12 @@ def handshake(state: THCState, device: torch.device) -> None:
 
 
 def ensure_checked(state: THCState, device: torch.device) -> None:
-    """:meth:`THCState.ensure_checked`: the node layout, then the handshake over the
-    whole group, once per device type."""
+    """:meth:`THCState.ensure_checked`: once per device type, blocking, on every rank,
+    before the first collective of the DDP hook or :func:`hhook.thc_allreduce`: the node
+    layout, then the options handshake over the whole group. Two-level states check the
+    parent group too (the inter-node rings alone miss a rank whose options differ from
+    its node's, or a difference mirrored on every node), and DDP's plain iterations
+    before ``start_iter`` depend on the options as much as the compressed ones."""
     runtime = state.runtime
     if device.type in runtime.checked:
         return

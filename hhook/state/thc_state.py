@@ -6,35 +6,14 @@ checkpoint format (:mod:`~hhook.state.checkpoint`)."""
 
 from __future__ import annotations
 
-import atexit
-import logging
-import weakref
-
 import torch
 import torch.distributed as dist
 
-from ..stats import Counters, two_level_stats
-from . import checkpoint, runtime
+from ..stats import Counters
+from . import checkpoint, report, runtime
 from .keys import KeyStore
 from .options import Options
 from .runtime import GroupRuntime
-
-logger = logging.getLogger(__name__)
-
-#: The states a program built, weakly held: at exit each one that no tensor went through
-#: says so (:meth:`THCState.warn_if_idle`), e.g. a state handed to a framework that never
-#: registered its hook. States hhook builds for itself leave the set.
-_LIVE: "weakref.WeakSet[THCState]" = weakref.WeakSet()
-
-
-@atexit.register
-def _report_idle_states() -> None:
-    for state in list(_LIVE):
-        try:
-            state.warn_if_idle("the program")
-        except Exception:  # noqa: BLE001 - at exit, a deferred error has had its chance to raise
-            pass
-
 
 def _check_group(process_group) -> None:
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
@@ -154,7 +133,7 @@ class THCState:
         self.variants: dict[int, THCState] = {}
         self.registration = None
         self.reset_runtime()
-        _LIVE.add(self)
+        report.LIVE.add(self)
 
     bits = property(lambda self: self.options.bits)
     block_size = property(lambda self: self.options.block_size)
@@ -248,73 +227,31 @@ class THCState:
         return owner.calls - 1
 
     def node_layout(self):
-        """The node layout of ``process_group`` under the ``topology`` option, found once.
-
-        The first call (on every rank, at the same point of the program: it may create
-        process groups) runs :func:`~hhook.schedule.topology.detect_topology` (one small
-        all-gather, also for ``"flat"``, so ranks that disagree fail together), checks it
-        against the layout a checkpoint was saved with, and for two-level builds
-        :attr:`inter`, the THC state of this rank's shard between nodes (same options;
-        ``bits="auto"`` sized for the node count). Raises
-        :class:`~hhook.schedule.topology.TopologyError` on every rank alike.
-        """
+        """The node layout, found once on every rank (:func:`hhook.state.runtime.node_layout`)."""
         return runtime.node_layout(self)
 
     def check_options(self, group, device: torch.device) -> None:
-        """A blocking MAX allreduce over ``group`` of this state's options fingerprint
-        (codec and schedule): differing options raise :class:`ConfigMismatchError` on
-        every rank before the first message. Also builds the fused backend for
-        ``device`` (a first compile belongs here, not in a later stage)."""
+        """The blocking options check over ``group`` (:func:`hhook.state.runtime.check_options`)."""
         runtime.check_options(self, group, device)
 
     def handshake(self, device: torch.device) -> None:
-        """Once per state and device type, blocking, in the same place on every rank:
-        :meth:`check_options`, then build the second communicator that agreed rounds use
-        (predicted keys take one at their first call, too)."""
+        """The options check and second communicator of ``device`` (:func:`hhook.state.runtime.handshake`)."""
         runtime.handshake(self, device)
 
     def ensure_checked(self, device: torch.device) -> None:
-        """Once per device type, blocking, on every rank, before the first collective of
-        the DDP hook or :func:`hhook.thc_allreduce`: the node layout, then the options
-        handshake over the whole group. Two-level states check the parent group too (the
-        inter-node rings alone miss a rank whose options differ from its node's, or a
-        difference mirrored on every node), and DDP's plain iterations before
-        ``start_iter`` depend on the options as much as the compressed ones."""
+        """Layout and options checked over the whole group, once per device type
+        (:func:`hhook.state.runtime.ensure_checked`)."""
         runtime.ensure_checked(self, device)
 
     def check_deferred(self, wait: bool = False) -> None:
-        """Count and raise what earlier decodes flagged on the device, for every copy that
-        has arrived (all of them with ``wait``): a bad prefix (different options, a wrong
-        reduction, a failed rank) raises :class:`ConfigMismatchError` here, on every rank,
-        at the next hook call, ``stats()`` or ``thc_allreduce``'s return."""
+        """Raise what earlier decodes flagged on the device (:func:`hhook.state.runtime.check_deferred`)."""
         runtime.check_deferred(self, wait)
 
-    # -- statistics ----------------------------------------------------------------------
+    # -- statistics (hhook.state.report) -------------------------------------------------
     def stats(self) -> dict:
-        """Bytes since creation (or :meth:`reset_stats`) on this rank.
-
-        ``dense_bytes``: what the same calls would have sent as float32.
-        ``wire_bytes``: what was handed to collectives: codes, scales and the one-time
-        configuration handshake, or the dense tensors of plain-allreduce iterations.
-        ``local_calls``: calls in a world of one rank, which send and count nothing.
-        ``nonfinite_calls``: tensors that came back NaN because some rank's held inf/NaN
-        (GradScaler skips those steps); on GPUs counted once the flag's copy has arrived.
-
-        Two-level (:meth:`node_layout`): ``wire_bytes`` = ``inter_wire_bytes``, what was
-        handed to collectives that cross nodes (the shards' codes and scales, handshakes,
-        exact allreduces), ``intra_wire_bytes`` what stayed inside the node, ``ratio``
-        dense over inter-node bytes, ``inter_calls`` the shards' THC calls
-        (:func:`hhook.stats.two_level_stats`).
-        """
-        self.check_deferred()
-        if self.inter is not None:
-            s = two_level_stats(self.inter.stats(), self.intra_counters, self.counters.snapshot())
-        else:
-            s = self.counters.snapshot()
-        s["iter"] = self.iter
-        if hasattr(self.decision, "summary"):  # not while it is still the plain data of a checkpoint
-            s["decision"] = self.decision.summary()
-        return s
+        """Bytes since creation (or :meth:`reset_stats`) on this rank: the fields of
+        :func:`hhook.state.report.stats`."""
+        return report.stats(self)
 
     def reset_stats(self) -> None:
         self.counters.reset()
@@ -325,19 +262,9 @@ class THCState:
     def reported_through_parent(self) -> None:
         """A state another one holds (a width, the inter-node state) is not reported idle
         at exit on its own: its parent's report covers it."""
-        _LIVE.discard(self)
+        report.LIVE.discard(self)
 
     def warn_if_idle(self, where: str) -> bool:
-        """Log a warning when no tensor went through this state by the end of ``where``
-        (a training run, the program): its hook was never called, so that run trained
-        uncompressed, or not data-parallel. Returns True when it warned; either way the
-        state is not checked again at exit."""
-        _LIVE.discard(self)
-        s = self.stats()
-        if s["compressed_calls"] + s["dense_calls"] + s["local_calls"]:
-            return False
-        from .advice import idle_state
-
-        logger.warning("hhook: %s ended but no tensor went through this THCState (%s): nothing was compressed. %s",
-                       where, self.describe(), idle_state(self.registration is not None, where))
-        return True
+        """Warn when no tensor went through this state by the end of ``where``
+        (:func:`hhook.state.report.warn_if_idle`); True when it warned."""
+        return report.warn_if_idle(self, where)

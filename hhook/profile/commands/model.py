@@ -198,7 +198,7 @@ def _scale(args, cfg: dict) -> tuple[dict, list[dict]]:
 def _scale_tables(args, cfg: dict) -> tuple[dict, list[dict]]:
     import json
 
-    from ..models import bits_panel, inputs_from_json, parse_layouts, scale_rows, scale_table, speedup_panel, \
+    from ..scale_model import bits_panel, inputs_from_json, parse_layouts, scale_rows, scale_table, speedup_panel, \
         validation_rows
 
     doc = {}
