@@ -5,7 +5,8 @@ Two ranks on this host (Gloo) train a small MLP under DDP; after ``--warmup`` st
 hook's own step is profiled on rank 0: every Python call made by the hook and by the
 continuations hhook attaches to collectives (they run on Gloo's threads, so each
 continuation switches the profiler on for its own run). Prints the modules in the order
-first entered and how often the path went back into a module it had already left.
+first entered, how often the path went back into a module it had already left, and the
+first-level folders (or modules) of hhook it passed.
 
     python3 ci/bucket_path.py                 # bits=4, agreed scales (one bucket)
     python3 ci/bucket_path.py --bits auto     # the default, once it holds its choice
@@ -115,8 +116,9 @@ def main() -> None:
     warmup = args.warmup or (300 if args.bits == "auto" else 4)
     out = run_world(_worker, 2, args.bits, warmup, timeout=900)[0]
     modules = [m for m in out["modules"] if m != "hhook"]
+    folders = list(dict.fromkeys(m.split(".")[1] for m in modules))  # hhook's first level: a folder or module
     print(json.dumps({"bits": args.bits, "method": out["method"], "modules": len(modules), "path": modules,
-                      "reentries": out["reentries"]}, indent=1))
+                      "reentries": out["reentries"], "folders": len(folders), "folder_path": folders}, indent=1))
     if args.functions:
         for module in modules:
             print(f"{module}: {', '.join(out['functions'][module])}")
