@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hhook
-from hhook import node_memory
+from hhook.schedule import node_memory
 from tests.distributed import ROOT, run_world
 
 MODES = ["agreed", "predicted"]
@@ -110,7 +110,7 @@ def test_thc_allreduce_two_level_options_mismatch_raises_on_every_rank(odd_ranks
 # -- item 5: a local failure on one rank raises on every rank ---------------------------
 def _failure_worker(rank, world, scales, intra, where):
     from hhook import codec as codec_module
-    from hhook import two_level
+    from hhook.schedule import two_level
 
     _fake_torchrun(rank)
     os.environ["HHOOK_SHM"] = "1" if intra == "shm" else "0"
@@ -232,7 +232,7 @@ def test_a_node_s_files_live_only_while_needed_and_go_at_exit():
 _HOLDER = """
 import sys, time
 sys.path.insert(0, {root!r})
-from hhook import node_memory
+from hhook.schedule import node_memory
 m = node_memory.NodeMemory({prefix!r}, 2, 2**20, directory={directory!r})
 m.region("w", 1000, __import__("torch").float32)
 print("ready", flush=True)
