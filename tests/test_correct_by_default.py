@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hhook
+from hhook.schedule import teardown
 
 from distributed import run_world
 
@@ -403,14 +404,16 @@ def _failure_worker(rank, world, scales, when):
             setattr(codec_module.THCCodec, when, original)
     finally:
         setattr(codec_module.THCCodec, when, original)
-    return outcome
+    return outcome, teardown.quiesce(10.0)  # True: every continuation released
 
 
 @pytest.mark.parametrize("scales", MODES)
 @pytest.mark.parametrize("when", ["prepare", "quantize"])
 def test_a_rank_local_failure_raises_on_every_rank(scales, when):
+    """... and every continuation is released after it (one an escaping exception kept
+    alive held the job's exit for the groups' timeout, 35 s)."""
     results = run_world(_failure_worker, 3, scales, when, timeout=60)
-    assert results == [["peer", "ok"], ["own", "ok"], ["peer", "ok"]]
+    assert results == [(["peer", "ok"], True), (["own", "ok"], True), (["peer", "ok"], True)]
 
 
 def _deferred_failure_worker(rank, world):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hhook
-from hhook.schedule import node_memory
+from hhook.schedule import node_memory, teardown
 from tests.distributed import ROOT, run_world
 
 MODES = ["agreed", "predicted"]
@@ -139,15 +139,16 @@ def _failure_worker(rank, world, scales, intra, where):
                 setattr(target, name, original)
     finally:
         setattr(target, name, original)
-    return outcome
+    return outcome, teardown.quiesce(10.0)  # True: every continuation released
 
 
 @pytest.mark.parametrize("scales", MODES)
 @pytest.mark.parametrize("intra", ["shm", "collectives"])
 @pytest.mark.parametrize("where", ["quantize", "node_mean"])
 def test_a_rank_failure_raises_on_every_rank_of_every_node(scales, intra, where):
+    """... and every continuation is released after it, so the job's exit does not wait."""
     res = run_world(_failure_worker, 4, scales, intra, where, timeout=120)
-    assert res == [["peer", "ok"], ["own", "ok"], ["peer", "ok"], ["peer", "ok"]], res
+    assert res == [(["peer", "ok"], True), (["own", "ok"], True), (["peer", "ok"], True), (["peer", "ok"], True)], res
 
 
 # -- item 3: within the shared-memory budget, else collectives --------------------------

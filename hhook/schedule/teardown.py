@@ -46,32 +46,50 @@ class Continuation:
     """``fn`` as a callback of a torch future, counted as in flight from here until torch
     releases it (after it ran, on the thread that ran it)."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "counted", "thread")
 
     def __init__(self, fn):
         global _in_flight
-        self.fn = fn
+        self.fn, self.counted, self.thread = fn, True, None
         with _quiet:
             _in_flight += 1
 
     def __call__(self, fut):
-        fn, self.fn = self.fn, None
+        fn, self.fn, self.thread = self.fn, None, threading.get_ident()
+        # Not in this frame any more: an exception raised in ``fn`` and kept (a future's
+        # error) keeps this frame alive through its traceback's callers.
+        del self
         return fn(fut)
 
-    def __del__(self):
+    def release(self) -> None:
+        """No longer in flight (once): at its last reference, or where no worker thread
+        holds it any more."""
         global _in_flight, _released
+        if not self.counted:
+            return
+        self.counted = False
         with _quiet:
             _in_flight -= 1
             _released += 1
             if _in_flight == 0:
                 _quiet.notify_all()
 
+    __del__ = release
+
 
 def attach(fut: torch.futures.Future, fn) -> None:
     """Run ``fn(fut)`` when ``fut`` completes, on the thread that completes it (now, if it
     has); ``fn`` must not raise (it settles a future of its own). No child future is made:
     its value would be one more object for that thread to release with the GIL."""
-    fut.add_done_callback(Continuation(fn))
+    continuation = Continuation(fn)
+    try:
+        fut.add_done_callback(continuation)
+    finally:
+        if continuation.thread == threading.get_ident():
+            # It ran here, on this thread (the future was complete): no worker thread holds
+            # it, and an exception kept from its run (a future's error, its traceback's
+            # callers: this frame, torch's) may keep it alive past the job's exit.
+            continuation.release()
 
 
 def in_flight() -> int:
