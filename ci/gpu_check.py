@@ -95,7 +95,7 @@ def stage_env(ctx: Context) -> dict:
     import torch.distributed as dist
 
     import hhook
-    from hhook import cuda_kernels
+    from hhook.codec.kernels import cuda as cuda_kernels
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
             "hhook": os.path.dirname(hhook.__file__), "nccl_available": dist.is_nccl_available(),
@@ -271,7 +271,7 @@ def kernel_smoke(device: str) -> list[str]:
     decode into each output dtype. Returns the kernels launched."""
     import torch
 
-    from hhook import cuda_kernels
+    from hhook.codec.kernels import cuda as cuda_kernels
     from hhook.codec import THCCodec
 
     launched = set()
@@ -304,7 +304,7 @@ def kernel_smoke(device: str) -> list[str]:
 
 
 def stage_sanitizer(ctx: Context) -> dict:
-    from hhook import cuda_kernels
+    from hhook.codec.kernels import cuda as cuda_kernels
 
     if ctx.dry:
         from cuda_support import build_emulator, emulated
@@ -426,7 +426,7 @@ def _nccl_world_of_one() -> dict:
     import torch.distributed as dist
 
     import hhook
-    from hhook.flat import _reduce
+    from hhook.schedule.flat import _reduce
     from hhook.launch import free_port
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1,
@@ -436,8 +436,8 @@ def _nccl_world_of_one() -> dict:
         state = hhook.THCState(bits=4)
         device = torch.device("cuda", 0)
         state.handshake(device)
-        policy = state.policy(state.mode(device))
-        out = {"second_communicator": type(state.second_group(device).backend).__name__}
+        policy = state.policy(state.scales)
+        out = {"second_communicator": type(state.runtime.second_group(device).backend).__name__}
         hhook_dir = os.path.dirname(hhook.__file__)
         side = torch.cuda.Stream()
         pairs = []
@@ -489,9 +489,9 @@ def _nccl_world_of_one() -> dict:
 
 def stage_nccl(ctx: Context) -> dict:
     if ctx.dry:
-        from hhook.flat import _reduce  # noqa: F401 - the path the GPU run takes exists
+        from hhook.schedule.flat import _reduce  # noqa: F401 - the path the GPU run takes exists
 
-        return {"would": ["a world of one on NCCL through hhook.flat._reduce, sync debug mode 'error'",
+        return {"would": ["a world of one on NCCL through hhook.schedule.flat._reduce, sync debug mode 'error'",
                           "FSDP2 + hhook.fsdp.register, 2 ranks sharing the GPU over Gloo, against plain FSDP2"]}
     from cuda_support import fsdp_thc_ranks
     from distributed import run_world

@@ -21,7 +21,7 @@ import time
 import torch
 
 from hhook.profile.tasks import TASKS, batches
-from hhook.weight_quant import WeightCodec
+from hhook.codec.weights import WeightCodec
 
 BLOCK = 256
 E4M3_MAX = 448.0

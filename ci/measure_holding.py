@@ -62,11 +62,11 @@ def build(kind: str):
     elif kind.startswith("auto"):
         state = STATES[kind] = hhook.register(model)  # bits="auto", hhook.register's default
         clock = FakeClock(method)
-        state._prober = clock.prober = Prober(clock)
+        state.prober = clock.prober = Prober(clock)
         if "unreduced" in kind:  # an experiment (unsafe: no period reaches the decision once it holds)
-            PATCH.append(state._prober)
+            PATCH.append(state.prober)
         if "per-step" in kind:  # as before batching: the periods reduced every iteration
-            state._prober.batch = 1
+            state.prober.batch = 1
         if "single" in kind:  # one candidate: it holds from the start, no other width ever ran
             state.decision = Decision([method])
     elif kind == "torch-hook fp32":  # the Python floor of a dense exchange: torch's own allreduce_hook

@@ -19,7 +19,7 @@ import torch
 
 from hhook.codec import THCCodec
 from hhook.simulation import KINDS, ranks_like, simulate_allreduce, vnmse
-from hhook.topology import auto_bits, predicted_vnmse, wire_bits_per_coord
+from hhook.codec.error_model import auto_bits, predicted_vnmse, wire_bits_per_coord
 
 def measure(n: int, bits: int, x: torch.Tensor, calls: int) -> dict:
     row = {}

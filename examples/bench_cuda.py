@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from hhook import cuda_kernels
+from hhook.codec.kernels import cuda as cuda_kernels
 from hhook.codec import THCCodec
 
 

@@ -77,7 +77,6 @@ def main():
     ddp = DDP(model)
     state = register_hook(ddp, args)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-    n_params = sum(p.numel() for p in model.parameters())
 
     steps, counter = 0, {"bytes": 0}
     start = time.perf_counter()
@@ -90,27 +89,15 @@ def main():
             steps += 1
     elapsed = time.perf_counter() - start
 
-    with torch.no_grad():
-        accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
-    dense = 4 * n_params * steps
-    wire = dense if args.hook == "none" else counter["bytes"]
-    result = {
-        "hook": args.hook, "bits": args.bits if args.hook == "thc" else None, "world_size": world,
-        "launcher": env.launcher, "params": n_params, "steps": steps, "test_accuracy": accuracy,
-        "final_loss": loss.item(), "seconds": elapsed, "dense_bytes": dense, "wire_bytes": wire,
-        "ratio": dense / wire,
-    }
+    result = digits.result_of(model, x_test, y_test, steps, loss, elapsed, None if args.hook == "none" else counter["bytes"],
+                              hook=args.hook, bits=args.bits if args.hook == "thc" else None, world_size=world,
+                              launcher=env.launcher)
     if state is not None:
         result["thc_stats"] = state.stats()
-        assert state.stats()["wire_bytes"] == wire, "THC stats disagree with the bytes counted"
+        assert state.stats()["wire_bytes"] == result["wire_bytes"], "THC stats disagree with the bytes counted"
     if rank == 0:
         label = args.hook + (f" ({args.bits} bits)" if args.hook == "thc" else "")
-        print(
-            f"{label:<14} ranks={world} launcher={env.launcher} steps={steps} "
-            f"test_accuracy={accuracy:.4f} final_loss={loss.item():.4f} "
-            f"wire={wire / 2**20:.2f} MiB/rank dense={dense / 2**20:.2f} MiB/rank "
-            f"ratio={dense / wire:.2f}x time={elapsed:.1f}s"
-        )
+        print(digits.result_line(label, result, f"launcher={env.launcher} "))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)

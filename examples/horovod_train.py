@@ -24,7 +24,7 @@ import torch
 
 import digits  # the shared task, beside this script
 import hhook.horovod
-from hhook import rng
+from hhook.codec import rng
 from hhook.codec import THCCodec
 
 
@@ -95,7 +95,6 @@ def main():
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=compression)
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
-    n_params = sum(p.numel() for p in params)
     reference = THCCodec(args.bits, 1024, 0, world) if args.report_vnmse else None
     vnmse = {"this_run": [], "agreed_max": []}
 
@@ -134,16 +133,9 @@ def main():
             steps += 1
     elapsed = time.perf_counter() - start
 
-    with torch.no_grad():
-        accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
-    dense = 4 * n_params * steps
     wire = counter["bytes"]
-    result = {
-        "compression": args.compression, "bits": args.bits if args.compression == "thc" else None,
-        "world_size": world, "params": n_params, "steps": steps, "test_accuracy": accuracy,
-        "final_loss": loss.item(), "seconds": elapsed, "dense_bytes": dense, "wire_bytes": wire,
-        "ratio": dense / wire,
-    }
+    result = digits.result_of(model, x_test, y_test, steps, loss, elapsed, wire, compression=args.compression,
+                              bits=args.bits if args.compression == "thc" else None, world_size=world)
     if args.compression == "thc":
         stats = opt.thc.stats()
         result["thc_stats"] = stats
@@ -153,12 +145,7 @@ def main():
         result["vnmse"] = {k: sum(v) / len(v) for k, v in vnmse.items()}
     if rank == 0:
         label = args.compression + (f" ({args.bits} bits)" if args.compression == "thc" else "")
-        print(
-            f"{label:<14} ranks={world} steps={steps} "
-            f"test_accuracy={accuracy:.4f} final_loss={loss.item():.4f} "
-            f"wire={wire / 2**20:.2f} MiB/rank dense={dense / 2**20:.2f} MiB/rank "
-            f"ratio={dense / wire:.2f}x time={elapsed:.1f}s"
-        )
+        print(digits.result_line(label, result))
         if args.report_vnmse:
             v = result["vnmse"]
             print(

@@ -7,7 +7,7 @@ directly. One line turns it on::
     ddp_model.register_comm_hook(hhook.THCState(process_group=None, bits=4), hhook.thc_hook)
 """
 
-from .allreduce import thc_allreduce, thc_allreduce_async
+from .schedule.allreduce import thc_allreduce, thc_allreduce_async
 from .codec import CODEC_VERSION, THCCodec
 from .ddp_hook import register, thc_hook
 from .launch import detect_env, init_distributed

@@ -2,21 +2,31 @@ r"""The DDP communication hook: THC compression for every gradient bucket."""
 
 # No ``from __future__ import annotations`` here: DDP inspects the hook's annotations
 # and compares them with dist.GradBucket and Future[Tensor] objects, not strings.
+import dataclasses
 import logging
 
 import torch
 import torch.distributed as dist
 
-from .advice import one_process
-from .allreduce import thc_allreduce_async
-from .flat import dense_allreduce
-from .futures import completed, then
 from .codec import warm_up
-from .decision import ensure as ensure_decision
-from .decision import exchange as decided_exchange
-from .state import THCState
+from .decision import live_decision, reduce_bucket_as_decided
+from .schedule.allreduce import thc_allreduce_async
+from .schedule.flat import dense_allreduce
+from .schedule.futures import completed, then
+from .state import THCState, checkpoint
+from .state.advice import one_process
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Registration:
+    """What :func:`register` learnt of the DDP model, kept in ``state.registration``: its
+    parameters' names (``id(parameter) -> name``), so a resumed run finds the saved
+    buckets again, and this DDP's iterations, counted by the hook."""
+
+    names: dict
+    iterations: int = 0
 
 
 def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -48,7 +58,7 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     buffer = bucket.buffer()
     deciding = state.bits == "auto" and state.world_size > 1
     if deciding:
-        ensure_decision(state)  # before the handshake, which checks its options
+        live_decision(state)  # before the handshake, which checks its options
     # Before anything else, so that ranks with different options (start_iter above all:
     # its plain iterations would pair one rank's SUM with another's MAX) fail on every
     # rank rather than mis-pair collectives.
@@ -58,19 +68,21 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     # start afresh.
     layout = _bucket_layout(state, bucket)
     # This DDP's first iteration: its buckets are not rebuilt yet (a resumed run's keys are)
-    first = state._ddp_iterations == 0 and not buffer.is_sparse
+    registration = state.registration
+    first = registration is not None and registration.iterations == 0 and not buffer.is_sparse
     if deciding:  # bits="auto": the exchange this iteration's decision says (hhook.decision)
-        fut = decided_exchange(state, bucket, layout,
-                               (lambda reduce: _before_rebuild(state, bucket, layout, reduce)) if first else None)
+        fut = reduce_bucket_as_decided(state, bucket, layout,
+                                       (lambda reduce: _before_rebuild(state, bucket, layout, reduce)) if first else None)
     elif state.iter < state.start_iter or buffer.is_sparse:
         fut = dense_allreduce(state, buffer)
     else:
         fut = _before_rebuild(state, bucket, layout, _fixed_width(state)) if first else None
         if fut is None:
             fut = thc_allreduce_async(buffer, state, key=bucket.index(), layout=layout)
-    state.maybe_increase_iter(bucket)
-    if bucket.is_last() and state._ddp_iterations is not None:
-        state._ddp_iterations += 1
+    if bucket.is_last():  # one iteration per backward pass
+        state.iter += 1
+        if registration is not None:
+            registration.iterations += 1
     return fut.then(_value_or_raise)
 
 
@@ -81,7 +93,7 @@ def _from_state_dict(saved: dict, process_group) -> THCState:
                         f"{sorted(saved)[:8]} (a framework's checkpoint of every rank's state, {{'ranks': [...]}}, "
                         "is loaded by that framework's adapter)")
     state = THCState(process_group=process_group)
-    state._load(saved, announce=False)  # its options replace the defaults
+    checkpoint.load(state, saved, announce=False)  # its options replace the defaults
     return state
 
 
@@ -104,9 +116,9 @@ def _value_or_raise(fut: torch.futures.Future) -> torch.Tensor:
 def _bucket_layout(state: THCState, bucket: dist.GradBucket) -> tuple:
     """What a bucket holds: its parameters' shapes and dtypes, and their names where
     :func:`register` knows the model (a resumed run can then find them again)."""
-    names = state._param_names
-    if names is None:
+    if state.registration is None:
         return tuple((tuple(p.shape), str(p.dtype)) for p in bucket.parameters())
+    names = state.registration.names
     return tuple((names.get(id(p)), tuple(p.shape), str(p.dtype)) for p in bucket.parameters())
 
 
@@ -117,7 +129,7 @@ def _saved_layouts(state: THCState) -> dict:
     saved: dict = {}
     for owner in (state, *state.variants.values()):
         holder = owner.inter if owner.inter is not None else owner  # two-level: the shards' state holds the keys
-        for policy in holder.policies.values():
+        for policy in holder.keys.policies.values():
             for key, key_state in policy.keys.items():
                 top = key[0] if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int) else key
                 if isinstance(top, int) and not isinstance(top, bool) and key_state.layout is not None:
@@ -136,7 +148,7 @@ def _before_rebuild(state: THCState, bucket: dist.GradBucket, layout: tuple, red
     (resume is bit for bit). Otherwise the bucket goes keyless, so the saved keys' state
     waits for the rebuilt buckets instead of being reset. None: the bucket is a saved
     key's own (the usual path applies)."""
-    if state._param_names is None:
+    if state.registration is None:
         return None
     saved = _saved_layouts(state)
     if saved.get(bucket.index(), layout) == layout:
@@ -217,7 +229,7 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
     part; any other object raises :class:`TypeError`). The process group defaults to the
     model's own (also for a state dict, which holds none). With ``topology="auto"`` (or a
     number of ranks per node) the node layout is found here, on every rank, so a bad
-    layout raises :class:`~hhook.topology.TopologyError` at registration. The state
+    layout raises :class:`~hhook.schedule.topology.TopologyError` at registration. The state
     learns the model's parameter names, so that a run resumed from a checkpoint of the
     state continues bit for bit through DDP's first iteration, whose buckets are not
     yet the rebuilt ones the saved state describes.
@@ -261,10 +273,9 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
     if dist.is_initialized():
         state.node_layout()  # on every rank, here: a layout that cannot hold raises now
         if state.bits == "auto" and state.world_size > 1:
-            ensure_decision(state)
+            live_decision(state)
     module = getattr(ddp_model, "module", ddp_model)
-    state._param_names = {id(p): name for name, p in module.named_parameters()}
-    state._ddp_iterations = 0
+    state.registration = Registration({id(p): name for name, p in module.named_parameters()})
     ddp_model.register_comm_hook(state, thc_hook)
     for param in ddp_model.parameters():
         warm_up(param.device)  # compile the fused codec now, not in the first backward pass

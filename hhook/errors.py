@@ -38,7 +38,7 @@ _CLOSED = re.compile(r"Connection closed by peer \[?([^\s\]]+?)\]?:(\d+)|Connect
 @dataclasses.dataclass(frozen=True)
 class Blame:
     """Who is at fault for a failed collective, as the job's store tells
-    (:mod:`hhook.blame`): ``culprits``, the ranks reached that report no wait of their own
+    (:mod:`hhook.schedule.blame`): ``culprits``, the ranks reached that report no wait of their own
     (stalled, or died); ``waiting``, this rank's peers that reported waiting for them (and
     gave up at their timeout); ``this_rank``, whether a report waits for this rank."""
 

@@ -2,7 +2,7 @@ r"""THC compression for FSDP2 (``torch.distributed.fsdp.fully_shard``) and custo
 
 :func:`register` puts a :class:`THCReduceScatter` on every ``FSDPModule`` of a model.
 FSDP's reduce-scatter input is a flat buffer of ``world_size`` per-rank chunks (dim 0
-padded). Each chunk is one THC message of the shared format (:mod:`hhook.message`: the
+padded). Each chunk is one THC message of the shared format (:mod:`hhook.scales.message`: the
 prefix with count, status and fingerprints, then the codes), encoded by the agreed scale
 policy (:class:`hhook.scales.ScalePolicy`) under the key ``(module name, chunk index)``,
 with its rotation blocks inside the chunk. The scale vectors of all chunks are
@@ -44,10 +44,10 @@ import torch
 import torch.distributed as dist
 
 from . import fsdp_all_gather, fsdp_auto
+from .codec.layout import SUPPORTED_DTYPES, constant
 from .fsdp_all_gather import AllGatherOptions, AllGatherState
-from .layout import SUPPORTED_DTYPES, constant
-from .message import RANK_FAILED
-from .state import _LIVE, THCState
+from .scales.message import RANK_FAILED
+from .state import THCState
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule
@@ -110,9 +110,9 @@ class THCReduceScatter(ReduceScatter):
        status word of *every* chunk's message.
     4. ``reduce_scatter_tensor`` (SUM) of the messages: this rank receives the summed
        message of its chunk.
-    5. ``policy.decode``: raises :class:`~hhook.message.ConfigMismatchError`,
-       :class:`~hhook.message.RankFailedError` (the failed rank: its own exception) or
-       :class:`~hhook.message.OpMismatchError` on every rank; writes NaN over the whole
+    5. ``policy.decode``: raises :class:`~hhook.errors.ConfigMismatchError`,
+       :class:`~hhook.errors.RankFailedError` (the failed rank: its own exception) or
+       :class:`~hhook.errors.OpMismatchError` on every rank; writes NaN over the whole
        shard on every rank if any rank's buffer was non-finite; the input itself if every
        rank's chunk had the same bits.
     """
@@ -186,13 +186,13 @@ class THCReduceScatter(ReduceScatter):
         # 4. Each rank receives the lane sums of its own chunk's message.
         summed = torch.empty(L, dtype=words.dtype, device=device)
         dist.reduce_scatter_tensor(summed, words.view(-1), op=dist.ReduceOp.SUM, group=group)
-        state.count("compressed_calls", 4 * input_tensor.numel(), scales.nbytes + words.nbytes)
+        state.counters.add("compressed_calls", 4 * input_tensor.numel(), scales.nbytes + words.nbytes)
         if failure is not None:
             raise failure  # this rank's own exception; the others raise RankFailedError
         # 5. Decode this rank's chunk: the mean over the shard group.
         _, nonfinite = policy.decode(summed, plans[rank], output_tensor)
         if nonfinite:
-            state.count("nonfinite_calls", 0, 0)
+            state.counters.add("nonfinite_calls", 0, 0)
         elif self.returns_sum:
             output_tensor.mul_(world)
         return None
@@ -203,7 +203,7 @@ class THCReduceScatter(ReduceScatter):
         dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
         if not self.returns_sum:
             output_tensor.div_(group.size())
-        self.state.count("dense_calls", 4 * input_tensor.numel(), input_tensor.nbytes)
+        self.state.counters.add("dense_calls", 4 * input_tensor.numel(), input_tensor.nbytes)
         return None
 
 
@@ -374,9 +374,9 @@ def _adopt_replica_group(replica_state: THCState, replica_group: dist.ProcessGro
     ``replica_group`` (averaging over WORLD instead gave relative errors near 1). A state
     built without a group (``THCState(bits=8)``) and not used yet takes ``replica_group``."""
     group = replica_state.process_group
-    if group is None and replica_state.calls == 0 and replica_state._topo is None:
+    if group is None and replica_state.calls == 0 and replica_state.runtime.topo is None:
         replica_state.process_group = replica_group
-        replica_state._reset_derived()
+        replica_state.reset_runtime()
         return
     mine = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     if mine != dist.get_process_group_ranks(replica_group):
@@ -402,7 +402,7 @@ def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | No
     ``replica_group`` (``ValueError`` on every rank otherwise); one built without a
     process group takes ``replica_group``.
     """
-    from .allreduce import thc_allreduce
+    from .schedule.allreduce import thc_allreduce
 
     if not isinstance(replica_group, dist.ProcessGroup):
         raise TypeError(f"hhook.fsdp.register_hsdp: replica_group must be a ProcessGroup, got {replica_group!r}")
@@ -435,7 +435,7 @@ def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | No
     if replica_state is None:
         replica_state = THCState(process_group=replica_group, bits=state.bits, block_size=state.block_size,
                                  seed=state.seed, start_iter=0)
-        _LIVE.discard(replica_state)  # idle in a single replica; reported through the returned pair
+        replica_state.reported_through_parent()  # idle in a single replica; reported through the returned pair
     replicas = dist.get_world_size(replica_group)
     for name, m, factor in modules:
         def hook(output: torch.Tensor, key=f"hsdp:{name}", factor=factor) -> None:

@@ -16,7 +16,7 @@ One call, on every rank of the shard group:
 1. Encode this rank's input (its flat buffer: the padded shards of the group's
    parameters, in FSDP's order, :class:`Layout`) into one payload: a 16-byte header
    (options fingerprint, status), the parameters that stay dense as they are, then the
-   quantized ones (:class:`hhook.weight_quant.WeightCodec`: one float32 scale per block,
+   quantized ones (:class:`hhook.codec.weights.WeightCodec`: one float32 scale per block,
    rotation blocks inside each parameter's shard).
 2. ``all_gather_into_tensor`` of the uint8 payloads (equal lengths on every rank).
 3. Read every rank's header: a different fingerprint raises ``ConfigMismatchError`` and
@@ -42,10 +42,10 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import rng
+from .codec import rng
 from .errors import ConfigMismatchError, RankFailedError
 from .stats import Counters
-from .weight_quant import WeightCodec
+from .codec.weights import WeightCodec
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
@@ -70,7 +70,7 @@ class AllGatherOptions:
     ``bits``: 8 by default, 6 and 4 narrower. ``block_size``: values per float32 scale
     (and per rotation block). ``rotate``: ``"auto"`` rotates each block with the codec's
     randomized Hadamard rotation where that lowers its max, ``True`` every block, ``False``
-    none (:mod:`hhook.weight_quant`; docs/fsdp.md has the measurements). ``min_numel``:
+    none (:mod:`hhook.codec.weights`; docs/fsdp.md has the measurements). ``min_numel``:
     the dense rule, :meth:`quantizes`."""
 
     bits: int = 8

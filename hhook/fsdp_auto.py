@@ -65,7 +65,7 @@ class _Group:
 
     def __init__(self, process_group, state):
         self.process_group = process_group
-        self.count = state.count
+        self.counters = state.counters
 
 
 class Decider:
@@ -82,7 +82,7 @@ class Decider:
         self.iteration = 0
         # state.stats()["decision"] and the state's checkpoints show this decision (a
         # resumed job measures afresh: the step counter is this process's)
-        state.decision, state._prober = self.decision, self.prober
+        state.decision, state.prober = self.decision, self.prober
 
     def digest(self) -> int:
         """The decision's options (its candidates...), for the registration's handshake."""

@@ -172,30 +172,7 @@ class THCCompressor:
                     return opt, name
             if len(pairs) == 1 and pairs[0][0].shape == tensor.shape:  # sparse_as_dense
                 return opt, pairs[0][1]
-        # hvd.DistributedOptimizer calls compress from _allreduce_grad_async(self, p) or,
-        # with groups, from a comprehension over ps in _grouped_allreduce_grad_async.
-        candidates = []
-        for _ in range(4):
-            if frame is None:
-                break
-            local = frame.f_locals
-            p = local.get("p")
-            if isinstance(p, torch.Tensor):
-                candidates.append(p)
-            ps = local.get("ps")
-            if isinstance(ps, (list, tuple)):
-                candidates.extend(x for x in ps if isinstance(x, torch.Tensor))
-            opt = local.get("self")
-            names = getattr(opt, "_parameter_names", None)
-            if isinstance(names, dict):
-                for param in candidates:
-                    if param.grad is tensor or param is tensor:
-                        name = names.get(param)
-                        if name is not None:
-                            return opt, name
-                return opt, None
-            frame = frame.f_back
-        return None, None
+        return _named_by_caller(tensor, frame)
 
     def _process_set(self, opt):
         ps = getattr(opt, "process_set", None) if opt is not None else None
@@ -247,6 +224,34 @@ class THCCompressor:
         return out
 
 
+def _named_by_caller(tensor: torch.Tensor, frame):
+    """``(optimizer, name)`` from the frames that called ``compress``, or Nones:
+    hvd.DistributedOptimizer calls it from ``_allreduce_grad_async(self, p)`` or, with
+    groups, from a comprehension over ``ps`` in ``_grouped_allreduce_grad_async``."""
+    candidates = []
+    for _ in range(4):
+        if frame is None:
+            break
+        local = frame.f_locals
+        p = local.get("p")
+        if isinstance(p, torch.Tensor):
+            candidates.append(p)
+        ps = local.get("ps")
+        if isinstance(ps, (list, tuple)):
+            candidates.extend(x for x in ps if isinstance(x, torch.Tensor))
+        opt = local.get("self")
+        names = getattr(opt, "_parameter_names", None)
+        if isinstance(names, dict):
+            for param in candidates:
+                if param.grad is tensor or param is tensor:
+                    name = names.get(param)
+                    if name is not None:
+                        return opt, name
+            return opt, None
+        frame = frame.f_back
+    return None, None
+
+
 class Compression:
     """Horovod-style namespace of compressors: ``compression=hhook.horovod.Compression.thc``.
 
@@ -288,12 +293,6 @@ def _bind(optimizer, compressor: THCCompressor) -> None:
 def DistributedOptimizer(
     optimizer,
     named_parameters=None,
-    bits: int = 4,
-    block_size: int = 1024,
-    seed: int = 0,
-    error_feedback: bool = False,
-    warmup_steps: int = 1,
-    headroom: float | None = None,
     compression=None,
     backward_passes_per_step: int = 1,
     op=None,
@@ -301,13 +300,14 @@ def DistributedOptimizer(
     groups=None,
     sparse_as_dense: bool = False,
     process_set=None,
-    rounding: str = "correlated",
+    **options,
 ):
     r"""``hvd.DistributedOptimizer`` with THC compression: swap it in for Horovod's.
 
-    Sets ``op=hvd.Sum`` and a :class:`THCCompressor` built from ``bits``, ``block_size``,
-    ``seed``, ``error_feedback``, ``warmup_steps``, ``headroom`` and ``rounding``, and passes the
-    parameter names to it. The other arguments are Horovod's. The compressor is
+    Sets ``op=hvd.Sum`` and a :class:`THCCompressor` built from ``options`` (its keyword
+    arguments: ``bits``, ``block_size``, ``seed``, ``error_feedback``, ``warmup_steps``,
+    ``headroom``, ``rounding``), and passes the parameter names to it. The other arguments
+    are Horovod's, in Horovod's order. The compressor is
     ``optimizer.thc``: ``optimizer.thc.stats()`` counts the bytes.
 
     ``compression`` may be a :class:`THCCompressor` of your own, or Horovod's
@@ -340,8 +340,7 @@ def DistributedOptimizer(
     if gradient_predivide_factor != 1.0:
         raise ValueError("gradient_predivide_factor applies to op=Average only; THC divides in decompress")
     if compression is None:
-        compression = THCCompressor(bits, block_size, seed, error_feedback, warmup_steps, headroom, process_set,
-                                    rounding)
+        compression = THCCompressor(process_set=process_set, **options)
     dist = hvd.DistributedOptimizer(optimizer, compression=compression, op=hvd.Sum, **common)
     _bind(dist, compression)
     dist.thc = compression

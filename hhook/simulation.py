@@ -91,7 +91,7 @@ def simulate_policy(policies: list, inputs: torch.Tensor, key="sim", step: int =
 
 
 def simulate_two_level(codec: THCCodec, inputs: torch.Tensor, ranks_per_node: int, step: int = 0) -> torch.Tensor:
-    """The mean that two-level THC (:mod:`hhook.two_level`) decodes: the exact float32
+    """The mean that two-level THC (:mod:`hhook.schedule.two_level`) decodes: the exact float32
     mean of each node's ``ranks_per_node`` consecutive rows, then THC over the node means
     (``codec`` sized for the number of nodes)."""
     world = inputs.shape[0]

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hhook import cuda_kernels, rotation
+from hhook.codec import rotation
+from hhook.codec.kernels import cuda as cuda_kernels
 from hhook.codec import HEADER
 
 GXX = shutil.which("g++")
@@ -207,7 +208,7 @@ def build_emulator(folder: Path) -> ctypes.CDLL:
 
 @contextlib.contextmanager
 def emulated(lib: ctypes.CDLL):
-    """Launches of :mod:`hhook.cuda_kernels` run on the CPU emulator ``lib`` inside."""
+    """Launches of :mod:`hhook.codec.kernels.cuda` run on the CPU emulator ``lib`` inside."""
     saved = cuda_kernels._launch
     cuda_kernels._launch = lambda launch, device: emulated_launch(lib, launch, device)
     try:
@@ -313,7 +314,7 @@ def parity_case(kind: str, numel: int, dtype: torch.dtype, bits: int, rounding: 
     (0 everywhere is parity). Subnormal inputs are compared with the reference on the
     flushed input (the kernels flush them, ``-ftz=true``), except the header's digest,
     which hashes the bits themselves."""
-    from hhook import rng
+    from hhook.codec import rng
     from hhook.codec import THCCodec
 
     codec = THCCodec(bits=bits, block_size=block_size, seed=bits + 7, world_size=world, rounding=rounding)

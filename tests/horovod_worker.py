@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import horovod.torch as hvd  # noqa: E402
 
 import hhook.horovod as hh  # noqa: E402
-from hhook import rng  # noqa: E402
+from hhook.codec import rng  # noqa: E402
 from hhook.codec import HEADER, ConfigMismatchError, THCCodec  # noqa: E402
 
 SCENARIOS = {}

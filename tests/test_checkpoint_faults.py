@@ -105,7 +105,7 @@ def _same_world_worker(rank, world, scales, saved):
     with logged("hhook") as lines:
         state.load_state_dict(saved[0])
         state.node_layout()  # where the saved rank is compared with this one
-        out["residual_kept"] = any(k.residual is not None for p in state.policies.values() for k in p.keys.values())
+        out["residual_kept"] = any(k.residual is not None for p in state.keys.policies.values() for k in p.keys.values())
         out["rank_error"] = _mean_error(state, rank, world, 21)
     out["rank_lines"] = lines
     # the other scale mode's checkpoint loaded into a state of this mode: its options win, said once

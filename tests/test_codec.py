@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from hhook import lanes, quantization, rng, rotation
-from hhook.backend import FORCE_REFERENCE_ENV
+from hhook.codec import lanes, quantization, rng, rotation
+from hhook.codec.kernels.backend import FORCE_REFERENCE_ENV
 from hhook.simulation import heavy_tailed, simulate_allreduce, vnmse
 from hhook.codec import HEADER, ConfigMismatchError, THCCodec
 from hhook.codec import agreed_status as codec_status

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hhook
+from hhook.schedule import teardown
 
 from distributed import run_world
 
@@ -218,7 +219,7 @@ def _first_call_worker(rank, world):
     # The default key is None: unrelated tensors of one length share nothing.
     other = torch.randn(100_000) * 1000
     hhook.thc_allreduce(other, state)
-    keys = sum(len(p.keys) for p in state.policies.values())
+    keys = sum(len(p.keys) for p in state.keys.policies.values())
     return first["ratio"], first["dense_calls"], float((t - exact).norm() / exact.norm()), keys
 
 
@@ -231,7 +232,7 @@ def test_one_call_is_compressed_and_keys_do_not_collide():
 
 def _nonfinite_worker(rank, world, scales, deferred=False):
     state = hhook.THCState(bits=4, scales=scales)
-    state._defer_on_cpu = deferred  # True: the GPU's path, the flag is read from a copy, later
+    state.runtime.defer_on_cpu = deferred  # True: the GPU's path, the flag is read from a copy, later
     counts = []
     for step in range(4):
         t = torch.randn(5000)
@@ -250,7 +251,7 @@ def test_nonfinite_results_are_counted(scales):
 
 def _deferred_worker(rank, world):
     state = hhook.THCState(bits=4, scales="agreed")
-    state._defer_on_cpu = True  # the GPU's path: no host read in decode
+    state.runtime.defer_on_cpu = True  # the GPU's path: no host read in decode
     # Lengths that differ within one block: equally long messages, different fingerprints.
     t = torch.randn(1000 + rank)
     fut = hhook.thc_allreduce_async(t, state, key="w")
@@ -265,7 +266,7 @@ def _deferred_worker(rank, world):
 
 def _deferred_next_call_worker(rank, world):
     state = hhook.THCState(bits=4, scales="agreed")
-    state._defer_on_cpu = True
+    state.runtime.defer_on_cpu = True
     t = torch.randn(1000 + rank)  # equally long messages, different fingerprints
     hhook.thc_allreduce_async(t, state, key="w").wait()
     try:
@@ -302,7 +303,7 @@ def test_schedule_options_are_part_of_the_handshake(option, values):
 def _ddp_mismatch_worker(rank, world, option, values):
     """The same through DDP's hook: the check comes before the plain iterations (a rank
     with another start_iter would pair its plain SUM with a peer's MAX)."""
-    from hhook.topology import TopologyError
+    from hhook.schedule.topology import TopologyError
 
     torch.manual_seed(0)
     ddp = DDP(torch.nn.Linear(20, 20))
@@ -403,14 +404,16 @@ def _failure_worker(rank, world, scales, when):
             setattr(codec_module.THCCodec, when, original)
     finally:
         setattr(codec_module.THCCodec, when, original)
-    return outcome
+    return outcome, teardown.quiesce(10.0)  # True: every continuation released
 
 
 @pytest.mark.parametrize("scales", MODES)
 @pytest.mark.parametrize("when", ["prepare", "quantize"])
 def test_a_rank_local_failure_raises_on_every_rank(scales, when):
+    """... and every continuation is released after it (one an escaping exception kept
+    alive held the job's exit for the groups' timeout, 35 s)."""
     results = run_world(_failure_worker, 3, scales, when, timeout=60)
-    assert results == [["peer", "ok"], ["own", "ok"], ["peer", "ok"]]
+    assert results == [(["peer", "ok"], True), (["own", "ok"], True), (["peer", "ok"], True)]
 
 
 def _deferred_failure_worker(rank, world):
@@ -419,7 +422,7 @@ def _deferred_failure_worker(rank, world):
     from hhook import codec as codec_module
 
     state = hhook.THCState(bits=4)
-    state._defer_on_cpu = True
+    state.runtime.defer_on_cpu = True
     original = codec_module.THCCodec.quantize
 
     def boom(self, *args, **kwargs):
@@ -493,7 +496,7 @@ def test_the_hook_resets_a_bucket_whose_parameters_changed():
 def _layout_worker(rank, world, scales):
     state = hhook.THCState(bits=4, scales=scales, error_feedback=True)
     hhook.thc_allreduce(torch.randn(3000), state, key="w")
-    policy = state.policy(state.mode(torch.device("cpu")))
+    policy = state.policy(state.scales)
     before = policy.keys["w"]
     hhook.thc_allreduce(torch.randn(3000), state, key="w", )
     same = policy.keys["w"] is before
@@ -560,7 +563,7 @@ def _pause_worker(rank, world, error_feedback):
     from hhook.simulation import heavy_tailed, vnmse
 
     state = hhook.THCState(bits=4, scales="predicted", error_feedback=error_feedback, start_iter=2)
-    policy_keys = lambda: state.policies["predicted"].keys  # noqa: E731
+    policy_keys = lambda: state.keys.policies["predicted"].keys  # noqa: E731
     weights = [1.0, 10.0, 0.0]  # heterogeneous ranks: one 10x, one zero
     out = {"zero_exact": [], "vnmse": {}}
 

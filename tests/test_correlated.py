@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import hhook
-from hhook import rng
+from hhook.codec import rng
 from hhook.codec import THCCodec
 from hhook.errors import ConfigMismatchError
 from hhook.scales import PredictedScales, ScalePolicy
@@ -170,7 +170,7 @@ def test_checkpoint_of_another_rounding_starts_afresh_with_one_log_line(caplog):
     assert older.rounding == "independent" and "w" in older.policy("agreed").keys
     # Its per-key state handed to a state that rounds the other way (a load_state_dict):
     fresh = hhook.THCState(bits=4, error_feedback=True)
-    fresh.policies = old.policies
+    fresh.keys.policies = old.keys.policies
     with caplog.at_level(logging.WARNING, logger="hhook.state"):
         policy = fresh.policy("agreed")
         assert fresh.policy("agreed") is policy

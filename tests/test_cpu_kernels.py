@@ -1,4 +1,4 @@
-"""The fused CPU codec (hhook.cpu_kernels) against the torch reference, and its build cache."""
+"""The fused CPU codec (hhook.codec.kernels.cpu) against the torch reference, and its build cache."""
 
 import logging
 import os
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hhook import cpu_kernels, rng
+from hhook.codec import rng
+from hhook.codec.kernels import cpu as cpu_kernels
 from hhook.codec import HEADER, Prepared, THCCodec
 from hhook.simulation import heavy_tailed, simulate_allreduce, vnmse
 
@@ -295,7 +296,7 @@ def test_a_failing_compiler_raises_from_build_and_the_codec_falls_back(tmp_path,
         cpu_kernels.build()
     cpu_kernels._library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="hhook.cpu_kernels"):
+        with caplog.at_level(logging.WARNING, logger="hhook.codec.kernels.cpu"):
             assert not cpu_kernels.available() and not cpu_kernels.available()
             assert THCCodec().prepare(torch.ones(10)).backend is None
         assert len([r for r in caplog.records if "reference" in r.getMessage()]) == 1
@@ -307,7 +308,7 @@ def test_a_failing_compiler_raises_from_build_and_the_codec_falls_back(tmp_path,
 _BUILD = textwrap.dedent("""
     import json, logging, sys, time
     logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
-    from hhook import cpu_kernels
+    from hhook.codec.kernels import cpu as cpu_kernels
     ok = cpu_kernels.available()
     print(json.dumps({"ok": ok, **cpu_kernels.build_info}))
 """)

@@ -144,7 +144,7 @@ def test_ddp_other_world_sizes(world):
 def _carried(state):
     """Everything a state carries per key: residuals and predicted scales, per policy."""
     out = {}
-    for mode, policy in state.policies.items():
+    for mode, policy in state.keys.policies.items():
         for key, ks in policy.keys.items():
             out[(mode, key)] = (ks.residual, ks.scales, ks.digest, ks.steps)
     return out

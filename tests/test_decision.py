@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hhook
-from hhook import rotation
+from hhook.codec import rotation
 from hhook.decision import LAG, Decision, Prober, candidates, wire_bits
 
 from distributed import run_world
@@ -354,10 +354,10 @@ def _train(rank, world, state=None, steps=40, model_state=None, scale=1.0, compi
     else:
         ddp.register_comm_hook(state, hhook.thc_hook)
     clock = clock or FakeClock(scale)
-    if state._prober is None:
-        state._prober = Prober(clock)
+    if state.prober is None:
+        state.prober = Prober(clock)
     else:  # a state that trains on (its reductions in flight included), on this clock
-        state._prober.clock = clock
+        state.prober.clock = clock
     run = torch.compile(ddp) if compiled else ddp
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     if opt_state is not None:
@@ -371,7 +371,7 @@ def _train(rank, world, state=None, steps=40, model_state=None, scale=1.0, compi
         if step in inject and rank == 0:
             loss = loss * float("inf")
         loss.backward()
-        methods.append(state._prober.method)
+        methods.append(state.prober.method)
         if step in inject:
             nonfinite[step] = all(not torch.isfinite(p.grad).all() for p in model.parameters())
             continue  # as GradScaler: skip the step
@@ -405,7 +405,7 @@ def _ddp_worker(rank, world, scales, compiled):
     ddp = DDP(model)
     state = hhook.register(ddp, scales=scales)
     assert state.bits == "auto" and state.decision is not None
-    state._prober = Prober(FakeClock(scale))
+    state.prober = Prober(FakeClock(scale))
     res = _train(rank, world, state, steps=40, scale=scale, compiled=compiled)
     out["methods"] = res["methods"]
     out["loss"] = res["loss"]
@@ -496,7 +496,7 @@ def _failure_worker(rank, world):
     torch.manual_seed(0)
     ddp = DDP(Net())
     state = hhook.register(ddp)
-    state._prober = Prober(FakeClock())
+    state.prober = Prober(FakeClock())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     x, y = _data(rank)
     original = codec_module.THCCodec.quantize
@@ -516,7 +516,7 @@ def _failure_worker(rank, world):
             outcome.append("own" if "simulated" in str(e) else "peer" if "failed while encoding" in str(e) else str(e))
         finally:
             codec_module.THCCodec.quantize = original
-        state._prober.clock.advance(state._prober.method)
+        state.prober.clock.advance(state.prober.method)
         opt.step()
     return outcome
 
@@ -535,7 +535,7 @@ def _checkpoint_worker(rank, world, scales):
     torch.save({"model": res["model"].state_dict(), "hook": state, "opt": res["opt"].state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=False)
-    residuals = sum(ks.residual is not None for v in state.variants.values() for p in v.policies.values()
+    residuals = sum(ks.residual is not None for v in state.variants.values() for p in v.keys.policies.values()
                     for ks in p.keys.values())
     clock_a = FakeClock()
     clock_a.now = res["clock"].now
@@ -570,9 +570,9 @@ def _mismatch_worker(rank, world):
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     if rank == 1:
-        from hhook.decision import ensure
+        from hhook.decision import live_decision
 
-        ensure(loaded).plain.append(0.5)  # as if resumed from another step's checkpoint
+        live_decision(loaded).plain.append(0.5)  # as if resumed from another step's checkpoint
     try:
         _train(rank, world, loaded, steps=2)
         return "trained"
@@ -588,13 +588,15 @@ def test_ranks_resumed_from_different_decisions_raise_together():
 def _switch_worker(rank, world):
     """Error feedback: leaving a THC width hands its residuals to the next exchange."""
     state = hhook.THCState(bits="auto", error_feedback=True)
-    width = state.variant(3)
+    from hhook.decision.widths import release_other_widths, variant
+
+    width = variant(state, 3)
     hhook.thc_allreduce(torch.randn(5000, generator=torch.Generator().manual_seed(rank)), width, key=0)
-    residual = width.policies["agreed"].keys[0].residual.clone()
+    residual = width.keys.policies["agreed"].keys[0].residual.clone()
     target = torch.zeros(5000)
-    state.release_other_widths(0, target, keep=None)  # the next exchange of key 0 is another method
+    release_other_widths(state, 0, target, keep=None)  # the next exchange of key 0 is another method
     expected = rotation.unrotate(residual, width.seed).reshape(-1)[:5000]
-    return target, expected, 0 in width.policies["agreed"].keys
+    return target, expected, 0 in width.keys.policies["agreed"].keys
 
 
 def test_switching_flushes_error_feedback_residuals():
@@ -606,7 +608,7 @@ def test_switching_flushes_error_feedback_residuals():
 # -- every (width, call) draws its own rounding stream ----------------------------------
 def _stream_worker(rank, world, scales, topology):
     from hhook import codec as codec_module
-    from hhook import rng
+    from hhook.codec import rng
 
     original = codec_module.THCCodec.stream
     drawn = []
@@ -749,7 +751,7 @@ def _run_deep(rank, options, checkpoint=None, compiled=False):
         state = hhook.register(ddp, state=loaded)
         clock, first = FakeClock(10.0 if rank == 1 else 1.0), checkpoint["step"]
         clock.now = checkpoint["clock"]
-    state._prober = Prober(clock)
+    state.prober = Prober(clock)
     run = torch.compile(ddp, backend="aot_eager") if compiled else ddp
     x, y = _data(rank)
     saved, methods = None, []
@@ -762,7 +764,7 @@ def _run_deep(rank, options, checkpoint=None, compiled=False):
         opt.zero_grad()
         idx = torch.arange(step * 16, step * 16 + 16) % 256
         torch.nn.functional.cross_entropy(run(x[idx] * (10.0 if rank == 1 else 1.0)), y[idx]).backward()
-        methods.append(state._prober.method)
+        methods.append(state.prober.method)
         opt.step()
         clock.advance(methods[-1])
         t = torch.ones(1)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import hhook
-from hhook import lanes
+from hhook.codec import lanes
 from hhook.simulation import heavy_tailed, vnmse
 
 from distributed import run_world

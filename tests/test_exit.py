@@ -55,11 +55,11 @@ def _end_from_a_worker_thread(rank, world):
     import torch.distributed as dist
 
     import hhook
-    from hhook import groups, teardown
+    from hhook.schedule import groups, teardown
 
     state = hhook.THCState(bits=4)
     hhook.thc_allreduce(torch.randn(5000), state, key="a")
-    second = state.second_group(torch.device("cpu"))
+    second = state.runtime.second_group(torch.device("cpu"))
     seen = {}
     done = threading.Event()
 

@@ -267,7 +267,7 @@ def _subgroup_timeout_worker(rank, world, scales):
     import torch.distributed as dist
 
     import hhook
-    from hhook.groups import timeout_of
+    from hhook.schedule.groups import timeout_of
 
     both = hhook.THCState(bits=4, scales=scales)  # WORLD (torch's default timeout) beside a subgroup
     hhook.thc_allreduce(torch.randn(4000) * (10.0 if rank == 1 else 1.0), both)
@@ -276,8 +276,8 @@ def _subgroup_timeout_worker(rank, world, scales):
         return None
     state = hhook.THCState(sub, bits=4, scales=scales)
     hhook.thc_allreduce(torch.randn(4000) * (0.0 if rank == 1 else 1.0), state)  # builds the second communicator
-    second = state.second_group(torch.device("cpu"))
-    out = {"second_timeout": second.timeout.total_seconds(), "world_second": timeout_of(both.second_group(
+    second = state.runtime.second_group(torch.device("cpu"))
+    out = {"second_timeout": second.timeout.total_seconds(), "world_second": timeout_of(both.runtime.second_group(
         torch.device("cpu"))).total_seconds()}
     if rank == 1:
         time.sleep(8)  # stalls: never joins the SUM below
@@ -285,7 +285,7 @@ def _subgroup_timeout_worker(rank, world, scales):
     tic = time.monotonic()
     try:
         t = torch.ones(10)
-        hhook.futures.then(second.all_reduce(t).get_future(), lambda v: v[0], t, "a test SUM", second).wait()
+        hhook.schedule.futures.then(second.all_reduce(t).get_future(), lambda v: v[0], t, "a test SUM", second).wait()
         out["error"] = None
     except hhook.PeerTimeoutError as e:
         out["error"] = str(e)

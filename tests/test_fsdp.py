@@ -92,8 +92,8 @@ def _wire_bytes(n, world, bits):
     """What one comm hands to collectives for one call with output numel ``n``: the
     one-time handshake (2 floats), every chunk's scale vector, every chunk's message."""
     from hhook.codec import THCCodec
-    from hhook.layout import HEADER
-    from hhook.message import PREFIX
+    from hhook.codec.layout import HEADER
+    from hhook.scales.message import PREFIX
 
     codec = THCCodec(bits, 1024, 0, world)
     word = codec.layout.word_bits // 8
@@ -120,7 +120,7 @@ def test_nonfinite_everywhere():
 
 def _mismatch(rank, world):
     import hhook.fsdp
-    from hhook.message import ConfigMismatchError
+    from hhook.errors import ConfigMismatchError
 
     model = _shard(_model())
     hhook.fsdp.register(model, bits=4 if rank == 0 else 5)
@@ -366,7 +366,7 @@ def _hsdp_states(rank, world):
     """register_hsdp with a replica_state built by the user, and bits="auto" sized for the
     groups the messages cross (2 ranks each on a 2 x 2 grid), not for the WORLD of 4."""
     import hhook.fsdp
-    from hhook.topology import auto_bits
+    from hhook.codec.error_model import auto_bits
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -381,7 +381,7 @@ def _hsdp_states(rank, world):
         _step(model, x, y)
         grads = [p.grad.full_tensor() for p in model.parameters()]
         out[f"errors_{bits}"] = [((a - b).norm() / b.norm()).item() for a, b in zip(grads, full)]
-        out[f"bits_{bits}"] = sorted({p.bits for p in state.policies.values()} | {p.bits for p in replica.policies.values()})
+        out[f"bits_{bits}"] = sorted({p.bits for p in state.keys.policies.values()} | {p.bits for p in replica.keys.policies.values()})
         out["auto_bits_2"] = auto_bits(2)
     try:
         hhook.fsdp.register_hsdp(_shard(_model(), mesh=mesh["shard"]), mesh["replicate"].get_group(), bits=8,
@@ -430,13 +430,13 @@ def test_register_hsdp_refuses_wrong_layouts_on_every_rank():
     assert run_world(_bad_hsdp_layout, 4) == [[True, True, True]] * 4
 
 
-# -- the shared message format (hhook.message) through the reduce-scatter ---------------------
+# -- the shared message format (hhook.scales.message) through the reduce-scatter ---------------------
 def _messages(rank, world):
     import weakref
 
     import hhook.codec
     from hhook.fsdp import THCReduceScatter
-    from hhook.message import PREFIX
+    from hhook.scales.message import PREFIX
     from hhook.state import THCState
 
     state = THCState(bits=4)
@@ -484,7 +484,7 @@ def test_reduce_scatter_messages_use_the_shared_format():
 def _failure(rank, world):
     import hhook.codec
     from hhook.fsdp import THCReduceScatter
-    from hhook.message import RankFailedError
+    from hhook.errors import RankFailedError
     from hhook.state import THCState
 
     comm = THCReduceScatter(THCState(bits=4), "f", None)
@@ -520,7 +520,7 @@ def test_rank_local_failure_raises_on_every_rank():
 
 def _message_mismatch(rank, world):
     from hhook.fsdp import THCReduceScatter
-    from hhook.message import ConfigMismatchError
+    from hhook.errors import ConfigMismatchError
     from hhook.state import THCState
 
     comm = THCReduceScatter(THCState(bits=4, seed=rank), "x", None)  # differing rotation seeds

@@ -16,7 +16,7 @@ LOG = "hhook.fsdp_all_gather"
 
 @pytest.mark.parametrize("bits", [8, 7, 6, 5, 4, 3, 2])
 def test_codes_pack_and_unpack_at_every_width(bits):
-    from hhook.weight_quant import pack, unpack
+    from hhook.codec.weights import pack, unpack
 
     codes = torch.randint(0, 2 ** bits - 1, (8 * 37,), dtype=torch.uint8)
     out = torch.empty(37 * bits, dtype=torch.uint8)
@@ -28,7 +28,7 @@ def test_codes_pack_and_unpack_at_every_width(bits):
 @pytest.mark.parametrize("rotate", [False, True, "auto"])
 @pytest.mark.parametrize("bits", [8, 6, 4])
 def test_weight_codec_bound_and_zeros(bits, rotate, workspaces):
-    from hhook.weight_quant import WeightCodec
+    from hhook.codec.weights import WeightCodec
 
     codec = WeightCodec(bits, 64, rotate, seed=3)
     x = torch.randn(5, 64) * torch.tensor([1.0, 1e-30, 0.0, 1e4, 1.0])[:, None]
@@ -50,7 +50,7 @@ def test_weight_codec_bound_and_zeros(bits, rotate, workspaces):
 def test_auto_rotation_takes_the_better_domain_per_block():
     """Uniform blocks stay as they are, heavy-tailed ones are rotated; the error is the
     smaller of never and always rotating, block by block."""
-    from hhook.weight_quant import WeightCodec
+    from hhook.codec.weights import WeightCodec
 
     g = torch.Generator().manual_seed(0)
     x = torch.cat((torch.rand(50, 256, generator=g) * 2 - 1, torch.randn(50, 256, generator=g) ** 5))
@@ -132,7 +132,7 @@ def _block_ratios(exact, decoded, world, codec, dtype):
 
 def _gather(rank, world, bits, param_dtype, reshard):
     import hhook.fsdp
-    from hhook.weight_quant import WeightCodec
+    from hhook.codec.weights import WeightCodec
 
     exact = dict(_model().named_parameters())
     model = _shard(_model(), reshard, param_dtype)
@@ -315,7 +315,7 @@ def _late_mismatch_and_failure(rank, world):
     rank whose encoding fails (its own exception there, RankFailedError elsewhere)."""
     import hhook.fsdp
     from hhook.message import ConfigMismatchError, RankFailedError
-    from hhook.weight_quant import WeightCodec
+    from hhook.codec.weights import WeightCodec
 
     model = _shard(_model())
     hhook.fsdp.compress_all_gather(model)

@@ -37,7 +37,7 @@ def _fake_clock(state, switch, costs):
         now[0] += costs[switch.method]
         return now[0]
 
-    state._prober.clock = clock
+    state.prober.clock = clock
 
 
 def _decide(rank, world, costs, param_dtype=None, steps=30):

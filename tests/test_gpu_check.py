@@ -24,7 +24,7 @@ def test_dry_run_runs_every_stage_without_a_gpu(tmp_path):
     assert all(s["status"] == "ok" for s in report["stages"].values()), report["stages"]
     parity = report["stages"]["parity"]["result"]
     assert parity["cases"] == parity["cases_planned"] > 0 and parity["differing_elements"] == 0
-    from hhook import cuda_kernels
+    from hhook.codec.kernels import cuda as cuda_kernels
 
     assert report["stages"]["sanitizer"]["result"]["kernels"] == len(cuda_kernels.KERNEL_NAMES)
     assert report["stages"]["tests"]["result"]["collected"] > 100

@@ -104,7 +104,7 @@ def test_two_mpirun_jobs_on_one_host_at_once(tmp_path):
     assert all(len(p) == 1 for p in ports) and ports[0] != ports[1], outs
 
 
-# -- where the launcher put this process on its node (hhook.topology reads it) -------
+# -- where the launcher put this process on its node (hhook.schedule.topology reads it) -------
 @pytest.mark.parametrize(
     "environ,expected",
     [
@@ -145,8 +145,8 @@ def _plan(*args):
 @pytest.mark.parametrize("nodes,k", [(2, 2), (3, 1), (2, 4)])
 def test_netcluster_places_k_ranks_per_node_as_torchrun(nodes, k):
     """``netcluster.sh launch N --ranks-per-node K`` sets these variables (``plan``
-    prints them; it needs no root and no cluster): hhook.topology finds the nodes."""
-    from hhook.topology import local_record, plan_layout
+    prints them; it needs no root and no cluster): hhook.schedule.topology finds the nodes."""
+    from hhook.schedule.topology import local_record, plan_layout
 
     out = _plan(str(nodes), "--ranks-per-node", str(k))
     assert out.returncode == 0, out.stderr

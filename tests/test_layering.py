@@ -1,7 +1,8 @@
-"""The package's layering: no module imports one that (through others) imports it back
-(imports under ``if TYPE_CHECKING:`` never run and do not count),
-the codec's backends read the layout, never the codec, and hhook-profile's dispatcher sits
-above its subcommands, which sit above what they share."""
+"""The package's layering, by folder: every module imports only its own layer and the
+ones below (imports under ``if TYPE_CHECKING:`` never run and do not count), no module
+imports one that (through others) imports it back, the codec's kernels read its layout,
+never the codec object, and hhook-profile's dispatcher sits above its subcommands, which
+sit above what they share."""
 
 import ast
 import pathlib
@@ -78,10 +79,14 @@ def test_no_import_cycles():
     assert not cycles, [" -> ".join(c) for c in cycles]
 
 
-def test_backends_depend_on_the_layout_not_the_codec():
+def test_kernels_depend_on_the_layout_not_the_codec():
     graph = _graph()
-    for backend in ("hhook.cpu_kernels", "hhook.cuda_kernels"):
-        assert "hhook.codec" not in graph[backend] and "hhook.layout" in graph[backend], graph[backend]
+    kernels = {m for m in graph if m.startswith("hhook.codec.kernels.")}
+    assert {"hhook.codec.kernels.cpu", "hhook.codec.kernels.cuda"} <= kernels
+    for module in kernels:
+        assert "hhook.codec.codec" not in graph[module], (module, graph[module])
+    for module in ("hhook.codec.kernels.cpu", "hhook.codec.kernels.cuda"):
+        assert "hhook.codec.layout" in graph[module], graph[module]
 
 
 def test_profile_layers():
@@ -99,19 +104,23 @@ def test_profile_layers():
     assert not _cycles(profile)
 
 
-#: DESIGN.md sec. 9 / docs/design.md, bottom to top: a module imports only its own layer
-#: and the ones below. Every module of the package must be placed.
+#: docs/design.md, bottom to top: a module imports only its own layer and the ones below.
+#: A layer is a folder of hhook/ (a sub-folder belongs to its folder's layer), or, for the
+#: base and the integrations, modules at the top. Every module of the package is placed.
 LAYERS = (
-    ("codec", {"errors", "rng", "layout", "lanes", "rotation", "quantization", "backend", "cpu_kernels",
-               "cuda_kernels", "codec", "weight_quant"}),
-    ("message and scale policy", {"message", "scales"}),
-    ("schedule", {"futures", "teardown", "blame", "stats", "sequencer", "groups", "launch", "node_memory", "topology",
-                  "state", "flat", "two_level", "allreduce", "decision", "prober", "widths", "advice"}),
+    ("base", {"errors", "launch", "stats"}),  # what every layer raises, reads from the launcher, counts
+    ("codec", {"codec"}),
+    ("scales", {"scales"}),
+    ("schedule", {"schedule"}),
+    ("state", {"state"}),
+    ("decision", {"decision"}),
     # "": the package's front, hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
     # adapters, over the DDP hook
-    ("integrations", {"ddp_hook", "horovod", "fsdp", "fsdp_all_gather", "", "adapters", "lightning", "accelerate", "transformers"}),
+    ("integrations", {"ddp_hook", "horovod", "fsdp", "fsdp_all_gather", "fsdp_auto", "", "adapters", "lightning", "accelerate", "transformers"}),
     ("benchmarks", {"simulation", "baselines", "profile"}),
 )
+#: Layers that are folders of hhook/ (the others are modules at its top).
+FOLDERS = {"codec", "scales", "schedule", "state", "decision"}
 INTEGRATIONS = {"hhook.ddp_hook", "hhook.horovod", "hhook.fsdp"}
 #: One module per framework, each over hhook.adapters and the DDP hook, none over another.
 FRAMEWORK_ADAPTERS = {"hhook.lightning", "hhook.accelerate", "hhook.transformers"}
@@ -138,8 +147,21 @@ def test_integrations_do_not_import_each_other():
         assert not graph[module] & (INTEGRATIONS - {module}), (module, graph[module] & INTEGRATIONS)
 
 
+def test_layers_are_folders():
+    for name, members in LAYERS:
+        for member in members:
+            if member in FOLDERS:
+                assert (ROOT / member / "__init__.py").is_file(), f"layer {name}: hhook/{member}/ is not a package"
+            elif member:
+                assert (ROOT / f"{member}.py").is_file() or (ROOT / member / "__init__.py").is_file(), member
+    top = {p.stem for p in ROOT.glob("*.py")} | {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    placed = {m for _, members in LAYERS for m in members} | {"__init__"}
+    assert top <= placed, top - placed
+
+
 def test_the_layer_check_finds_an_upward_import():
-    assert _layer("hhook.codec") < _layer("hhook.message") < _layer("hhook.flat") < _layer("hhook.fsdp")
+    assert _layer("hhook.codec.rng") < _layer("hhook.scales.message") < _layer("hhook.schedule.flat") < _layer("hhook.fsdp")
+    assert _layer("hhook.codec.kernels.cpu") == _layer("hhook.codec")
     assert _layer("hhook.profile.commands.train") == _layer("hhook.baselines.sbc") == len(LAYERS) - 1
 
 

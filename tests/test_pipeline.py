@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hhook
-from hhook.allreduce import check_tensor
+from hhook.schedule.allreduce import check_tensor
 
 from distributed import run_world
 
@@ -60,15 +60,15 @@ def test_pieces_are_whole_blocks_and_cover_the_tensor():
     state = hhook.THCState(block_size=1024, chunk_mb=0.02)  # at most 5242 floats a piece
     cpu = torch.device("cpu")
     for numel in (1, 1024, 5242, 5243, 30000, 1 << 20):
-        pieces = state.chunks(numel, cpu)
+        pieces = state.options.chunks(numel, cpu)
         assert pieces[0][0] == 0 and pieces[-1][1] == numel
         assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
         assert all(stop - start <= 5242 and start % 1024 == 0 for start, stop in pieces)
         assert len(pieces) == (1 if numel <= 5242 else -(-numel // 5120))  # as few as whole blocks allow
-    assert hhook.THCState(chunk_mb=0).chunks(1 << 30, cpu) == [(0, 1 << 30)]
+    assert hhook.THCState(chunk_mb=0).options.chunks(1 << 30, cpu) == [(0, 1 << 30)]
     auto = hhook.THCState()
-    assert len(auto.chunks(25 * 2**20 // 4, cpu)) == 3 and len(auto.chunks(5_000_000, cpu)) == 2
-    assert auto.chunks(25 * 2**20 // 4, torch.device("cuda", 0)) == [(0, 25 * 2**20 // 4)]
+    assert len(auto.options.chunks(25 * 2**20 // 4, cpu)) == 3 and len(auto.options.chunks(5_000_000, cpu)) == 2
+    assert auto.options.chunks(25 * 2**20 // 4, torch.device("cuda", 0)) == [(0, 25 * 2**20 // 4)]
 
 
 def _pieces_worker(rank, world, scales):
@@ -192,9 +192,8 @@ def test_bad_options_fail_at_construction(option, value):
 def test_agreed_scales_are_the_default_everywhere():
     state = hhook.THCState()
     assert state.scales == "agreed"
-    assert state.mode(torch.device("cpu")) == "agreed" and state.mode(torch.device("cuda", 0)) == "agreed"
     assert hhook.THCState(scales="auto").scales == "agreed"  # the former default's name
-    assert hhook.THCState(scales="predicted").mode(torch.device("cpu")) == "predicted"
+    assert hhook.THCState(scales="predicted").scales == "predicted"
 
 
 def test_tensors_hhook_cannot_average_in_place_are_refused_plainly():

@@ -471,7 +471,7 @@ def test_a_missing_profiler_dependency_says_which_extra_installs_it(monkeypatch)
 def test_the_core_imports_no_profiler_dependency():
     # Whatever torch itself pulls in does not count; hhook's core must add none of them.
     code = ("import sys, torch; before = set(sys.modules);"
-            "import hhook, hhook.scales, hhook.allreduce, hhook.ddp_hook;"
+            "import hhook, hhook.scales, hhook.schedule.allreduce, hhook.ddp_hook;"
             "bad = [m for m in ('tqdm', 'matplotlib', 'sklearn', 'mpi4py') if m in sys.modules and m not in before];"
             "print(bad); sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

@@ -170,29 +170,25 @@ def test_old_pickles_still_load():
     state = hhook.THCState.__new__(hhook.THCState)
     state.__setstate__(old)
     assert (state.bits, state.scales, state.chunk_mb, state.iter, state.calls) == (3, "agreed", 0, 7, 11)
-    assert state._stats.snapshot()["compressed_calls"] == 5 and state.process_group is None
-
-
-class _WithComponent(hhook.THCState):
-    """A state with one more checkpointed component that has its own state_dict()."""
-
-    __slots__ = ("decision",)
-    _PICKLED = (*hhook.THCState._PICKLED, "decision")
-
-    def __init__(self, **options):
-        super().__init__(**options)
-        self.decision = Counters()
+    assert state.counters.snapshot()["compressed_calls"] == 5 and state.process_group is None
 
 
 def test_components_with_their_own_state_dict_are_saved_through_it():
-    state = _WithComponent(bits=2)
-    state.decision.add("dense_calls", 4, 4)
+    """The counters and a live decision are saved as their state_dict() and load in place."""
+    from hhook.decision import Decision
+
+    state = hhook.THCState(bits="auto")
+    state.counters.add("dense_calls", 4, 4)
+    state.decision = Decision(["thc:4", "fp32"])
+    state.decision.plain.append(0.25)
     saved = _round_trip(state.state_dict())
-    assert saved["decision"]["dense_calls"] == 1
-    fresh = _WithComponent()
-    component = fresh.decision
+    assert saved["_stats"]["dense_calls"] == 1 and saved["decision"]["plain"] == [0.25]
+    fresh = hhook.THCState()
+    fresh.decision = decision = Decision(["thc:4", "fp32"])
+    counters = fresh.counters
     fresh.load_state_dict(saved)
-    assert fresh.decision is component and component.snapshot()["dense_calls"] == 1 and fresh.bits == 2
+    assert fresh.counters is counters and counters.snapshot()["dense_calls"] == 1 and fresh.bits == "auto"
+    assert fresh.decision is decision and decision.plain == [0.25]
 
 
 @pytest.mark.parametrize("bad", [None, {"model": 1}, {"bits": 99}, {"bits": 4, "format": 99}])

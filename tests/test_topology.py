@@ -1,4 +1,4 @@
-"""Node detection (hhook.topology), the two-level schedule (hhook.two_level) and bits="auto"."""
+"""Node detection (hhook.schedule.topology), the two-level schedule (hhook.schedule.two_level) and bits="auto"."""
 
 import math
 import os
@@ -10,17 +10,9 @@ import torch.distributed as dist
 import hhook
 from hhook.simulation import heavy_tailed, simulate_allreduce, simulate_two_level, vnmse
 from hhook.stats import Counters, two_level_stats
-from hhook.topology import (
-    TopologyError,
-    auto_bits,
-    detect_topology,
-    layout_fingerprint,
-    local_record,
-    plan_layout,
-    predicted_vnmse,
-    wire_bits_per_coord,
-)
-from hhook.two_level import two_level_allreduce, two_level_allreduce_async
+from hhook.codec.error_model import auto_bits, predicted_vnmse, wire_bits_per_coord
+from hhook.schedule.topology import TopologyError, detect_topology, layout_fingerprint, local_record, plan_layout
+from hhook.schedule.two_level import two_level_allreduce, two_level_allreduce_async
 
 from distributed import run_world
 
@@ -358,7 +350,7 @@ def test_targets_wire_bits_and_error_at_scale():
 
 @pytest.mark.parametrize("k", [2, 3, 4, 8])
 def test_node_mean_exact_for_equal_rows(k):
-    from hhook.two_level import _node_mean
+    from hhook.schedule.two_level import _node_mean
 
     g = torch.Generator().manual_seed(k)
     row = torch.randn(1000, generator=g) * torch.logspace(-30, 30, 1000)
@@ -383,7 +375,7 @@ def _inputs_doc():
 
 
 def test_scale_model_layouts_and_wire_bits():
-    from hhook.profile.models import inputs_from_json, layout_step, scale_rows
+    from hhook.profile.scale_model import inputs_from_json, layout_step, scale_rows
 
     inp = inputs_from_json({**_inputs_doc(), "host_cores": None})
     for N, k in [(1, 4), (3, 1)]:  # one node, or one rank per node: two-level is flat
@@ -404,7 +396,7 @@ def test_scale_model_layouts_and_wire_bits():
 def test_scale_model_against_the_measured_layouts():
     """The model, on the inputs ci/measure_topology.sh measured, against the step times
     it recorded in the same run (docs/topology.md): the target, 15% on every row."""
-    from hhook.profile.models import inputs_from_json, validation_rows
+    from hhook.profile.scale_model import inputs_from_json, validation_rows
 
     doc = _inputs_doc()
     rows = validation_rows(inputs_from_json(doc), doc["measured"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hhook
-from hhook import node_memory
+from hhook.schedule import node_memory, teardown
 from tests.distributed import ROOT, run_world
 
 MODES = ["agreed", "predicted"]
@@ -110,7 +110,7 @@ def test_thc_allreduce_two_level_options_mismatch_raises_on_every_rank(odd_ranks
 # -- item 5: a local failure on one rank raises on every rank ---------------------------
 def _failure_worker(rank, world, scales, intra, where):
     from hhook import codec as codec_module
-    from hhook import two_level
+    from hhook.schedule import two_level
 
     _fake_torchrun(rank)
     os.environ["HHOOK_SHM"] = "1" if intra == "shm" else "0"
@@ -139,15 +139,16 @@ def _failure_worker(rank, world, scales, intra, where):
                 setattr(target, name, original)
     finally:
         setattr(target, name, original)
-    return outcome
+    return outcome, teardown.quiesce(10.0)  # True: every continuation released
 
 
 @pytest.mark.parametrize("scales", MODES)
 @pytest.mark.parametrize("intra", ["shm", "collectives"])
 @pytest.mark.parametrize("where", ["quantize", "node_mean"])
 def test_a_rank_failure_raises_on_every_rank_of_every_node(scales, intra, where):
+    """... and every continuation is released after it, so the job's exit does not wait."""
     res = run_world(_failure_worker, 4, scales, intra, where, timeout=120)
-    assert res == [["peer", "ok"], ["own", "ok"], ["peer", "ok"], ["peer", "ok"]], res
+    assert res == [(["peer", "ok"], True), (["own", "ok"], True), (["peer", "ok"], True), (["peer", "ok"], True)], res
 
 
 # -- item 3: within the shared-memory budget, else collectives --------------------------
@@ -232,7 +233,7 @@ def test_a_node_s_files_live_only_while_needed_and_go_at_exit():
 _HOLDER = """
 import sys, time
 sys.path.insert(0, {root!r})
-from hhook import node_memory
+from hhook.schedule import node_memory
 m = node_memory.NodeMemory({prefix!r}, 2, 2**20, directory={directory!r})
 m.region("w", 1000, __import__("torch").float32)
 print("ready", flush=True)

@@ -13,7 +13,8 @@ import torch.nn as nn
 
 import hhook
 from hhook.simulation import heavy_tailed, vnmse
-from hhook.topology import TopologyError, auto_bits
+from hhook.codec.error_model import auto_bits
+from hhook.schedule.topology import TopologyError
 from tests.distributed import logged, run_world
 
 MODES = ["agreed", "predicted"]
@@ -105,7 +106,7 @@ def _api_worker(rank, world):
     hhook.thc_allreduce(b, loaded, key="w")
     hhook.thc_allreduce(c, from_dict, key="w")
     out["resumed_identical"] = torch.equal(a, b) and torch.equal(a, c)
-    out["residual_keys"] = sorted(str(k) for p in loaded.inter.policies.values() for k in p.keys)
+    out["residual_keys"] = sorted(str(k) for p in loaded.inter.keys.policies.values() for k in p.keys)
     # the same checkpoint on another layout (an elastic restart): its per-key state starts afresh
     other = hhook.THCState(topology=4)  # one node of 4: flat
     saved = loaded.state_dict()
@@ -113,7 +114,7 @@ def _api_worker(rank, world):
     other.load_state_dict(saved)
     with logged("hhook.state") as lines:
         two_level = other.node_layout().two_level
-    out["relayout"] = (two_level, other.inter, other.policies, lines)
+    out["relayout"] = (two_level, other.inter, other.keys.policies, lines)
     return out
 
 

@@ -8,8 +8,8 @@ allreduce (one rank's own vector would read as "every rank identical" and make d
 copy). Each timed repeat is one prepare -> quantize -> decode cycle into a reused output,
 as in training; the best of the repeats is reported. Throughput counts float32 input
 bytes of one rank's encode + decode; the copy column is ``clone()`` of the same tensor,
-timed in the same run. ``impl`` A/Bs the fused backend (:mod:`hhook.cpu_kernels` on CPU,
-:mod:`hhook.cuda_kernels` on CUDA) against the torch reference (``HHOOK_FORCE_REFERENCE``);
+timed in the same run. ``impl`` A/Bs the fused backend (:mod:`hhook.codec.kernels.cpu` on CPU,
+:mod:`hhook.codec.kernels.cuda` on CUDA) against the torch reference (``HHOOK_FORCE_REFERENCE``);
 ``rounding`` A/Bs correlated against independent rounding (:data:`hhook.codec.ROUNDINGS`),
 time and vNMSE of the mean alike.
 """
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .. import cpu_kernels
+from ..codec.kernels import cpu as cpu_kernels
 from ..codec import ROUNDINGS, THCCodec, fused_backend
 from ..simulation import heavy_tailed, simulate_allreduce, vnmse
 from .units import format_size as _size

@@ -13,7 +13,7 @@ Methods (every one produces the mean over ranks of a float32 buffer of ``S`` byt
 ``thc:BITS:topology=T`` (T flat, auto or K ranks per node; torch.distributed backends)
     :func:`hhook.thc_allreduce` on a ``THCState(topology=T)``, keyed per size as DDP keys
     its buckets, timed as one call (its phases are not split, so codec and wire show
-    ``-``): with several nodes, the two-level schedule of :mod:`hhook.two_level`. ``wire_bytes`` is what one rank hands
+    ``-``): with several nodes, the two-level schedule of :mod:`hhook.schedule.two_level`. ``wire_bytes`` is what one rank hands
     to collectives between nodes, ``intra_wire_bytes`` what stays inside its node (the
     state's ``stats()``), per call.
 ``fp16``
@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from ..codec import THCCodec
-from .. import rng
+from ..codec import rng
 from .methods import FP16, FP32, THC_BITS, ZLIB, Method, parse
 from .units import iterations
 
@@ -178,7 +178,7 @@ class Runner:
             torch.div(half.to(torch.float32), comm.size, out=self.out)
             timer.lap("decode")
         elif self.state is not None:
-            from ..allreduce import thc_allreduce
+            from ..schedule.allreduce import thc_allreduce
 
             self.out.copy_(self.x)
             comm.sync()

@@ -29,7 +29,7 @@ def collective_bytes(counter: dict | None = None):
     node-local shared memory."""
     import torch.distributed as dist
 
-    from hhook.groups import SecondGroup
+    from hhook.schedule.groups import SecondGroup
 
     counter = {"bytes": 0} if counter is None else counter
     for key in ("bytes", "reduce_scatter", "all_gather"):

@@ -157,7 +157,7 @@ def _topology(entry: Entry, text: str) -> str | int:
 
 def _all_gather(entry: Entry, kind: Kind) -> int | str | None:
     """``ag=``: a width of hhook's compressed all-gather or ``bf16`` (dense bfloat16 parameters)."""
-    from ..weight_quant import WIDTHS
+    from ..codec.weights import WIDTHS
 
     text = entry.given.get("ag")
     if text is None or text == "bf16":

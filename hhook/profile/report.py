@@ -142,43 +142,45 @@ def _busbw(r) -> str:
     return "-" if r.get("world_size") == 1 else gbps(r["busbw_GBps"])
 
 
+#: allreduce_table's cells, by field: each column shows one of them.
+_CELLS = {
+    "size": lambda r: str(r["bytes"]),
+    "method": lambda r: r["method"],
+    "iters": lambda r: str(r["iters"]),
+    "time": lambda r: fnum(r["time_us"], ".1f"),
+    "time_min": lambda r: fnum(r["time_us_min"], ".1f"),
+    "time_max": lambda r: fnum(r["time_us_max"], ".1f"),
+    "codec": lambda r: fnum(r["codec_us"], ".1f"),
+    "wire": lambda r: fnum(r["wire_us"], ".1f"),
+    "algbw": lambda r: gbps(r["algbw_GBps"]),
+    "busbw": _busbw,
+    "wire_bytes": lambda r: fnum(r["wire_bytes"], ".0f"),
+    "ratio": lambda r: fnum(r["ratio"], ".2f"),
+    "speedup_wire": lambda r: fnum(r.get("speedup_wire"), ".2f"),
+    "speedup": lambda r: fnum(r.get("speedup_total"), ".2f"),
+    "wrong": lambda r: "-" if r["wrong"] is None else str(r["wrong"]),
+    "vnmse": lambda r: fnum(r["vnmse"], ".2e"),
+}
+
+#: (field, group header, header, width): the narrow table's columns, then the wide one's.
+_NARROW = (("size", "size", "(B)", 11), ("method", "method", "", 7), ("time", "time", "(us)", 11),
+           ("codec", "codec", "(us)", 10), ("wire", "wire", "(us)", 11), ("algbw", "algbw", "(GB/s)", 8),
+           ("busbw", "busbw", "(GB/s)", 8), ("ratio", "ratio", "", 6), ("speedup", "speedup", "(x fp32)", 8),
+           ("wrong", "#wrong", "", 6), ("vnmse", "vNMSE", "", 8))
+_WIDE = (("size", "", "size(B)", 11), ("method", "", "method", 7), ("iters", "", "iters", 5),
+         ("time", "time per allreduce (us)", "avg", 11), ("time_min", "time per allreduce (us)", "min", 11),
+         ("time_max", "time per allreduce (us)", "max", 11), ("codec", "= codec + wire (us)", "codec", 10),
+         ("wire", "= codec + wire (us)", "wire", 11), ("algbw", "GB/s", "algbw", 8), ("busbw", "GB/s", "busbw", 8),
+         ("wire_bytes", "wire", "B/rank", 10), ("ratio", "wire", "ratio", 6),
+         ("speedup_wire", "faster than fp32", "wire", 6), ("speedup", "faster than fp32", "total", 6),
+         ("wrong", "error", "#wrong", 6), ("vnmse", "error", "vNMSE", 8))
+
+
 def allreduce_table(rows: list[dict], head: bool = True, wide: bool = False) -> str:
     """One line per size and method: name and unit headers, at most :data:`TABLE_WIDTH`
     columns. ``wide`` adds min/max over ranks, wire bytes, the wire-only speedup and
     iterations (every figure is in ``--json`` either way)."""
-    if not wide:
-        cols = [
-            Column("size", "(B)", 11, lambda r: str(r["bytes"])),
-            Column("method", "", 7, lambda r: r["method"]),
-            Column("time", "(us)", 11, lambda r: fnum(r["time_us"], ".1f")),
-            Column("codec", "(us)", 10, lambda r: fnum(r["codec_us"], ".1f")),
-            Column("wire", "(us)", 11, lambda r: fnum(r["wire_us"], ".1f")),
-            Column("algbw", "(GB/s)", 8, lambda r: gbps(r["algbw_GBps"])),
-            Column("busbw", "(GB/s)", 8, _busbw),
-            Column("ratio", "", 6, lambda r: fnum(r["ratio"], ".2f")),
-            Column("speedup", "(x fp32)", 8, lambda r: fnum(r.get("speedup_total"), ".2f")),
-            Column("#wrong", "", 6, lambda r: "-" if r["wrong"] is None else str(r["wrong"])),
-            Column("vNMSE", "", 8, lambda r: fnum(r["vnmse"], ".2e")),
-        ]
-        return table(cols, rows, head)
-    cols = [
-        Column("", "size(B)", 11, lambda r: str(r["bytes"])),
-        Column("", "method", 7, lambda r: r["method"]),
-        Column("", "iters", 5, lambda r: str(r["iters"])),
-        Column("time per allreduce (us)", "avg", 11, lambda r: fnum(r["time_us"], ".1f")),
-        Column("time per allreduce (us)", "min", 11, lambda r: fnum(r["time_us_min"], ".1f")),
-        Column("time per allreduce (us)", "max", 11, lambda r: fnum(r["time_us_max"], ".1f")),
-        Column("= codec + wire (us)", "codec", 10, lambda r: fnum(r["codec_us"], ".1f")),
-        Column("= codec + wire (us)", "wire", 11, lambda r: fnum(r["wire_us"], ".1f")),
-        Column("GB/s", "algbw", 8, lambda r: gbps(r["algbw_GBps"])),
-        Column("GB/s", "busbw", 8, _busbw),
-        Column("wire", "B/rank", 10, lambda r: fnum(r["wire_bytes"], ".0f")),
-        Column("wire", "ratio", 6, lambda r: fnum(r["ratio"], ".2f")),
-        Column("faster than fp32", "wire", 6, lambda r: fnum(r.get("speedup_wire"), ".2f")),
-        Column("faster than fp32", "total", 6, lambda r: fnum(r.get("speedup_total"), ".2f")),
-        Column("error", "#wrong", 6, lambda r: "-" if r["wrong"] is None else str(r["wrong"])),
-        Column("error", "vNMSE", 8, lambda r: fnum(r["vnmse"], ".2e")),
-    ]
+    cols = [Column(group, header, width, _CELLS[field]) for field, group, header, width in (_WIDE if wide else _NARROW)]
     return table(cols, rows, head)
 
 

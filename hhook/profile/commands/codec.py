@@ -70,7 +70,7 @@ def run(args, cfg) -> int:
 
 
 def _measure(args, cfg) -> tuple[dict, list[dict]]:
-    from ... import cpu_kernels
+    from ...codec.kernels import cpu as cpu_kernels
     from ...codec import THCCodec
     from .. import codec_bench, plot
     from ..progress import Progress

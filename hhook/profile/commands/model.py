@@ -198,7 +198,7 @@ def _scale(args, cfg: dict) -> tuple[dict, list[dict]]:
 def _scale_tables(args, cfg: dict) -> tuple[dict, list[dict]]:
     import json
 
-    from ..models import bits_panel, inputs_from_json, parse_layouts, scale_rows, scale_table, speedup_panel, \
+    from ..scale_model import bits_panel, inputs_from_json, parse_layouts, scale_rows, scale_table, speedup_panel, \
         validation_rows
 
     doc = {}
@@ -227,7 +227,7 @@ def _scale_tables(args, cfg: dict) -> tuple[dict, list[dict]]:
     say(f"# THC at bits={inp.bits}: wire bits/coord between nodes (and bits used) per layout")
     say(scale_table(rows))
     say("#")
-    say('# THC at bits="auto" (hhook.topology.auto_bits: no worse than 4 bits at 4 ranks)')
+    say('# THC at bits="auto" (hhook.codec.error_model.auto_bits: no worse than 4 bits at 4 ranks)')
     say(scale_table([r for r in rows if r["method"] in ("fp32", "bf16")] + auto_rows))
     rows += auto_rows
     if doc.get("measured"):

@@ -1,0 +1,372 @@
+r"""Fused CPU stages of :class:`hhook.codec.THCCodec`: a small C file compiled on first use.
+
+The pure-torch codec makes about a dozen passes over memory per stage (0.2 GB/s on one
+thread); each stage here is one pass per block, from ``csrc/thc_cpu.c``:
+
+1. ``prepare``: load (fp32/fp16/bf16), digest of the float32 bits, sign diagonal,
+   Walsh-Hadamard butterflies in L1, per-block max ``|y|``; the rotated blocks go to a
+   recycled workspace (``Prepared.blocks``), the scale vector to ``Prepared.scales``.
+2. ``quantize``: ``y + residual``, stochastic rounding with the counter-based RNG of
+   :mod:`hhook.codec.rng` (independent or correlated thresholds, :class:`hhook.codec.rng.Stream`), written straight into the lane words of :mod:`hhook.codec.lanes`, and the
+   new residual. Given the same rotated blocks and scales the words equal the
+   reference's bit for bit (same float32 operations in the same order, no contraction).
+3. ``decode``: unpack, dequantize, inverse rotation, crop, store in the output's dtype.
+
+The butterflies sum in another order than the reference's Kronecker matmuls, so rotated
+values (and hence, rarely, a code) differ from the reference in the last bits.
+
+Why a C file and ctypes: no new dependency and nothing to build at install time
+(``pip install hhook`` needs no compiler). On first use the system C compiler (``$CC``,
+else Python's, else ``cc``/``gcc``/``clang``) builds it with ``-O3 -march=native`` into
+``$HHOOK_CACHE_DIR`` (default ``~/.cache/hhook``), keyed by the source, the compiler, the
+flags and the CPU, so every later process (every rank of every job) just loads it. A
+file lock makes concurrent ranks compile once; the library is written to a temporary
+file and renamed, so no process ever loads a half-written one. Without a working
+compiler the codec logs one line and uses the reference. ctypes releases the GIL, so
+the blocks are split over ``torch.get_num_threads()`` Python threads.
+``HHOOK_FORCE_REFERENCE=1`` forces the reference.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from . import backend
+from .. import layout as spec
+from .. import rng, rotation
+from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by hhook.profile.codec_bench
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "HHOOK_CACHE_DIR"
+SOURCE_NAME = "thc_cpu.c"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-std=c11", "-fPIC", "-shared")
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_MIN_PER_THREAD = 1 << 16  # coordinates: below this a second thread costs more than it saves
+_POOL_SIZE = 8  # rotated-block workspaces kept for reuse
+
+#: How the library was obtained in this process: ``path``, ``compiled`` (False: loaded
+#: from the cache), ``seconds`` (compile or load time); empty until first use.
+build_info: dict = {}
+
+_c_int, _c_i64, _c_u32, _c_ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
+_SIGNATURES = {
+    "hh_prepare": (_c_ptr, _c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr),
+    "hh_quantize": (_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_int, _c_int, _c_u32, _c_ptr, _c_u32, _c_int, _c_u32,
+                    _c_i64, _c_int, _c_int, _c_int, _c_i64, _c_i64, _c_ptr),
+    "hh_decode": (_c_ptr, _c_int, _c_i64, _c_int, _c_ptr, _c_int, _c_int, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
+                  _c_ptr, _c_int, _c_ptr),
+}
+
+
+# -- building ------------------------------------------------------------------------
+def source_path() -> Path:
+    return backend.source_path(SOURCE_NAME)
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hhook"
+
+
+def compiler() -> list[str]:
+    """The C compiler command: ``$CC``, else the one Python was built with, else the first
+    of ``cc``, ``gcc``, ``clang`` on the PATH. Raises FileNotFoundError if none exists."""
+    candidates = [os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"]
+    if os.environ.get("CC"):
+        candidates = candidates[:1]  # an explicit choice is not second-guessed
+    for cand in candidates:
+        if cand:
+            cmd = shlex.split(cand)
+            if cmd and shutil.which(cmd[0]):
+                return cmd
+    raise FileNotFoundError(f"no C compiler found (tried {', '.join(c for c in candidates if c)})")
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` depends on: the CPU model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
+        return "\n".join(sorted(set(keep)))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def library_path(cc: list[str]) -> Path:
+    """Cache file of the library for this source, compiler, flags and CPU."""
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(
+        "\0".join((source_path().read_text(), " ".join(cc), version, " ".join(FLAGS), _cpu_identity())).encode()
+    ).hexdigest()[:20]
+    return cache_dir() / f"thc_cpu-{key}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Exclusive lock held across processes (no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build() -> Path:
+    """Compile the library into the cache unless it is there; returns its path.
+
+    Concurrent callers (ranks of one node) serialise on a lock file: the first compiles,
+    the others find the result. The compiler writes a temporary file that is renamed
+    into place, so a reader never sees a partial library.
+    """
+    cc = compiler()
+    target = library_path(cc)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with _file_lock(target.with_suffix(".lock")):
+        if target.is_file():
+            build_info.update(path=str(target), compiled=False)
+            return target
+        fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(source_path()), "-lm"],
+                                  capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cc)} failed: {done.stderr.strip()[-2000:]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    build_info.update(path=str(target), compiled=True, compile_seconds=time.perf_counter() - start)
+    return target
+
+
+@functools.cache
+def _library():
+    """The loaded library, or None (logged once) when it cannot be built here."""
+    start = time.perf_counter()
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except Exception as e:  # no compiler, a failing one, an unwritable cache: use the reference
+        logger.warning("hhook: fused CPU codec unavailable, using the torch reference (%s)", e)
+        return None
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    build_info["seconds"] = time.perf_counter() - start
+    return lib
+
+
+def available() -> bool:
+    """Whether CPU tensors go through this module: not forced off and the library loads."""
+    return not backend.forced_off() and _library() is not None
+
+
+def supports(block: int) -> bool:
+    return 1 <= block <= 1 << 16 and block & (block - 1) == 0
+
+
+# -- threads and workspaces --------------------------------------------------------
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_executor_threads = 0
+_executor_lock = threading.Lock()
+
+
+def _parallel(fn, total: int, coords_per_item: int) -> list:
+    """Run ``fn(first, last)`` over ``[0, total)`` split across torch's thread count.
+
+    Called from several threads at once (the hook encodes while the transport's threads
+    decode). The pool grows by replacement; submitting under the lock that replaces it
+    means no call submits to a pool already shut down (whose queued work still runs).
+    """
+    global _executor, _executor_threads
+    parts = min(torch.get_num_threads(), max(1, total * coords_per_item // _MIN_PER_THREAD), max(total, 1))
+    if parts <= 1:
+        return [fn(0, total)]
+    bounds = [total * i // parts for i in range(parts + 1)]
+    with _executor_lock:
+        if _executor is None or _executor_threads < parts:
+            if _executor is not None:
+                _executor.shutdown(wait=False)
+            _executor = concurrent.futures.ThreadPoolExecutor(parts, thread_name_prefix="hhook-cpu")
+            _executor_threads = parts
+        futures = [_executor.submit(fn, bounds[i], bounds[i + 1]) for i in range(parts)]
+    return [f.result() for f in futures]
+
+
+_pool: list[torch.Tensor] = []
+_pool_lock = threading.Lock()
+
+
+def _take_workspace(numel: int) -> torch.Tensor:
+    """A float32 buffer of ``numel``: fresh pages cost page faults on every call."""
+    with _pool_lock:
+        fits = [i for i, b in enumerate(_pool) if b.numel() >= numel]
+        if fits:
+            best = _pool.pop(min(fits, key=lambda i: _pool[i].numel()))
+            return best[:numel]
+    return torch.empty(numel, dtype=torch.float32)
+
+
+def _give_workspace(buffer: torch.Tensor) -> None:
+    with _pool_lock:
+        base = buffer._base if buffer._base is not None else buffer
+        _pool.append(base)
+        if len(_pool) > _POOL_SIZE:
+            _pool.pop(min(range(len(_pool)), key=lambda i: _pool[i].numel()))
+
+
+@functools.lru_cache(maxsize=64)
+def scaled_signs(seed: int, block: int) -> torch.Tensor:
+    """``D / sqrt(B)``: the normalisation rides on the sign diagonal."""
+    return (rotation.signs(seed, block, torch.device("cpu")) / math.sqrt(block)).contiguous()
+
+
+# -- stages ------------------------------------------------------------------------
+def rotate(codec, source: torch.Tensor):
+    """``(blocks, maxima, digest, nonfinite)`` of a flat tensor: the fused stage 1 without
+    the header (tests compare its blocks with the reference quantizer's input)."""
+    lib = _library()
+    numel = source.numel()
+    block = codec.block_for(numel)
+    n_blocks = codec.n_blocks(numel)
+    src = source.contiguous()
+    blocks = _take_workspace(n_blocks * block).view(n_blocks, block)
+    maxima = torch.empty(n_blocks, dtype=torch.float32)
+    signs = scaled_signs(codec.seed, block)
+    dtype = _DTYPE_CODE[src.dtype]
+
+    def run(first, last):
+        digest, nonfinite = ctypes.c_uint64(0), ctypes.c_int32(0)
+        lib.hh_prepare(src.data_ptr(), dtype, numel, block, first, last, signs.data_ptr(), blocks.data_ptr(),
+                       maxima.data_ptr(), ctypes.byref(digest), ctypes.byref(nonfinite))
+        return digest.value, nonfinite.value
+
+    parts = _parallel(run, n_blocks, block)
+    digest = sum(d for d, _ in parts) & ((1 << 48) - 1)
+    nonfinite = any(f for _, f in parts)
+    return blocks, maxima, digest, nonfinite
+
+
+def prepare(codec, source: torch.Tensor):
+    numel = source.numel()
+    blocks, maxima, digest, nonfinite = rotate(codec, source)
+    if nonfinite:
+        maxima.zero_()
+    head = codec.header(numel, float(nonfinite), digest)
+    return spec.Prepared(numel, source, torch.cat((head, maxima)), blocks, backend=_module())
+
+
+def _verdicts(agreed: torch.Tensor) -> tuple[bool, bool, bool]:
+    """``codec.agreed_status`` read on the host: free on CPU, no device to wait for."""
+    return tuple(bool(v) for v in spec.agreed_status(agreed))
+
+
+def quantize(codec, prepared, agreed, key, residual=None, residual_out=None, out=None) -> torch.Tensor:
+    lib = _library()
+    stream = rng.as_stream(key)
+    blocks = prepared.blocks
+    if blocks is None:
+        raise RuntimeError("hhook: this Prepared was already decoded; prepare the tensor again")
+    n_blocks, block = blocks.shape
+    layout = codec.layout
+    count = blocks.numel()
+    n_words = layout.n_words(count)
+    backend.check(agreed, codec.scales_numel(prepared.numel), "agreed scales", torch.float32, device_type="cpu")
+    nonfinite, _, identical = _verdicts(agreed)
+    words = torch.empty(n_words, dtype=layout.word_dtype) if out is None else out
+    if residual is not None:
+        backend.check(residual, count, "residual", torch.float32, device_type="cpu")
+        backend.check(residual_out, count, "residual_out", torch.float32, device_type="cpu")
+    if nonfinite or identical:  # the words carry nothing
+        words.zero_()
+        if residual is not None and residual_out is not residual:
+            residual_out.copy_(residual)
+        return words
+    maxima = agreed[spec.HEADER :].contiguous()
+    table = stream.table(block).bitwise_left_shift_(24 - stream.strata_bits) if stream.strata_bits else None
+    r_in = residual.contiguous() if residual is not None else None
+    direct = residual_out is not None and residual_out.is_contiguous()
+    r_out = residual_out if direct or residual_out is None else torch.empty(count, dtype=torch.float32)
+
+    def run(first, last):
+        lib.hh_quantize(blocks.data_ptr(), r_in.data_ptr() if r_in is not None else None,
+                        r_out.data_ptr() if r_out is not None else None, maxima.data_ptr(), count,
+                        block.bit_length() - 1, codec.levels, stream.key, table.data_ptr() if table is not None else None,
+                        stream.row, stream.strata_bits, stream.offset, n_words, layout.lanes,
+                        layout.width, layout.word_bits, first, last, words.data_ptr())
+
+    _parallel(run, n_words, layout.lanes)
+    if residual_out is not None and not direct:
+        residual_out.copy_(r_out.view(residual_out.shape))
+    return words
+
+
+def decode(codec, prepared, agreed, words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    lib = _library()
+    numel = prepared.numel
+    block = codec.block_for(numel)
+    n_blocks = codec.n_blocks(numel)
+    layout = codec.layout
+    n_words = layout.n_words(n_blocks * block)
+    backend.check(agreed, codec.scales_numel(numel), "agreed scales", torch.float32, device_type="cpu")
+    backend.check(words, n_words, "words", layout.word_dtype, device_type="cpu")
+    backend.check(out, numel, "out", device_type="cpu")
+    nonfinite, mismatch, identical = _verdicts(agreed)
+    if prepared.blocks is not None:
+        _give_workspace(prepared.blocks)
+        prepared.blocks = None
+    if nonfinite or mismatch:
+        return out.fill_(float("nan"))
+    if identical:
+        out.copy_(prepared.source.view(out.shape))
+        return out
+    direct = out.is_contiguous() and out.dtype in _DTYPE_CODE
+    target = out if direct else torch.empty(numel, dtype=torch.float32)
+    words = words.contiguous()
+    maxima = agreed[spec.HEADER :].contiguous()
+    signs = scaled_signs(codec.seed, block)
+    dtype = _DTYPE_CODE[target.dtype]
+
+    def run(first, last):
+        work = torch.empty(block, dtype=torch.float32)
+        lib.hh_decode(words.data_ptr(), layout.word_bits, n_words, layout.width, maxima.data_ptr(), codec.levels,
+                      codec.world_size, numel, block, signs.data_ptr(), first, last, target.data_ptr(), dtype,
+                      work.data_ptr())
+
+    _parallel(run, n_blocks, block)
+    if not direct:
+        out.copy_(target.view(out.shape))
+    return out
+
+
+def _module():
+    import sys
+
+    return sys.modules[__name__]

@@ -1,0 +1,356 @@
+r"""Fused CUDA kernels for :class:`hhook.codec.THCCodec`, compiled at run time by CuPy.
+
+The pure-torch codec is the specification; this module only makes it faster on a GPU.
+:func:`hhook.codec.fused_backend` sends CUDA tensors here when :func:`usable` says so, and
+the codec's three stages call :func:`prepare`, :func:`quantize` and :func:`decode`. Each
+is one kernel from ``csrc/thc_kernels.cu``; none reads a device value on the host.
+
+1. ``prepare`` reads the input once (fp32/fp16/bf16): sign diagonal, Walsh-Hadamard
+   transform, per-block max ``|y|``, the 48-bit digest of its float32 bits, and the
+   header (:data:`hhook.codec.HEADER`). The last CUDA block to finish writes the header
+   and zeroes the maxima if any was inf/NaN.
+2. ``quantize`` reads the input again and recomputes the rotation instead of storing it
+   (13 bytes of memory traffic per fp32 coordinate for the whole codec, not 17.6), adds
+   the residual, rounds onto the agreed scales and packs the lane words. The agreed
+   header is read on the device: "non-finite" or "identical" makes it copy the old residual.
+3. ``decode`` writes NaN (non-finite, mismatch), the input itself (identical), or the
+   unpacked, dequantized, inverse-rotated mean, in the output's dtype.
+
+Every float operation that the reference also performs is rounded the same way, and the
+transform adds in a fixed order, so the kernels' output is a pure function of the inputs;
+tests reproduce it bit for bit with a torch model of that order. CuPy compiles with
+``-ftz=true``: subnormal intermediates count as zero (the CPU emulator models it).
+
+**Streams and lifetimes.** Each launch runs on torch's current stream of the tensor's
+device. A transport that runs a later stage on another stream (NCCL and Gloo futures run
+``then`` callbacks on side streams, as soon as the work is queued) must keep what that
+kernel reads or writes alive and ordered: every launch here therefore calls
+:func:`keep_alive` (``Tensor.record_stream``) on its tensors for the stream it runs on, so
+the caching allocator cannot hand their memory to anything else before the kernel is done.
+What each launch touches:
+
+=========== ============================================ ===============================
+stage       reads                                        writes
+=========== ============================================ ===============================
+prepare     ``source``                                   ``scales`` (header + maxima)
+quantize    ``source``, ``agreed``, ``residual``         ``words``, ``residual_out``
+decode      ``words``, ``agreed``, ``source`` (identical) ``out`` (or a temporary, copied)
+=========== ============================================ ===============================
+
+``source`` (``prepared.source``) must not change between ``prepare`` and ``decode``.
+
+**Host cost.** Tensors cross over as raw ``data_ptr()`` integers (no DLPack: works with
+``requires_grad`` tensors and under ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``), stream
+objects and per-stream workspaces are cached, and there are no helper kernels: one launch
+per stage.
+
+**Availability.** :func:`warm_up` compiles the kernels for a device (NVRTC, seconds, once;
+CuPy also caches the binary on disk, ``~/.cupy/kernel_cache``, or a private temporary
+folder when that is not writable). Call it when the training
+state is built; otherwise the first compressed bucket does. If compiling fails (no NVRTC,
+no CUDA headers, an unsupported GPU) it logs one line and the codec falls back to the
+reference for that device; so does a CuPy that does not import (one log line too).
+``HHOOK_FORCE_REFERENCE=1`` forces the reference everywhere.
+Block sizes above :data:`MAX_BLOCK` use the reference too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import rng
+from . import backend
+from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by tests/test_cuda.py
+from ..layout import HEADER as _HEADER
+from ..layout import Prepared
+# The launches' geometry and arguments (named here too: tests read them from this module).
+from .cuda_launches import (_DTYPE_SUFFIX, _MAX_THREADS, _MIN_TILE, _QUANTIZE_THREADS, _R,  # noqa: F401
+                            _SHARED_LIMIT, _WORD_SUFFIX, _WORDS_PER_THREAD, Launch, _aligned, _pad,
+                            _quantize_geometry, _tile, decode_launch, prepare_launch, quantize_launch)
+
+logger = logging.getLogger(__name__)
+
+#: Largest rotation block the kernels handle: quantize's window of coordinates (up to
+#: 2 blocks of 4096 floats) must fit in 48 KiB of shared memory.
+MAX_BLOCK = 4096
+SOURCE_NAME = "thc_kernels.cu"
+#: NVRTC options; CuPy appends ``-ftz=true`` (and the architecture) itself.
+COMPILE_OPTIONS = ("-std=c++14",)
+
+KERNEL_NAMES = (
+    *(f"hh_prepare_{d}" for d in _DTYPE_SUFFIX.values()),
+    *(f"hh_quantize_{d}_{w}" for d in _DTYPE_SUFFIX.values() for w in _WORD_SUFFIX.values()),
+    *(f"hh_decode_{w}_{o}_{i}" for w in _WORD_SUFFIX.values() for o in _DTYPE_SUFFIX.values()
+      for i in _DTYPE_SUFFIX.values()),
+)
+
+
+# -- availability ----------------------------------------------------------------
+CACHE_ENV = "CUPY_CACHE_DIR"
+
+
+def _writable_folder(path: str) -> bool:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def _ensure_cache_dir() -> None:
+    """CuPy 14 creates its kernel cache folder (``~/.cupy/kernel_cache``) when it is
+    imported and fails to import if it cannot: a read-only or missing home (containers,
+    batch jobs under a service account) would switch the kernels off. Where the user set no
+    ``CUPY_CACHE_DIR`` and the default is unusable, point CuPy at a private temporary
+    folder (one log line; the kernels are then compiled once per process)."""
+    if os.environ.get(CACHE_ENV) or _writable_folder(os.path.expanduser("~/.cupy/kernel_cache")):
+        return
+    folder = tempfile.mkdtemp(prefix="hhook-cupy-cache-")
+    os.environ[CACHE_ENV] = folder
+    logger.warning("hhook: ~/.cupy/kernel_cache is not writable; CuPy caches hhook's kernels in %s "
+                   "(set %s to keep them across processes)", folder, CACHE_ENV)
+
+
+_import_error: list = []  # why CuPy did not import, for the one log line of warm_up
+
+
+@functools.cache
+def _cupy_importable() -> bool:
+    _ensure_cache_dir()
+    try:
+        import cupy  # noqa: F401
+    except Exception as err:  # ImportError, or a CuPy built for another CUDA failing to load
+        _import_error.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        return False
+    return True
+
+
+def available() -> bool:
+    """Whether CUDA tensors may go through these kernels: CuPy importable and not forced
+    off. CuPy is imported here, lazily, so importing hhook never needs it."""
+    return not backend.forced_off() and _cupy_importable()
+
+
+def supports(block: int) -> bool:
+    """Whether the kernels handle this rotation block size (the codec falls back if not)."""
+    return 1 <= block <= MAX_BLOCK and block & (block - 1) == 0
+
+
+def _device_index(device) -> int:
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _warm_up(index: int) -> bool:
+    try:
+        _functions(index)
+    except Exception as err:  # NVRTC or headers missing, unsupported GPU, driver too old
+        logger.warning(
+            "hhook: CUDA kernels unavailable on cuda:%d (%s: %s); using the reference codec there",
+            index,
+            type(err).__name__,
+            str(err).splitlines()[0] if str(err) else "",
+        )
+        return False
+    return True
+
+
+@functools.cache
+def _say_unavailable() -> None:
+    logger.warning(
+        "hhook: CuPy is not importable (%s); CUDA tensors use the reference codec, several times slower "
+        "(pip install cupy-cuda13x, or cupy-cuda12x for a CUDA 12 build of torch)",
+        _import_error[0] if _import_error else "ImportError")
+
+
+def warm_up(device=None) -> bool:
+    """Compile and load the kernels for ``device`` now; False (and one log line) if that fails.
+
+    The transport calls it when its state is built, so that neither the compile (seconds,
+    once) nor a failure happens inside the backward pass.
+    """
+    if backend.forced_off():
+        return False
+    if not _cupy_importable():
+        _say_unavailable()
+        return False
+    return _warm_up(_device_index(device))
+
+
+def usable(device, block: int) -> bool:
+    """Whether the codec should run tensors on ``device`` with this block size here."""
+    return available() and supports(block) and _warm_up(_device_index(device))
+
+
+# -- sources -----------------------------------------------------------------------
+def source_path() -> Path:
+    return backend.source_path(SOURCE_NAME)
+
+
+@functools.cache
+def kernel_source() -> str:
+    return source_path().read_text()
+
+
+# -- host-side constants -----------------------------------------------------------------
+def sign_bits(seed: int, block: int) -> np.ndarray:
+    """The sign diagonal of :func:`hhook.codec.rotation.signs` as a bit table: bit ``p`` of word
+    ``p // 32`` is set where entry ``p`` is -1."""
+    key = rng.sign_key(seed)
+    table = np.zeros(-(-block // 32), dtype=np.uint32)
+    for p in range(block):
+        if rng.mix32(p + key) & 1:
+            table[p >> 5] |= np.uint32(1 << (p & 31))
+    return table
+
+
+@functools.lru_cache(maxsize=64)
+def _signs_on(seed: int, block: int, device: torch.device) -> torch.Tensor:
+    """The table on ``device``, uploaded once per (seed, block, device), through pinned
+    memory: a plain upload would wait for the copy (a host sync at a width's first call)."""
+    table = torch.from_numpy(sign_bits(seed, block).view(np.int32))
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table.to(device)
+
+
+_workspaces: dict = {}
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    """prepare's running digest and counters: 2 x int64 of zeros per (device, stream).
+
+    Launches on one stream run in order and each leaves it zeroed again; launches on
+    different streams get different workspaces.
+    """
+    key = (device, _stream_pointer(device))
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = _workspaces[key] = torch.zeros(2, dtype=torch.int64, device=device)
+    return ws
+
+
+def _stream_pointer(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0  # the CPU emulator in the tests
+    index = _device_index(device)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+# -- running them with CuPy ------------------------------------------------------------
+@functools.cache
+def _functions(index: int) -> dict:
+    """The compiled kernels on device ``index`` (NVRTC once per device; raises on failure)."""
+    import cupy
+
+    with cupy.cuda.Device(index):
+        module = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS)
+        module.compile()
+        # RawKernel.kernel: the driver function for the current device, whose call takes
+        # (grid, block, args, shared_mem, stream) with no per-call conversions.
+        return {name: module.get_function(name).kernel for name in KERNEL_NAMES}
+
+
+@functools.lru_cache(maxsize=256)
+def _cupy_stream(index: int, pointer: int):
+    import cupy
+
+    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; it still works, and older CuPy needs it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(pointer, index)
+
+
+def keep_alive(tensors, stream: torch.cuda.Stream | None = None) -> None:
+    """Keep CUDA ``tensors`` from being reused before the work now queued on ``stream``
+    (default: the current one) is done: ``record_stream`` for each. A tensor allocated on
+    that very stream needs nothing (the allocator ignores it then)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(stream if stream is not None else torch.cuda.current_stream(t.device))
+
+
+def _cupy_launch(launch: Launch, device: torch.device) -> None:
+    """Run ``launch`` on torch's current stream of ``device``; tensors as raw pointers."""
+    index = _device_index(device)
+    function = _functions(index)[launch.name]
+    stream = _cupy_stream(index, _stream_pointer(device))
+    args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in launch.args)
+    function((launch.grid, 1, 1), (launch.block, 1, 1), args, launch.shared_mem, stream)
+    keep_alive((a for a in launch.args if isinstance(a, torch.Tensor)), torch.cuda.current_stream(index))
+
+
+#: How launches run; tests replace it with a CPU emulator of the kernels.
+_launch = _cupy_launch
+
+
+# -- the three codec stages ----------------------------------------------------------
+def _block_of(codec, numel: int) -> int:
+    block = codec.block_for(numel)
+    if not supports(block):
+        raise ValueError(f"hhook CUDA kernels rotate blocks of at most {MAX_BLOCK}, not {block}")
+    return block
+
+
+def prepare(codec, source: torch.Tensor):
+    """:meth:`THCCodec.prepare` in one kernel. ``source`` is the flattened input."""
+
+    if not source.is_contiguous() or source.dtype not in _DTYPE_SUFFIX:
+        raise ValueError("hhook: prepare needs a contiguous float32/float16/bfloat16 source")
+    numel = source.numel()
+    block = _block_of(codec, numel)
+    scales = torch.empty(_HEADER + codec.n_blocks(numel), dtype=torch.float32, device=source.device)
+    signs = _signs_on(codec.seed, block, source.device)
+    launch = prepare_launch(source, signs, scales, _workspace(source.device), numel, block, codec.fingerprint(numel))
+    _launch(launch, source.device)
+    return Prepared(numel, source, scales, None, sys.modules[__name__])
+
+
+def quantize(codec, prepared, agreed: torch.Tensor, key, residual=None, residual_out=None, out=None) -> torch.Tensor:
+    """:meth:`THCCodec.quantize`: the lane words; the residual as described there."""
+    source = prepared.source
+    block = _block_of(codec, prepared.numel)
+    n_blocks = codec.n_blocks(prepared.numel)
+    layout = codec.layout
+    words = torch.empty(codec.words_numel(prepared.numel), dtype=layout.word_dtype, device=source.device) if out is None else out
+    if words.numel() == 0:
+        return words
+    backend.check(agreed, _HEADER + n_blocks, "agreed scales", torch.float32, contiguous=True)
+    if residual is not None:
+        residual_out = residual if residual_out is None else residual_out
+        backend.check(residual, n_blocks * block, "residual", torch.float32, contiguous=True)
+        backend.check(residual_out, n_blocks * block, "residual_out", torch.float32, contiguous=True)
+    signs = _signs_on(codec.seed, block, source.device)
+    launch = quantize_launch(source, signs, agreed, words, residual, residual_out, block, layout, codec.levels, key)
+    _launch(launch, source.device)
+    return words
+
+
+def decode(codec, prepared, agreed: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:meth:`THCCodec.decode`: the mean (or NaN, or the input) written into ``out``."""
+    numel = prepared.numel
+    if out.numel() != numel:
+        raise ValueError(f"hhook: out has {out.numel()} elements, expected {numel}")
+    if numel == 0:
+        return out
+    block = _block_of(codec, numel)
+    backend.check(agreed, _HEADER + codec.n_blocks(numel), "agreed scales", torch.float32, contiguous=True)
+    backend.check(words, codec.words_numel(numel), "words", codec.layout.word_dtype, contiguous=True)
+    direct = out.is_contiguous() and out.dtype in _DTYPE_SUFFIX
+    target = out.view(-1) if direct else torch.empty(numel, dtype=torch.float32, device=out.device)
+    signs = _signs_on(codec.seed, block, out.device)
+    launch = decode_launch(
+        words, signs, agreed, target, prepared.source, block, codec.layout, codec.levels, codec.world_size
+    )
+    _launch(launch, out.device)
+    if not direct:
+        out.copy_(target.view(out.shape))
+    return out

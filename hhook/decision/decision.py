@@ -1,0 +1,334 @@
+r"""``bits="auto"`` in the DDP hook: measure, per job, which exchange is fastest, and use it.
+
+Compression pays only where the wire is the bottleneck, and nobody can tell in advance
+whether it is (a GPU fabric makes the wire free; CPU ranks sharing cores make the codec
+dear). So the hook measures the job itself:
+
+* **Candidates** (:func:`candidates`): THC at :func:`hhook.codec.error_model.auto_bits`'s width for
+  this world (or node count) and every narrower width down to :data:`MIN_WIDTH`, a bf16
+  dense allreduce and DDP's plain fp32 allreduce. The auto width and the one below it
+  always take a turn; each narrower one only while narrowing pays: the width above it
+  was :data:`DESCEND_GAIN` faster than the one above that, or within that of it while the
+  bytes it saves would save as much at the time per byte that fp32 against the width
+  above measured (a 6-step turn does not resolve 3% on a shared host: noise stopped the
+  descent at 100 Mbit/s; fp32 against THC spans 5x the bytes of one width against the
+  next). On a slow wire the descent reaches 2 bits; where the codec or the compute is
+  the cost it stops after one step.
+* **Lockstep probing**: the candidates take turns for :data:`WINDOW` iterations each
+  (the first of a turn is not measured: it pays the switch), switching on DDP's iteration
+  counter, which every rank holds alike.
+* **Measured periods**: each rank times the period between the first hook calls of
+  successive iterations (a whole step: forward, backward, exchange, optimizer). The
+  period that ended at an iteration's first call is MAX-allreduced, with a fingerprint of
+  the decision's state, *asynchronously*, launched behind the iteration's last bucket
+  (off the backward's path: launched at the first bucket, it queued ahead of the buckets
+  and cost a whole round trip a step, 15 ms of 63 on a 10 ms link); the result is read
+  :data:`LAG` iterations later (long completed) and fed to :class:`Decision`. While a
+  choice is held, the periods of :data:`EXPLOIT_BATCH` iterations share one reduction
+  (:class:`~hhook.decision.Prober`).
+  So every rank holds the slowest rank's periods and nothing else: the same numbers, the
+  same decision. A rank whose state differs (another checkpoint, a bug) makes the
+  fingerprint differ and every rank raises :class:`~hhook.errors.ConfigMismatchError`.
+* **Pruning**: DDP's plain iterations before ``start_iter`` are free fp32 samples. A
+  candidate is dropped unrun when its model bound (fp32's sample; bf16 moves half of
+  fp32's bytes, so it takes at least half of fp32's step) exceeds twice
+  :data:`DROP_RATIO` times the best so far (fp32 at 100 Mbit/s, 6x THC's step, never
+  runs), and while running when its first two measured steps both exceed
+  :data:`DROP_RATIO` times it, or the median of three or more does (never on one step:
+  a period spanning an evaluation is 3x and more).
+* **Re-deciding**: every :data:`REDECIDE_EVERY` iterations, and when the median of the
+  chosen method's last :data:`DRIFT_WINDOW` periods moves by more than
+  :data:`DRIFT` (a shared link slowed down or sped up). The running choice's recent
+  periods stand for it in the new round.
+* **Switching keeps the guarantees**: a THC width that is left hands each key's
+  error-feedback residual to the next exchange of that key (whatever the method) and
+  forgets its predicted scales (they start with an agreed round on return).
+
+:class:`Decision` is plain data (``state_dict``/``load_state_dict``; pickled with the
+:class:`~hhook.state.THCState`); :class:`~hhook.decision.Prober` holds the clock and the in-flight
+reduction and is rebuilt after loading. Saving changes nothing (any rank may save at any
+time: rank 0 alone, every rank, every step): the saved decision holds the reductions in
+flight, read without taking them from the live run, so a resumed run feeds them where an
+uninterrupted one does; it cannot measure the period that spans the save, which it
+leaves unmeasured (with the same clock and steady periods, the same decisions).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import zlib
+
+from . import descent
+from .descent import median as _median
+from .methods import PLAIN, thc_bits
+
+logger = logging.getLogger(__name__)
+
+#: Iterations per candidate's turn; the first of each turn is not measured. Five samples
+#: per candidate, so that one noisy step (a shared host) does not pick the wrong one.
+WINDOW = 6
+#: A candidate whose first two measured steps both exceed this times the best so far, or
+#: whose median of three or more does, is dropped (one step never drops it).
+DROP_RATIO = 1.5
+#: Re-decide this many iterations after a decision.
+REDECIDE_EVERY = 1000
+#: Re-decide when the median of the running method's last DRIFT_WINDOW periods is more
+#: than 1 + DRIFT times its baseline (the median of its first DRIFT_WINDOW periods after
+#: the decision), or less than 1 / (1 + DRIFT) of it.
+#: Bursts of a dozen slower steps on a shared host stay below the drift; a change that
+#: moves the winner (10 Gbit/s to 100 Mbit/s: fp32's step 27x) shows within 9 steps,
+#: smaller ones wait for the scheduled round.
+DRIFT = 0.5
+DRIFT_WINDOW = 16
+#: ... and at once when the last JUMP_STEPS periods all moved JUMP times from the
+#: baseline (a link that dropped to a tenth: 3 slow steps, not 9, before the new round).
+JUMP = 3.0
+JUMP_STEPS = 3
+#: Decisions kept in ``stats()`` (and checkpoints).
+KEPT_DECISIONS = 8
+class Decision:
+    r"""The decision's logic and state, plain data only, driven by reduced numbers.
+
+    The hook calls :meth:`method_for` once per iteration (at its first bucket) and
+    :meth:`observe` with the slowest rank's period of an earlier iteration; both are pure
+    functions of what was fed before, so ranks fed alike decide alike.
+
+    Args:
+        candidates: names in probing order (:func:`candidates`).
+        wire_bits: bits per coordinate of each candidate (:func:`wire_bits`); without
+            them the descent goes by measured gains alone.
+        window, drop_ratio, redecide_every, drift, drift_window: as the module's constants.
+    """
+
+    def __init__(self, candidates: list[str], window: int = WINDOW, drop_ratio: float = DROP_RATIO,
+                 redecide_every: int = REDECIDE_EVERY, drift: float = DRIFT, drift_window: int = DRIFT_WINDOW,
+                 wire_bits: dict[str, float] | None = None):
+        if not candidates or len(set(candidates)) != len(candidates):
+            raise ValueError(f"candidates must be distinct and not empty, got {candidates!r}")
+        if wire_bits is not None and (set(wire_bits) != set(candidates) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in wire_bits.values())):
+            raise ValueError(f"wire_bits must give a positive number for each candidate, got {wire_bits!r}")
+        if window < 2 or drift_window < 1 or redecide_every < 1 or not drop_ratio > 1 or not drift > 0:
+            raise ValueError("window >= 2, drift_window >= 1, redecide_every >= 1, drop_ratio > 1 and drift > 0 needed")
+        self.options = {"candidates": list(candidates), "window": window, "drop_ratio": drop_ratio,
+                        "redecide_every": redecide_every, "drift": drift, "drift_window": drift_window}
+        if wire_bits is not None:  # (absent from the options of states saved before it)
+            self.options["wire_bits"] = {m: float(wire_bits[m]) for m in candidates}
+        self.phase = "explore"
+        self.reason = "start"
+        self.started = 0  # iteration the current exploration began
+        self.queue = list(candidates)
+        self.current = None  # the candidate whose turn it is
+        self.assigned = 0  # iterations given to its turn so far
+        self.samples: dict[str, list[float]] = {}
+        self.dropped: dict[str, float] = {}  # dropped early -> the period (or bound) that dropped it
+        self.plain: list[float] = []  # fp32 periods of DDP's plain iterations
+        self.choice = None
+        self.reference = None  # the choice's period at the decision
+        self.baseline = None  # the choice's median period over its first drift_window steps after it
+        self.decided_at = None
+        self.recent: list[float] = []
+        self.history: dict[str, list] = {}  # str(iteration) -> [method, measured?]: awaiting their period
+        self.last_probe = -1  # the last iteration given to a turn of this exploration
+        self.observed = -1  # the last iteration whose period came back
+        self.arrived: list = []  # [iteration, period]: reduced, fed at the iteration LAG after it
+        self.decisions: list[dict] = []
+
+    # -- checkpoints ---------------------------------------------------------------
+    _FIELDS = ("options", "phase", "reason", "started", "queue", "current", "assigned", "samples", "dropped", "plain",
+               "choice", "reference", "baseline", "decided_at", "recent", "history", "last_probe", "observed", "arrived",
+               "decisions")
+    _SINCE = {"arrived": []}  # fields newer than some saved states: their value in those
+
+    def _fields(self) -> dict:
+        return {name: getattr(self, name) for name in self._FIELDS}
+
+    def state_dict(self) -> dict:
+        """Everything, as numbers, strings, lists and dicts (copies)."""
+        return json.loads(json.dumps(self._fields()))
+
+    def load_state_dict(self, saved: dict) -> None:
+        missing = [name for name in self._FIELDS if name not in saved and name not in self._SINCE]
+        if missing:
+            raise ValueError(f"not a Decision state (missing {missing})")
+        for name in self._FIELDS:
+            setattr(self, name, json.loads(json.dumps(saved.get(name, self._SINCE.get(name)))))
+
+    def __getstate__(self):
+        return self.state_dict()
+
+    def __setstate__(self, saved):
+        self.load_state_dict(saved)
+
+    @classmethod
+    def from_state_dict(cls, saved: dict) -> "Decision":
+        d = cls(saved["options"]["candidates"])
+        d.load_state_dict(saved)
+        return d
+
+    def fingerprint(self) -> int:
+        """24 bits of the whole state (exact in a float32): equal on ranks fed alike.
+        Once per iteration: one JSON pass over the fields, no copy."""
+        return zlib.crc32(json.dumps(self._fields(), sort_keys=True).encode()) >> 8
+
+    def options_digest(self) -> int:
+        """24 bits of the options: part of the hook's options handshake."""
+        return zlib.crc32(json.dumps(self.options, sort_keys=True).encode()) >> 8
+
+    # -- the two calls ---------------------------------------------------------------
+    def method_for(self, iteration: int, plain: bool = False) -> str:
+        """The method of ``iteration`` (``plain``: DDP's iterations before ``start_iter``)."""
+        if plain:
+            self.history[str(iteration)] = [PLAIN, iteration > 0]  # the first iteration pays set-up
+            return PLAIN
+        if self.phase == "exploit":
+            self.history[str(iteration)] = [self.choice, True]
+            return self.choice
+        o = self.options
+        while True:
+            if self.current is not None and self.assigned < o["window"] and self.current not in self.dropped:
+                measured = self.assigned > 0
+                self.assigned += 1
+                self.last_probe = iteration
+                self.history[str(iteration)] = [self.current, measured]
+                return self.current
+            if not self.queue or descent.awaits_wider_turn(self, self.queue[0]):
+                break  # (the latter: the best so far runs until the turn above is all back)
+            self.current, self.assigned = self.queue.pop(0), 0
+            bound = descent.bound(self, self.current)
+            best = descent.best(self, exclude=self.current)
+            if bound is not None and best is not None and bound > 2 * o["drop_ratio"] * best:
+                self.dropped[self.current] = bound
+                self._log_drop(self.current, bound, best, "model")
+            elif not descent.narrowing_pays(self, self.current):
+                wider = f"thc:{thc_bits(self.current) + 1}"
+                self.dropped[self.current] = self.dropped.get(wider) or self.estimates().get(wider) or 0.0
+                logger.info("hhook: bits='auto' skips %s (one bit more was no faster than two more, "
+                            "nor would its bytes make it)", self.current)
+        self.current = None
+        self._maybe_decide(iteration)
+        method = self.choice if self.phase == "exploit" else self._hold()
+        self.history[str(iteration)] = [method, True]
+        return method
+
+    def arrive(self, iteration: int, period: float) -> None:
+        """The reduced period of ``iteration`` (negative: not measured), held until
+        :meth:`feed_due` feeds it at the same iteration on every rank."""
+        self.arrived.append([iteration, period])
+
+    def feed_due(self, upto: int) -> None:
+        """Feed the arrived periods of iterations up to ``upto`` to :meth:`observe`, in order."""
+        due = sorted(a for a in self.arrived if a[0] <= upto)
+        self.arrived = [a for a in self.arrived if a[0] > upto]
+        for iteration, period in due:
+            self.observe(iteration, period if period >= 0 else None)
+
+    def observe(self, iteration: int, period: float | None) -> None:
+        """The slowest rank's period of ``iteration`` in seconds (None: not measured)."""
+        entry = self.history.pop(str(iteration), None)
+        if entry is None:
+            return
+        self.observed = max(self.observed, iteration)
+        method, measured = entry
+        if period is not None and not (period >= 0 and math.isfinite(period)):
+            period = None
+        if method == PLAIN:
+            if measured and period is not None:
+                self.plain.append(period)
+            return
+        if period is None:
+            pass
+        elif self.phase == "exploit":
+            if method == self.choice:
+                self.recent = (self.recent + [period])[-self.options["drift_window"]:]
+        elif measured:
+            self.samples.setdefault(method, []).append(period)
+        if self.phase == "explore":
+            if period is not None and method not in self.dropped:
+                best = descent.best(self, exclude=method)
+                ratio = self.options["drop_ratio"]
+                taken = self.samples.get(method, [])
+                # One step, however far off, must not drop a candidate: a period that spans
+                # an evaluation or a save is 3x and more. Its first two measured steps both
+                # slow, or the median of three or more, drop it.
+                worst = None if len(taken) < 2 else min(taken) if len(taken) == 2 else _median(taken)
+                if best is not None and worst is not None and worst > ratio * best:
+                    self.dropped[method] = worst
+                    self._log_drop(method, worst, best, "measured")
+            self._maybe_decide(iteration)
+        else:
+            self._maybe_redecide(iteration)
+
+    # -- inside ----------------------------------------------------------------------
+    def estimates(self) -> dict[str, float]:
+        """This exploration's median period per candidate (seconds)."""
+        return {m: _median(v) for m, v in self.samples.items() if v}
+
+    def _ranked(self) -> list[str]:
+        est = self.estimates()
+        order = self.options["candidates"]
+        return sorted(est, key=lambda m: (est[m], order.index(m) if m in order else len(order)))
+
+    def _hold(self) -> str:
+        """While the last turns' periods are in flight: the best so far (or the running choice)."""
+        ranked = self._ranked()
+        return ranked[0] if ranked else (self.choice or self.options["candidates"][0])
+
+    def _maybe_decide(self, iteration: int) -> None:
+        """Decide once every turn has been given and every turn's period has come back."""
+        o = self.options
+        if self.queue or (self.current is not None and self.current not in self.dropped
+                          and self.assigned < o["window"]) or self.observed < self.last_probe:
+            return
+        ranked = self._ranked()
+        est = self.estimates()
+        self.choice = ranked[0] if ranked else self.options["candidates"][0]
+        self.reference = est.get(self.choice)
+        self.decided_at = iteration
+        record = {"iter": iteration, "reason": self.reason, "periods_ms": {m: round(1e3 * v, 3) for m, v in est.items()},
+                  "dropped_ms": {m: round(1e3 * v, 3) for m, v in self.dropped.items()}, "choice": self.choice}
+        self.decisions = (self.decisions + [record])[-KEPT_DECISIONS:]
+        logger.info("hhook: bits='auto' chose %s at iteration %d (%s); median step ms: %s%s", self.choice, iteration,
+                    self.reason, ", ".join(f"{m} {1e3 * v:.1f}" for m, v in sorted(est.items(), key=lambda kv: kv[1])),
+                    f"; dropped early: {', '.join(self.dropped)}" if self.dropped else "")
+        self.phase, self.current, self.recent = "exploit", None, []
+        self.samples, self.dropped = {}, {}
+
+    def _maybe_redecide(self, iteration: int) -> None:
+        o = self.options
+        reason, newest = None, None
+        if iteration - self.decided_at >= o["redecide_every"]:
+            reason = "schedule"
+        elif len(self.recent) >= o["drift_window"] and self.baseline is None:
+            self.baseline = _median(self.recent)  # measured while exploiting: no switching in it
+        elif self.baseline is not None:
+            now, last = _median(self.recent), self.recent[-JUMP_STEPS:]
+            jumped = len(last) == JUMP_STEPS and (min(last) > JUMP * self.baseline
+                                                  or max(last) < self.baseline / JUMP)
+            if jumped or now > (1 + o["drift"]) * self.baseline or now < self.baseline / (1 + o["drift"]):
+                reason = f"drift {1e3 * self.baseline:.1f} -> {1e3 * (_median(last) if jumped else now):.1f} ms"
+                newest = last if jumped else None
+        if reason is not None:
+            self.explore(iteration, reason, newest)
+
+    def explore(self, iteration: int, reason: str, newest: list | None = None) -> None:
+        """Start a new round; the running choice's recent periods (``newest``, else the
+        newer half: after a drift, the new regime) stand for it."""
+        self.phase, self.reason, self.started = "explore", reason, iteration
+        newest = list(newest) if newest is not None else self.recent[len(self.recent) // 2:]
+        self.samples = {self.choice: newest} if newest else {}
+        self.queue = [m for m in self.options["candidates"] if m not in self.samples]
+        self.current, self.assigned, self.dropped, self.recent = None, 0, {}, []
+        self.baseline = None
+        self.last_probe = iteration  # periods of the old choice still in flight count for it
+
+    def _log_drop(self, method: str, period: float, best: float, how: str) -> None:
+        logger.info("hhook: bits='auto' drops %s (%s: %.1f ms against the best %.1f ms)", method, how,
+                    1e3 * period, 1e3 * best)
+
+    def summary(self) -> dict:
+        """For ``stats()``: the method in use, the phase and the last decisions."""
+        return {"method": self.choice if self.phase == "exploit" else (self.current or self._hold()),
+                "phase": self.phase, "choice": self.choice, "decisions": [dict(d) for d in self.decisions]}

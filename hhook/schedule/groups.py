@@ -1,0 +1,198 @@
+r"""A second communicator over a process group's ranks, made by its members alone.
+
+Agreed scales need two collectives per tensor: the MAX is launched from the hook, in hook
+order, and the SUM from the MAX's continuation, in completion order, which differs
+between ranks. Launched on one group they would pair unrelated collectives, so the SUMs
+go on a second communicator over the same ranks (in hook order, through a
+:class:`~hhook.schedule.sequencer.Sequencer`).
+
+``torch.distributed.new_group`` cannot make it safely from inside a library: without
+``use_local_synchronization`` every rank of WORLD must call it, in the same order as
+every other ``new_group`` of the program (a DDP model on a subgroup is hooked only on its
+members); with it, torch 2.13 hangs in the Gloo constructor once the program has created
+any other subgroup (``dist.new_group([1, 2])`` on 3 ranks, then a local-synchronization
+group over all three: every rank waits forever). So the backend is built directly, by the
+members only, on the default store under a prefix that names the parent group and how
+many second communicators this process already made for it: members create them in the
+same order (at each state's blocking handshake), so the prefixes match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import secrets
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .. import errors
+from .blame import blame
+
+_lock = threading.Lock()
+_made: dict = {}  # parent group name -> second communicators made for it in this process
+# The second communicators whose backend is alive, held here so that no backend loses its
+# last reference inside one of its own worker threads (a continuation holds it: the
+# thread would join itself and abort the process, "Resource deadlock avoided"). They end
+# in end_second_groups: when their parent group is destroyed and at exit, from a thread
+# of the program, before the interpreter finalizes.
+_open: list = []
+
+
+def end_second_groups(parent=None) -> None:
+    """End the backends of hhook's second communicators over ``parent`` (None or WORLD:
+    every one), from this thread: each backend's last reference goes here, and torch's
+    holder releases the GIL while the backend joins its worker threads, so a continuation
+    still on one of them finishes first (a collective still in flight waits at most the
+    group's timeout). Called before ``destroy_process_group`` and at exit: a worker
+    thread that takes the GIL once the interpreter finalizes is ended by Python mid-C++,
+    which aborts the process ("terminate called without an active exception"). Never
+    from a worker thread of a backend (it would join itself): there, nothing happens.
+    :mod:`hhook.schedule.teardown` calls it."""
+    if isinstance(threading.current_thread(), threading._DummyThread):  # not a thread of the program
+        return
+    every = parent is None or parent == dist.GroupMember.WORLD
+    name = None if every else getattr(parent, "group_name", None)
+    with _lock:
+        ending = [g for g in _open if every or g.parent_name == name]
+        _open[:] = [g for g in _open if g not in ending]
+    for group in ending:
+        group.close()
+
+
+def longest_timeout() -> float | None:
+    """The longest collective timeout (s) of the second communicators still open, or None."""
+    with _lock:
+        return max((g.timeout.total_seconds() for g in _open), default=None)
+
+
+def timeout_of(group) -> datetime.timedelta:
+    """The collective timeout of ``group`` (None: the default group), as the job set it
+    (``init_process_group(timeout=...)``, ``new_group(timeout=...)``); a
+    :class:`SecondGroup` has its parent's. Falls back to torch's default."""
+    if isinstance(group, SecondGroup):
+        return group.timeout
+    group = group if group is not None else dist.group.WORLD
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - a backend without CPU or without options (MPI)
+        pass
+    try:
+        return group._get_backend(torch.device("cuda")).options._timeout
+    except Exception:  # noqa: BLE001
+        return dist.default_pg_timeout
+
+
+def others_of(group) -> list[int]:
+    """The global ranks of ``group`` other than this one ([] where that cannot be told)."""
+    try:
+        ranks = group.ranks if isinstance(group, SecondGroup) else dist.get_process_group_ranks(
+            group if group is not None else dist.group.WORLD)
+        me = dist.get_rank()
+    except Exception:  # noqa: BLE001 - not a group of this process
+        return []
+    return [r for r in ranks if r != me]
+
+
+def peers_of(group) -> str:
+    """Who can be at fault when a collective of ``group`` fails, for messages: the
+    global ranks of the group other than this one."""
+    others = others_of(group)
+    if not others:
+        return ""
+    return f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+
+
+def explain(exc: BaseException, what: str, group) -> BaseException:
+    """:func:`hhook.errors.explain` with ``group``'s timeout and peers, and
+    :func:`hhook.schedule.blame.blame` to name the rank that stalled."""
+    timeout = timeout_of(group).total_seconds()
+    others = others_of(group)
+    return errors.explain(exc, what, timeout, peers_of(group), lambda kind: blame(kind, others, timeout))
+
+
+@contextlib.contextmanager
+def explained(what: str, group):
+    """Collectives of ``group`` inside fail as :func:`explain` says (a peer lost or stalled
+    reads as :class:`~hhook.errors.PeerLostError` or :class:`~hhook.errors.PeerTimeoutError`)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised, explained where it can be
+        err = explain(exc, what, group)
+        if err is exc:
+            raise
+        raise err from exc
+
+
+def reduces_on_host(group) -> bool:
+    """Whether ``group`` reduces CPU tensors (it has a Gloo or MPI backend): small control
+    vectors then travel from the host, where reading them costs no device synchronisation."""
+    backend = str(dist.get_backend(group if group is not None else dist.group.WORLD))
+    return "gloo" in backend or "mpi" in backend
+
+
+def _gloo_for_cuda(parent: dist.ProcessGroup) -> bool:
+    """Whether ``parent`` reduces CUDA tensors over Gloo (ranks sharing one GPU, which
+    NCCL refuses): the second communicator then uses Gloo too."""
+    config = dict(item.split(":", 1) for item in dist.get_backend_config(parent).split(",") if ":" in item)
+    return config.get("cuda") == "gloo"
+
+
+class SecondGroup:
+    """``all_reduce(tensor, op, async_op=True)`` on a private backend over ``parent``'s ranks."""
+
+    def __init__(self, parent: dist.ProcessGroup | None, device_type: str):
+        parent = parent if parent is not None else dist.group.WORLD
+        rank, size = dist.get_rank(parent), dist.get_world_size(parent)
+        with _lock:
+            index = _made.get(parent.group_name, 0)
+            _made[parent.group_name] = index + 1
+        # A store may outlive a job's attempt (torchrun's restarts): the keys of this one
+        # carry a number rank 0 drew now, so a stale address of a failed attempt is never
+        # read as a live peer's. The members are all here (a blocking handshake).
+        # On the host wherever the parent has Gloo (CUDA tensors over Gloo too: ranks sharing a GPU).
+        nonce = torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64,
+                             device=torch.device("cpu" if reduces_on_host(parent) else device_type))
+        with explained("the handshake of hhook's second communicator", parent):
+            dist.all_reduce(nonce, dist.ReduceOp.MAX, group=parent)
+        self.handshake_bytes = nonce.nbytes  # handed to a collective: the owner counts it
+        store = dist.PrefixStore(f"hhook/second/{parent.group_name}/{index}/{int(nonce.item()):x}/",
+                                 dist.distributed_c10d._get_default_store())
+        # The parent's timeout: a stalled peer fails these SUMs when it fails the job's own
+        # collectives, not 30 minutes later.
+        self.timeout = timeout = timeout_of(parent)
+        if device_type == "cuda" and not _gloo_for_cuda(parent):
+            if not dist.is_nccl_available():
+                raise RuntimeError("hhook: CUDA tensors need NCCL for the agreed-scale SUMs")
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.backend = dist.ProcessGroupNCCL(store, rank, size, options)
+        else:
+            self.backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.parent = parent
+        self.parent_name = parent.group_name
+        self.ranks = dist.get_process_group_ranks(parent)
+        self.index = index
+        with _lock:
+            _open.append(self)
+
+    def close(self) -> None:
+        """Drop the backend (and the parent group): the backend ends here, from this
+        thread, once its collectives in flight have completed or timed out."""
+        backend, self.backend, self.parent = self.backend, None, None
+        if backend is not None and not isinstance(backend, dist.ProcessGroupGloo):
+            try:
+                backend.shutdown()  # NCCL: its communicators end before the object
+            except Exception:  # noqa: BLE001 - best effort at the end
+                pass
+        del backend  # the last reference: ~ProcessGroupGloo joins its threads, without the GIL
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM):
+        """Launch a SUM (or ``op``) allreduce; returns its Work."""
+        if self.backend is None:
+            raise RuntimeError(f"hhook: the process group {self.parent_name!r} of this THCState was destroyed "
+                               "(torch.distributed.destroy_process_group); build a new THCState for a new one")
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        return self.backend.allreduce([tensor], opts)

@@ -1,0 +1,12 @@
+r"""THCState, the state users construct and checkpoint (:mod:`~hhook.state.thc_state`),
+and its parts: options (:mod:`~hhook.state.options`), per-key state
+(:mod:`~hhook.state.keys`), the group runtime (:mod:`~hhook.state.runtime`) and the
+checkpoint format (:mod:`~hhook.state.checkpoint`); :mod:`~hhook.state.advice` words the
+warnings about states nothing went through."""
+
+from .checkpoint import STATE_FORMAT
+from .options import DEFAULT_CHUNK_MB, SCALE_MODES, TOPOLOGIES, Options
+from .thc_state import THCState
+
+# Pickles of every hhook name ``hhook.state.THCState`` (tests/test_fixtures.py).
+__all__ = ["DEFAULT_CHUNK_MB", "Options", "SCALE_MODES", "STATE_FORMAT", "THCState", "TOPOLOGIES"]

@@ -1,0 +1,143 @@
+r"""THCState's checkpoint: one plain representation for ``state_dict()`` and pickling.
+
+Everything a resumed run needs, as tensors, numbers, strings, tuples, lists and dicts, so
+``torch.load(..., weights_only=True)`` reads it: the options, the counters, every key's
+residual and predicted scales (per scale policy), the two-level ``inter`` state, the
+node layout and rank it was saved with, and ``bits="auto"``'s decision and widths. The
+keys and their meaning are :data:`STATE_FORMAT` 1; files and pickles written by earlier
+hhooks load (tests/test_fixtures.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from ..codec import CODEC_VERSION
+from ..stats import Counters
+from .keys import KeyStore, start_afresh
+from .options import NAMES, Options
+from .runtime import adopt_layout
+
+if TYPE_CHECKING:
+    from .thc_state import THCState
+
+logger = logging.getLogger(__name__)
+
+#: Version of the layout below (pickles of older hhooks have none).
+STATE_FORMAT = 1
+
+
+def state_dict(state: THCState) -> dict:
+    """:meth:`THCState.state_dict`. The decision is saved with its reductions in flight
+    read in (:meth:`hhook.decision.Prober.checkpoint`): saving changes nothing."""
+    runtime = state.runtime
+    saved = {"format": STATE_FORMAT, "codec_version": CODEC_VERSION,
+             "layout": runtime.topo.record() if runtime.topo is not None else runtime.saved_layout,
+             "origin": None if not dist.is_initialized() else {"rank": state.rank, "world_size": state.world_size}}
+    saved.update(state.options.as_dict())
+    decision = state.decision
+    if state.prober is not None and decision is not None and not isinstance(decision, dict):
+        decision = state.prober.checkpoint(decision)
+    elif hasattr(decision, "state_dict"):
+        decision = decision.state_dict()
+    saved.update({
+        "policies": state.keys.state_dict(), "iter": state.iter, "calls": state.calls,
+        "_stats": state.counters.state_dict(), "inter": None if state.inter is None else state.inter.state_dict(),
+        "_intra": state.intra_counters.state_dict(), "decision": decision,
+        "variants": {bits: width.state_dict() for bits, width in state.variants.items()},
+    })
+    return saved
+
+
+def load(state: THCState, saved: dict, announce: bool) -> None:
+    """:meth:`THCState.load_state_dict` (``announce``: log the options that change). A
+    component missing from ``saved`` (saved before it existed) keeps its value."""
+    if not isinstance(saved, dict) or "bits" not in saved:
+        raise ValueError(f"hhook: not a THCState.state_dict(): {type(saved).__name__} "
+                         f"with keys {sorted(saved) if isinstance(saved, dict) else '-'}")
+    if saved.get("format", STATE_FORMAT) > STATE_FORMAT:
+        raise ValueError(f"hhook: this THCState was saved by a newer hhook (format {saved['format']}, "
+                         f"this one reads up to {STATE_FORMAT})")
+    options = Options(**{name: saved.get(name, getattr(state.options, name)) for name in NAMES})  # before any change
+    changed = [f"{name} {getattr(state.options, name)!r} -> {getattr(options, name)!r}" for name in NAMES
+               if getattr(options, name) != getattr(state.options, name)]
+    if changed and announce:
+        logger.warning("hhook: the checkpoint's THC options replace this state's: %s", ", ".join(changed))
+    topo = state.runtime.topo
+    state.reset_runtime()
+    state.runtime.saved_layout, state.runtime.saved_origin = saved.get("layout"), saved.get("origin")
+    state.options = options
+    _load_components(state, saved)
+    if state.variants:
+        merge_call_counters(state)  # a checkpoint of one counter per width
+    version = saved.get("codec_version", CODEC_VERSION)
+    if version != CODEC_VERSION:
+        start_afresh(state, f"it was saved by codec version {version}, this hhook's is {CODEC_VERSION}")
+    if topo is not None:
+        adopt_layout(state, topo)
+
+
+def _load_components(state: THCState, saved: dict) -> None:
+    if "policies" in saved:
+        state.keys = KeyStore.from_saved(saved["policies"])
+    for name in ("iter", "calls"):
+        if name in saved:
+            setattr(state, name, saved[name])
+    for key, slot in (("_stats", "counters"), ("_intra", "intra_counters")):
+        if key in saved:  # counters load in place; an older hhook pickled the object itself
+            if isinstance(saved[key], Counters):
+                setattr(state, slot, saved[key])
+            else:
+                getattr(state, slot).load_state_dict(saved[key])
+    if "inter" in saved:
+        inter = saved["inter"]
+        state.inter = loaded(type(state), inter) if isinstance(inter, dict) else inter
+    if "decision" in saved:
+        decision = saved["decision"]
+        if isinstance(decision, dict) and hasattr(state.decision, "load_state_dict"):
+            state.decision.load_state_dict(decision)  # a live Decision (hhook.decision) continues
+        else:
+            state.decision = decision  # plain data until hhook.decision restores it
+    if "variants" in saved:
+        state.variants = {bits: width if isinstance(width, type(state)) else loaded(type(state), width)
+                          for bits, width in saved["variants"].items()}
+
+
+def load_pickled(state: THCState, saved: dict) -> None:
+    """``pickle.load`` of a state: :func:`load` of what ``__getstate__`` returned, or of
+    the dict an hhook before ``state_dict()`` pickled (its live objects included)."""
+    if "format" not in saved:
+        if saved.get("scales", "auto") == "auto":  # saved before there was a choice, or with "auto"
+            saved["scales"] = "agreed"
+        saved.setdefault("chunk_mb", 0)  # saved before tensors were split
+        saved.setdefault("rounding", "independent")  # saved before there was a choice: what it ran
+        if "residuals" in saved or "predicted" in saved:
+            saved.pop("residuals", None)
+            saved.pop("predicted", None)
+            logger.warning("hhook: a THCState saved by an older hhook: its residuals and predicted scales "
+                           "start afresh")
+    load(state, saved, announce=False)
+
+
+def loaded(cls, saved: dict):
+    """A state built from a :func:`state_dict` (a component: not reported idle)."""
+    state = cls()
+    state.reported_through_parent()
+    load(state, saved, announce=False)
+    return state
+
+
+def merge_call_counters(state: THCState) -> None:
+    """After loading: a checkpoint of an hhook before the shared counter holds one counter
+    per width. The parent's (and its ``inter`` state's) then continues above all of them,
+    so no stream already drawn is drawn again; the widths' own counters are unused."""
+    for parent, widths in ((state, list(state.variants.values())),
+                           (state.inter, [v.inter for v in state.variants.values() if v.inter is not None])):
+        if parent is None or not widths:
+            continue
+        parent.calls = max([parent.calls] + [w.calls for w in widths])
+        for w in widths:
+            w.calls = 0

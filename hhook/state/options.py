@@ -1,0 +1,123 @@
+r"""THCState's options: validated once, immutable, and the fingerprint every rank compares.
+
+Every option that changes the bits on the wire, which collectives run, in what order or
+with what lengths is folded into :meth:`Options.fingerprint`, which the options
+handshake MAX-reduces over the group and every message carries: ranks built with
+different options raise :class:`~hhook.errors.ConfigMismatchError` together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..codec import THCCodec, rng
+from ..codec.error_model import auto_bits
+
+#: The scale policies (:mod:`hhook.scales`): agree on each step's maxima (two
+#: collectives; never clips; the default), or predict them from the previous step (one
+#: collective once a key has history; clips blocks that grew). ``"auto"`` is accepted and
+#: means ``"agreed"``.
+SCALE_MODES = ("agreed", "predicted")
+#: Piece size of ``chunk_mb="auto"`` on CPUs: a 21 MB bucket goes in 2 pieces, DDP's
+#: default 25 MB bucket in 3 (docs/train.md: 4 MB pieces cost more than they hide).
+DEFAULT_CHUNK_MB = 12
+#: ``topology=``: every rank a peer (the default), nodes from the launcher or hostnames,
+#: or an integer number of ranks per node (:mod:`hhook.schedule.topology`).
+TOPOLOGIES = ("flat", "auto")
+#: The options, in the order of :class:`hhook.THCState`'s arguments after the group.
+NAMES = ("bits", "block_size", "seed", "error_feedback", "start_iter", "scales", "chunk_mb", "topology", "rounding")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options of :class:`hhook.THCState` (documented there), checked on construction."""
+
+    bits: int | str = 4
+    block_size: int = 1024
+    seed: int = 0
+    error_feedback: bool = False
+    start_iter: int = 2
+    scales: str = "agreed"
+    chunk_mb: float | str = "auto"
+    topology: str | int = "flat"
+    rounding: str = "correlated"
+
+    def __post_init__(self):
+        bits, start_iter, chunk_mb, topology = self.bits, self.start_iter, self.chunk_mb, self.topology
+        THCCodec(4 if bits == "auto" else bits, self.block_size, self.seed, rounding=self.rounding)
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"start_iter must be a non-negative integer, got {start_iter!r}")
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
+        if self.scales == "auto":
+            object.__setattr__(self, "scales", "agreed")
+        if self.scales not in SCALE_MODES:
+            raise ValueError(f"scales must be one of {SCALE_MODES}, got {self.scales!r}")
+        if chunk_mb != "auto" and (
+            isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float)) or not 0 <= chunk_mb < math.inf
+        ):
+            raise ValueError(f"chunk_mb must be 'auto' or a non-negative number of megabytes, got {chunk_mb!r}")
+        if topology not in TOPOLOGIES and (isinstance(topology, bool) or not isinstance(topology, int) or topology < 1):
+            raise ValueError(f"topology must be 'flat', 'auto' or a positive number of ranks per node, got {topology!r}")
+        if self.error_feedback and start_iter < 2:
+            # As PowerSGD: DDP rebuilds its buckets after the first iteration, and a
+            # residual kept for a bucket index would be added to another bucket's gradients.
+            raise ValueError(
+                f"error_feedback needs start_iter >= 2 (got {start_iter}): DDP rebuilds its buckets "
+                "after the first iteration, so per-bucket residuals are stable only from iteration 2"
+            )
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in NAMES}
+
+    def describe(self) -> str:
+        return (f"bits={self.bits} block_size={self.block_size} seed={self.seed} scales={self.scales} "
+                f"chunk_mb={self.chunk_mb} start_iter={self.start_iter} error_feedback={self.error_feedback} "
+                f"topology={self.topology} rounding={self.rounding}")
+
+    def codec_bits(self, world_size: int) -> int:
+        """The bits the codec uses over ``world_size`` ranks: ``bits``, or for ``"auto"``
+        the rule of :func:`~hhook.codec.error_model.auto_bits`."""
+        if self.bits != "auto":
+            return self.bits
+        return auto_bits(world_size, rounding=self.rounding)
+
+    def chunks(self, numel: int, device: torch.device) -> list[tuple[int, int]]:
+        """``[(start, stop), ...]``: the pieces of a flat tensor that travel separately.
+
+        Equal pieces of whole codec blocks (the last one takes the remainder), at most
+        ``chunk_mb`` each (but at least a block); one piece when the tensor is smaller or
+        splitting is off.
+        """
+        chunk_mb = self.chunk_mb
+        if chunk_mb == "auto":
+            chunk_mb = DEFAULT_CHUNK_MB if device.type == "cpu" else 0
+        limit = int(chunk_mb * 2**20) // 4
+        if limit <= 0 or numel <= limit:
+            return [(0, numel)]
+        blocks = -(-numel // self.block_size)
+        pieces = -(-blocks // max(1, limit // self.block_size))
+        step = -(-blocks // pieces) * self.block_size
+        return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+
+    def config_id(self, decision=None) -> int:
+        """A hash of every option that changes which collectives run, in what order or
+        with what lengths: part of the handshake and of every message's fingerprint.
+        ``decision``: ``bits="auto"``'s, whose options decide between exchanges."""
+        h = rng.mix32(0x53434844)
+        chunk = -1 if self.chunk_mb == "auto" else int(round(self.chunk_mb * 1024))
+        topology = {"flat": 0, "auto": 1}.get(self.topology, 2 + (self.topology if isinstance(self.topology, int) else 0))
+        auto = 0 if self.bits != "auto" else 1 + (decision.options_digest() if hasattr(decision, "options_digest") else 0)
+        for value in (SCALE_MODES.index(self.scales), chunk & rng.MASK32, self.start_iter, int(self.error_feedback),
+                      topology & rng.MASK32, auto & rng.MASK32):
+            h = rng.mix32(h ^ value)
+        return h
+
+    def fingerprint(self, world_size: int, decision=None) -> tuple[float, THCCodec]:
+        """The handshake's value over ``world_size`` ranks, 24 bits (exact in float32), of
+        the codec's configuration and :meth:`config_id`; and that codec."""
+        codec = THCCodec(self.codec_bits(world_size), self.block_size, self.seed, world_size, self.rounding)
+        return float(rng.mix32(codec.fingerprint() ^ self.config_id(decision)) >> 8), codec
