@@ -292,7 +292,7 @@ def test_nonfinite_shard_reaches_every_rank_where_it_was(param_dtype):
 def _mismatch(rank, world, what):
     import hhook.fsdp
     from hhook.fsdp import AllGatherOptions
-    from hhook.message import ConfigMismatchError
+    from hhook.errors import ConfigMismatchError
 
     options = {"bits": dict(bits=8 if rank == 0 else 6), "rotate": dict(rotate=rank == 0),
                "min_numel": dict(min_numel=4096 if rank else 5000), "seed": dict(seed=rank)}[what]
@@ -314,7 +314,7 @@ def _late_mismatch_and_failure(rank, world):
     """After the handshake: a payload of other options (the header's fingerprint), then a
     rank whose encoding fails (its own exception there, RankFailedError elsewhere)."""
     import hhook.fsdp
-    from hhook.message import ConfigMismatchError, RankFailedError
+    from hhook.errors import ConfigMismatchError, RankFailedError
     from hhook.codec.weights import WeightCodec
 
     model = _shard(_model())
