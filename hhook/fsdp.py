@@ -43,7 +43,9 @@ import logging
 import torch
 import torch.distributed as dist
 
+from . import fsdp_all_gather, fsdp_auto
 from .codec.layout import SUPPORTED_DTYPES, constant
+from .fsdp_all_gather import AllGatherOptions, AllGatherState
 from .scales.message import RANK_FAILED
 from .state import THCState
 
@@ -54,7 +56,8 @@ except ImportError:  # pragma: no cover
     FSDPModule = None
     ReduceScatter = object
 
-__all__ = ["register", "register_hsdp", "THCReduceScatter"]
+__all__ = ["register", "register_hsdp", "compress_all_gather", "all_gather_stats", "AllGatherOptions",
+           "THCReduceScatter"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,13 +117,15 @@ class THCReduceScatter(ReduceScatter):
        rank's chunk had the same bits.
     """
 
-    def __init__(self, state: THCState, name: str, factor: float | None, returns_sum: bool | None = None):
+    def __init__(self, state: THCState, name: str, factor: float | None, returns_sum: bool | None = None,
+                 switch=None):
         if state.scales != "agreed":
             raise ValueError(PREDICTED_REFUSED)
         self.state = state
         self.name = name
         self.factor = factor
         self.returns_sum = factor is not None if returns_sum is None else bool(returns_sum)
+        self.switch = switch  # bits="auto" (hhook.fsdp_auto.Switch): dense while it says so
         self._verified: set = set()
 
     def allocate(self, size, *, dtype, device):
@@ -137,12 +142,8 @@ class THCReduceScatter(ReduceScatter):
         rank = group.rank()
         n = output_tensor.numel()
         state = self.state
-        if input_tensor.dtype not in SUPPORTED_DTYPES:  # exact fallback, counted
-            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
-            if not self.returns_sum:
-                output_tensor.div_(world)
-            state.counters.add("dense_calls", 4 * input_tensor.numel(), input_tensor.nbytes)
-            return None
+        if input_tensor.dtype not in SUPPORTED_DTYPES or (self.switch is not None and self.switch.reduce_scatter_dense):
+            return self._dense(output_tensor, input_tensor, group)  # exact, counted
         device = input_tensor.device
         self._handshake(group, device)
         policy = state.policy("agreed", world)  # bits="auto": sized for this group, not the state's
@@ -197,6 +198,15 @@ class THCReduceScatter(ReduceScatter):
         return None
 
 
+    def _dense(self, output_tensor, input_tensor, group) -> None:
+        """Plain FSDP2's reduce-scatter of the same buffer (FSDP's division is off: the mean here)."""
+        dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
+        if not self.returns_sum:
+            output_tensor.div_(group.size())
+        self.state.counters.add("dense_calls", 4 * input_tensor.numel(), input_tensor.nbytes)
+        return None
+
+
 def _fsdp_modules(module, caller: str = "register") -> list[tuple[str, object]]:
     """``[(name, FSDPModule), ...]`` in ``module`` (``named_modules`` order)."""
     if FSDPModule is None:
@@ -219,28 +229,19 @@ def _check_params(module, caller: str = "register") -> None:
             )
 
 
-def register(module, state: THCState | None = None, **options) -> THCState:
-    """Compress FSDP2's gradient reduce-scatter of every ``FSDPModule`` in ``module``.
+def _all_gather_options(all_gather, seed: int) -> AllGatherOptions | bool | None:
+    """``register``'s ``all_gather`` as :class:`AllGatherOptions` (a width), or as given."""
+    if isinstance(all_gather, int) and not isinstance(all_gather, bool):
+        return AllGatherOptions(bits=all_gather, seed=seed)
+    if all_gather not in (None, False) and not isinstance(all_gather, AllGatherOptions):
+        raise TypeError("hhook.fsdp.register: all_gather must be None, False, a width or AllGatherOptions, got "
+                        f"{all_gather!r}")
+    return all_gather
 
-    ``options`` are :class:`hhook.THCState`'s (``bits``, ``block_size``, ``seed``...);
-    pass ``state`` to share one. Returns the state (``state.stats()`` counts bytes).
-    Works with 1-D meshes and with native 2-D HSDP meshes (there FSDP's replica all-reduce
-    stays dense; :func:`register_hsdp` compresses it too).
 
-    Raises ``ValueError`` for a module without ``FSDPModule``, one whose reduce-scatter is
-    already customised, a replicate-only mesh (FSDP2's ``replicate``: no reduce-scatter),
-    ``scales="predicted"`` or ``error_feedback=True``; ``TypeError`` for float64/complex
-    parameters. Nothing is changed on the model when it raises.
-    """
-    if state is None:
-        state = THCState(**options)
-    elif options:
-        raise TypeError("hhook.fsdp.register: pass either state or options, not both")
-    if state.scales != "agreed":
-        raise ValueError(PREDICTED_REFUSED)
-    if state.error_feedback:
-        raise ValueError("hhook.fsdp.register does not support error_feedback (agreed scales are unbiased "
-                         "without it)")
+def _plan(module) -> list[tuple]:
+    """``[(name, FSDPModule, param group, shard size, replicate size)]`` of the modules
+    ``register`` compresses; raises before anything changes."""
     fsdp_modules = _fsdp_modules(module)
     _check_params(module)
     plan = []
@@ -250,22 +251,66 @@ def register(module, state: THCState | None = None, **options) -> THCState:
             continue
         comm = getattr(group, "_reduce_scatter_comm", None)
         if comm is not None and type(comm).__name__ != "DefaultReduceScatter":
-            raise ValueError(
-                f"hhook.fsdp.register: {name} ({type(m).__name__}) already has a custom reduce-scatter "
-                f"({type(comm).__name__}); hhook cannot combine with it"
-            )
+            raise ValueError(f"hhook.fsdp.register: {name} ({type(m).__name__}) already has a custom reduce-scatter "
+                             f"({type(comm).__name__}); hhook cannot combine with it")
         shard, replicate = _mesh_sizes(group)
         if shard is None:
-            raise ValueError(
-                f"hhook.fsdp.register: {name} is replicated without sharding (a mesh with only a replicate "
-                f"dimension, FSDP2's replicate): it has no reduce-scatter to compress. Use hhook.register on "
-                f"DDP, or shard it (fully_shard on a 1-D mesh, or register_hsdp for shard + replicate)"
-            )
+            raise ValueError(f"hhook.fsdp.register: {name} is replicated without sharding (a mesh with only a "
+                             "replicate dimension, FSDP2's replicate): it has no reduce-scatter to compress. Use "
+                             "hhook.register on DDP, or shard it (fully_shard on a 1-D mesh, or register_hsdp for "
+                             "shard + replicate)")
         plan.append((name, m, group, shard, replicate))
+    return plan
+
+
+def register(module, state: THCState | None = None, *, all_gather: int | AllGatherOptions | bool | None = None,
+             **options) -> THCState:
+    """Compress FSDP2's gradient reduce-scatter of every ``FSDPModule`` in ``module``, and
+    with ``all_gather`` (8, 6, 4 or :class:`AllGatherOptions`) its parameter all-gather
+    (:mod:`hhook.fsdp_all_gather`; :func:`all_gather_stats`). ``options`` are
+    :class:`hhook.THCState`'s, or pass ``state``; returns the state. 1-D meshes and native
+    2-D HSDP meshes (whose replica all-reduce stays dense; :func:`register_hsdp`).
+
+    ``bits="auto"`` (the default) measures the step with THC's reduce-scatter plus the
+    compressed all-gather (``all_gather``'s width, 8 by default; ``False`` leaves it out),
+    THC's reduce-scatter alone and plain FSDP2 in turns, and keeps the fastest
+    (:mod:`hhook.fsdp_auto`; on 2-D meshes it compresses without measuring). An integer
+    ``bits`` always compresses the reduce-scatter.
+
+    Raises ``ValueError`` for a module without ``FSDPModule``, a reduce-scatter or
+    all-gather already customised, a replicate-only mesh, ``scales="predicted"``,
+    ``error_feedback=True`` or a bad width; ``TypeError`` for float64/complex parameters;
+    ``ConfigMismatchError`` on every rank when ranks differ in the all-gather's options,
+    the parameters they would quantize or ``bits="auto"`` (a blocking handshake per shard
+    group); ``RuntimeError`` for a torch without ``set_custom_all_gather``. Modules the
+    compressed all-gather cannot serve keep FSDP's, named in one log line (docs/fsdp.md).
+    Nothing is changed on the model when it raises.
+    """
+    if state is None:
+        state = THCState(**{"bits": "auto", **options})
+    elif options:
+        raise TypeError("hhook.fsdp.register: pass either state or options, not both")
+    if state.scales != "agreed":
+        raise ValueError(PREDICTED_REFUSED)
+    if state.error_feedback:
+        raise ValueError("hhook.fsdp.register does not support error_feedback (agreed scales are unbiased "
+                         "without it)")
+    all_gather = _all_gather_options(all_gather, state.seed)
+    plan = _plan(module)
+    decider = fsdp_auto.decider(state, plan, all_gather is not False) if state.bits == "auto" else None
+    if decider is not None and all_gather is None:
+        all_gather = AllGatherOptions(seed=state.seed)  # the candidate's: 8 bits
+    entries, extra = [(name, m, group) for name, m, group, *_ in plan], decider.digest() if decider else 0
+    if all_gather in (None, False):  # the ranks agree on that too (one blocking all-reduce per shard group)
+        gathers = fsdp_all_gather.agree_without(entries, extra)
+    else:
+        gathers = fsdp_all_gather.plan(entries, AllGatherState(all_gather), extra)
+    switch = decider.switch if decider is not None else None
     for name, m, group, shard, replicate in plan:
         factor = group.gradient_divide_factor
         hsdp = replicate is not None
-        m.set_custom_reduce_scatter(THCReduceScatter(state, name, factor, returns_sum=hsdp or factor is not None))
+        m.set_custom_reduce_scatter(THCReduceScatter(state, name, factor, returns_sum=hsdp or factor is not None,
+                                                     switch=switch))
         if shard == 1:
             continue  # FSDP never calls the comm in a shard group of one: leave its division alone
         m.set_force_sum_reduction_for_comms(True)
@@ -274,7 +319,29 @@ def register(module, state: THCState | None = None, **options) -> THCState:
     if any(replicate is not None and replicate > 1 for *_, replicate in plan):
         logger.info("hhook.fsdp.register: native HSDP mesh: the reduce-scatter inside the shard group is "
                     "compressed, FSDP's replica all-reduce stays dense (register_hsdp compresses both)")
+    if gathers is not None:
+        fsdp_all_gather.apply(gathers, switch)
+    if decider is not None:
+        decider.attach(module)
     return state
+
+
+def compress_all_gather(module, bits: int = 8, **options) -> AllGatherState:
+    """Compress only the parameter all-gather of every ``FSDPModule`` in ``module``
+    (``options``: :class:`AllGatherOptions`' others); the reduce-scatter stays FSDP2's.
+    Raises as :func:`register` does for the all-gather, before changing anything."""
+    state = AllGatherState(AllGatherOptions(bits=bits, **options))
+    entries = [(name, m, group) for name, m in _fsdp_modules(module, "compress_all_gather")
+               if (group := _param_group(m)) is not None]
+    fsdp_all_gather.apply(fsdp_all_gather.plan(entries, state))
+    return state
+
+
+def all_gather_stats(module) -> dict | None:
+    """Bytes and calls of ``module``'s compressed all-gathers (``AllGatherState.stats``);
+    None where its all-gather is not compressed."""
+    state = fsdp_all_gather.find_state(module)
+    return None if state is None else state.stats()
 
 
 def _check_replica_layout(shard_group, replica_group, device) -> None:

@@ -4,10 +4,14 @@ A list is comma-separated entries ``KIND[:POSITIONAL...][:KEY=VALUE...]``, case-
 positional options first, in their order, then keyword options in any order, each once.
 The kinds and their options::
 
-    fp32, fp16, bf16, zlib                              none
+    fp32, fp16, bf16, zlib                              none (train: fp32 and bf16 take ag=)
     powersgd[:RANK]
-    thc[:BITS[:MODE]][:chunk=MB][:topology=T][:rounding=R]   BITS 1..8 or auto, MODE agreed|predicted,
+    thc[:BITS[:MODE]][:chunk=MB][:topology=T][:rounding=R][:ag=A]   BITS 1..8 or auto, MODE agreed|predicted,
                                                         T flat|auto|K, R correlated|independent
+    ag=A (train --parallel fsdp): FSDP2's parameter all-gather, A 2..8 (hhook's compressed
+    all-gather at that width) or bf16 (MixedPrecisionPolicy(param_dtype=torch.bfloat16), dense);
+    params=bf16: MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    (with ag=A: quantized from bfloat16; thc compresses the bfloat16 gradients)
     sbc[:p=P][:delay=H], lgc[:k=K][:dense=N][:topk=N][:ae=N]   (hhook.baselines)
 
 A subcommand passes the :class:`Kind` objects it accepts (its measurement knows how to
@@ -42,6 +46,8 @@ class Method:
     chunk_mb: float | None = None  # thc: hhook's chunk_mb= (None: its default)
     topology: str | int | None = None  # thc: hhook's topology= (None: not given, flat)
     rounding: str | None = None  # thc: hhook's rounding= (None: its default)
+    all_gather: int | str | None = None  # --parallel fsdp's ag=: a width, "bf16", or None (fp32, dense)
+    params: str | None = None  # --parallel fsdp's params=bf16: bfloat16 parameters (with ag=BITS: quantized from them)
     options: dict | None = dataclasses.field(default=None, compare=False, hash=False)  # sbc/lgc
 
     @property
@@ -149,6 +155,35 @@ def _topology(entry: Entry, text: str) -> str | int:
     raise entry.error(f"topology= takes flat, auto or K (ranks per node), got {text!r}")
 
 
+def _all_gather(entry: Entry, kind: Kind) -> int | str | None:
+    """``ag=``: a width of hhook's compressed all-gather or ``bf16`` (dense bfloat16 parameters)."""
+    from ..codec.weights import WIDTHS
+
+    text = entry.given.get("ag")
+    if text is None or text == "bf16":
+        return text
+    if not text.isdigit() or int(text) not in WIDTHS:
+        raise entry.error(f"ag= takes a width {WIDTHS[0]}..{WIDTHS[-1]} or bf16; expected {kind.usage}")
+    return int(text)
+
+
+def _params(entry: Entry) -> tuple[str | None, str]:
+    """``params=bf16`` (FSDP2's ``param_dtype``), and its part of the method's name."""
+    text = entry.given.get("params")
+    if text not in (None, "bf16"):
+        raise entry.error(f"params= takes bf16 (bfloat16 parameters for compute), got {text!r}")
+    return text, "" if text is None else f":params={text}"
+
+
+def _plain_ag(entry: Entry, kind: Kind, defaults: dict) -> Method:
+    """fp32 or bf16 of ``train``, with ``ag=`` (FSDP2's parameter all-gather) and
+    ``params=`` or without."""
+    ag = _all_gather(entry, kind)
+    params, suffix = _params(entry)
+    return Method(kind.name + (f":ag={ag}" if ag is not None else "") + suffix, kind.name, all_gather=ag,
+                  params=params)
+
+
 def _thc(entry: Entry, kind: Kind, defaults: dict) -> Method:
     """THC's options, checked by :class:`hhook.THCState` before any communication. A bare
     ``thc`` takes the subcommand's ``bits=`` default and is then named ``thc``; otherwise
@@ -181,7 +216,11 @@ def _thc(entry: Entry, kind: Kind, defaults: dict) -> Method:
         + (f":chunk={chunk:g}" if chunk is not None else "") \
         + (f":topology={topology}" if topology is not None else "") \
         + (f":rounding={rounding}" if rounding is not None else "")
-    return Method(name, "thc", bits=bits, scales=scales, chunk_mb=chunk, topology=topology, rounding=rounding)
+    ag = _all_gather(entry, kind) if "ag" in kind.keywords else None
+    params, suffix = _params(entry)
+    name += (f":ag={ag}" if ag is not None else "") + suffix
+    return Method(name, "thc", bits=bits, scales=scales, chunk_mb=chunk, topology=topology, rounding=rounding,
+                  all_gather=ag, params=params)
 
 
 def _baseline(entry: Entry, kind: Kind, defaults: dict) -> Method:
@@ -205,9 +244,12 @@ def _baseline(entry: Entry, kind: Kind, defaults: dict) -> Method:
 
 FP32, FP16, BF16, ZLIB = plain("fp32"), plain("fp16"), plain("bf16"), plain("zlib")
 POWERSGD = Kind("powersgd", positional=("rank",), build=_powersgd, usage="powersgd[:RANK]")
-THC = Kind("thc", positional=("bits", "scales"), keywords=("chunk", "topology", "rounding"), build=_thc,
-           usage="thc[:BITS|auto[:agreed|predicted]][:chunk=MB][:topology=flat|auto|K]"
-                 "[:rounding=correlated|independent]", auto=True)
+THC = Kind("thc", positional=("bits", "scales"), keywords=("chunk", "topology", "rounding", "ag", "params"),
+           build=_thc, usage="thc[:BITS|auto[:agreed|predicted]][:chunk=MB][:topology=flat|auto|K]"
+                             "[:rounding=correlated|independent][:ag=BITS|bf16][:params=bf16]", auto=True)
+#: train's fp32 and bf16: ``ag=`` chooses FSDP2's parameter all-gather (--parallel fsdp only)
+FP32_AG, BF16_AG = (Kind(name, keywords=("ag", "params"), build=_plain_ag, usage=f"{name}[:ag=BITS|bf16][:params=bf16]")
+                    for name in ("fp32", "bf16"))
 THC_BITS = Kind("thc", positional=("bits",), keywords=("topology", "rounding"), build=_thc,
                 usage="thc[:BITS][:topology=flat|auto|K][:rounding=correlated|independent]")  # allreduce: the codec, or thc_allreduce with topology=
 SBC, LGC = (Kind(name, keywords=tuple(BASELINE_OPTIONS[name]), build=_baseline, usage=BASELINE_USAGE[name])

@@ -36,7 +36,11 @@ and :data:`ATTACH` (how the child attaches each kind to DDP).
 ``--parallel fsdp`` trains with FSDP2 instead of DDP (:func:`attach_fsdp`: ``fully_shard``
 on every top-level child with parameters and on the root, one 1-D mesh of every rank):
 fp32 is plain FSDP2, bf16 FSDP2 with ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``,
-thc ``hhook.fsdp.register``. Every collective then runs in Python and is counted: the
+thc ``hhook.fsdp.register``; ``ag=BITS`` adds hhook's compressed parameter all-gather
+(``register(all_gather=BITS)``, or ``compress_all_gather`` for fp32 and bf16), ``ag=bf16``
+all-gathers bfloat16 parameters (``param_dtype=torch.bfloat16``), ``params=bf16`` sets
+``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)`` whatever the
+all-gather (``ag=8:params=bf16``: quantized from bfloat16; thc compresses the bfloat16 gradients). Every collective then runs in Python and is counted: the
 reduce-scatters' input (hhook's: its messages) and the all-gathers' output separately
 (:mod:`hhook.profile.counting`), besides the total; every rank takes part in the
 evaluation's forward (its all-gathers), outside the clock and the step's bytes.
@@ -55,7 +59,7 @@ import time
 
 from . import methods
 
-KINDS = (methods.FP32, methods.FP16, methods.BF16, methods.POWERSGD, methods.THC, methods.SBC, methods.LGC)
+KINDS = (methods.FP32_AG, methods.FP16, methods.BF16_AG, methods.POWERSGD, methods.THC, methods.SBC, methods.LGC)
 DEFAULT_METHODS = "fp32,fp16,bf16,powersgd,thc:4"
 POLL_S = 0.05
 STARTUP_S = 300.0  # allowance until the first step: imports and rendezvous are slow on a loaded machine
@@ -297,16 +301,25 @@ def attach_fsdp(method: dict, model, seed: int, device, hsdp: bool = False, rank
         mesh = mesh2d["shard"] if method["kind"] == "thc" else mesh2d
     else:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if method["kind"] == "bf16" else MixedPrecisionPolicy()
+    # ag=bf16: bfloat16 parameters (all-gathered so), reduced in float32 unless the method says bf16
+    params = torch.bfloat16 if "bf16" in (method.get("all_gather"), method.get("params")) else None
+    # params=bf16: the whole bf16 policy (parameters and reduce), as most users set it
+    reduce = torch.bfloat16 if "bf16" in (method["kind"], method.get("params")) else torch.float32 if params else None
+    mp = MixedPrecisionPolicy(param_dtype=params, reduce_dtype=reduce)
     for child in model.children():
         if any(True for _ in child.parameters()):
             fully_shard(child, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    if method["kind"] != "thc":
-        return None
     import hhook.fsdp
 
+    ag = method.get("all_gather")
+    if method["kind"] != "thc":
+        if isinstance(ag, int):
+            hhook.fsdp.compress_all_gather(model, bits=ag, seed=seed)
+        return None
     options = {"bits": method["bits"], "seed": seed}
+    if isinstance(ag, int):
+        options["all_gather"] = ag
     for name in ("chunk_mb", "rounding"):
         if method.get(name) is not None:
             options[name] = method[name]

@@ -81,6 +81,13 @@ def _thc_stats(result: dict, stats: dict, spec: dict, step_bytes: list, kinds: d
         result["bytes_mismatch"] = f"counted {sum(step_bytes)} B, THC stats say {stats['wire_bytes']} B"
 
 
+def _peak_rss_mb() -> float:
+    """This child's peak resident memory so far, MiB (one child per method and rank)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
 def worker(spec: dict) -> dict:
     r"""Train one method on one rank; the result dict the parent reads.
 
@@ -151,6 +158,7 @@ def worker(spec: dict) -> dict:
     kinds = {"reduce_scatter": [], "all_gather": []}  # FSDP2: each step's reduce-scatter and all-gather bytes
     counter = {"bytes": 0, "reduce_scatter": 0, "all_gather": 0}
     clock = 0.0
+    setup_rss_mb = _peak_rss_mb()  # the model, its shards and the data, before the first step
     beat("step 0")
     with collective_bytes(counter):
         for step, idx in enumerate(batches(mine, spec["batch_size"], None), start=1):
@@ -197,7 +205,13 @@ def worker(spec: dict) -> dict:
               "final_accuracy": evals[-1]["accuracy"] if evals else None, "final_loss": loss.item(),
               "final_val_loss": evals[-1]["val_loss"] if evals else None}
     if fsdp:
+        import hhook.fsdp
+
         result["step_rs_bytes"], result["step_ag_bytes"] = kinds["reduce_scatter"], kinds["all_gather"]
+        result["all_gather_stats"] = hhook.fsdp.all_gather_stats(model)  # ag=BITS; evaluations included
+    result["setup_rss_mb"], result["peak_rss_mb"] = setup_rss_mb, _peak_rss_mb()
+    if device.type == "cuda":
+        result["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     if baseline is not None:
         result["baseline_stats"] = baseline.stats()
         if baseline.step_bytes != step_bytes:  # the counter misses broadcasts (LGC's mask): the method's own count

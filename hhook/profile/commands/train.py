@@ -57,7 +57,10 @@ def add_parser(sub) -> None:
                     "powersgd[:RANK], thc[:BITS[:agreed|predicted]][:chunk=MB][:topology=flat|auto|K] (passed to hhook "
                     "as scales=, chunk_mb= and topology=; K ranks per node), "
                     "baselines sbc[:p=P][:delay=H] and lgc[:k=K][:dense=N][:topk=N][:ae=N] (hhook/baselines; LGC is "
-                    "patented, benchmark only; see docs/baselines.md) "
+                    "patented, benchmark only; see docs/baselines.md); with --parallel fsdp/hsdp, fp32, bf16 and thc "
+                    "take :ag=BITS (hhook's compressed parameter all-gather, 2..8 bits) or :ag=bf16 (bfloat16 "
+                    "parameters, MixedPrecisionPolicy(param_dtype=torch.bfloat16)) and :params=bf16 (bfloat16 parameters "
+                    "for compute; with :ag=BITS quantized from them) "
                     f"(default {train.DEFAULT_METHODS})")
     tr.add_argument("--steps", type=integer(1), default=200, help="training steps per method (default 200)")
     tr.add_argument("--warmup", type=integer(0), default=5,
@@ -110,6 +113,9 @@ def check(args, env) -> dict:
                 train.check_fsdp_method(method)
             except ValueError as e:
                 raise UsageError(str(e)) from None
+    elif any(m.all_gather is not None or m.params is not None for m in methods):
+        raise UsageError("ag= and params= choose FSDP2's parameter all-gather and dtype: they need --parallel fsdp "
+                         "or hsdp")
     if args.warmup >= args.steps:
         raise UsageError(f"--warmup must be in 0..steps-1 (steps {args.steps}), got {args.warmup}")
     batch = task.batch_size if args.batch_size is None else args.batch_size
@@ -135,6 +141,7 @@ def _percentile(values: list[float], q: float) -> float:
 def summarize(method: Method, status: str, message: str, results: list[dict], warmup: int, target: float) -> dict:
     """The row of ``method``: figures from rank 0's timings and evaluations."""
     row = {"method": method.name, "kind": method.kind, "bits": method.bits, "scales": method.scales,
+           "all_gather": method.all_gather, "param_dtype": method.params,
            "topology": method.topology, "rounding": method.rounding, "powersgd_rank": method.rank,
            "status": status, "message": message,
            "wall_s": max((r.get("wall_s", 0.0) for r in results), default=None)}
@@ -167,13 +174,15 @@ def summarize(method: Method, status: str, message: str, results: list[dict], wa
         decision=(r0.get("thc_stats") or {}).get("decision"),
         rs_bytes_per_step=rs[0] if rs else None, ag_bytes_per_step=ag[0] if ag else None,
         rs_bytes_per_step_per_rank=rs, ag_bytes_per_step_per_rank=ag,
+        peak_rss_mb=[r.get("peak_rss_mb") for r in results], setup_rss_mb=[r.get("setup_rss_mb") for r in results],
+        peak_cuda_mb=[r.get("peak_cuda_mb") for r in results] if "peak_cuda_mb" in r0 else None,
     )
     return row
 
 
 def add_speedups(rows: list[dict]) -> None:
     """Speedups against fp32 and fp16, from the median step and from time to accuracy."""
-    ok = {r["kind"]: r for r in rows if r["status"] == "ok" and r["kind"] in ("fp32", "fp16")}
+    ok = {r["method"]: r for r in rows if r["status"] == "ok" and r["method"] in ("fp32", "fp16")}
     for r in rows:
         for ref in ("fp32", "fp16"):
             base = ok.get(ref)
@@ -249,8 +258,10 @@ def footer(rows: list[dict], args) -> list[str]:
                          f"inside the node, {sig(r['inter_bytes_per_step'] / 1e6, 4)} MB between nodes (THC's stats)")
     for r in rows:
         if r.get("rs_bytes_per_step") is not None:
+            peak = max(r["peak_rss_mb"]) if r.get("peak_rss_mb") and None not in r["peak_rss_mb"] else None
             lines.append(f"# {r['method']}: FSDP2, per rank and step {sig(r['rs_bytes_per_step'] / 1e6, 4)} MB "
-                         f"reduce-scatter input, {sig(r['ag_bytes_per_step'] / 1e6, 4)} MB all-gather output")
+                         f"reduce-scatter input, {sig(r['ag_bytes_per_step'] / 1e6, 4)} MB all-gather output"
+                         + ("" if peak is None else f"; peak RSS {peak:.0f} MiB (max over ranks)"))
     for r in rows:
         if r.get("decision"):
             lines.append(f"# {r['method']}: {decision_line(r['decision'])}")
