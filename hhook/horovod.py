@@ -312,7 +312,8 @@ def DistributedOptimizer(
 
     ``compression`` may be a :class:`THCCompressor` of your own, or Horovod's
     ``Compression.none``/``fp16`` for a comparison run (then ``op`` defaults to Average
-    and nothing else changes).
+    and nothing else changes); THC options beside it raise ``TypeError`` (they would
+    be ignored).
 
     Example::
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -327,6 +328,10 @@ def DistributedOptimizer(
         sparse_as_dense=sparse_as_dense,
         process_set=process_set,
     )
+    if compression is not None and options:
+        raise TypeError(
+            f"DistributedOptimizer got compression={compression!r} and THC options {sorted(options)}: "
+            "pass the options to THCCompressor(...) given as compression, or drop compression")
     if compression is not None and not isinstance(compression, THCCompressor):
         return hvd.DistributedOptimizer(
             optimizer,

@@ -355,7 +355,8 @@ def nonfinite():
 
 @scenario
 def op_average():
-    """op=Average with the integer path gives a clear error on every rank."""
+    """op=Average with the integer path, or THC options beside a compressor, give a clear
+    error on every rank."""
     out = []
     # 1. The drop-in refuses it at construction.
     model = mlp(3)
@@ -366,6 +367,16 @@ def op_average():
         out.append("dropin")
     else:
         raise AssertionError("drop-in accepted op=Average")
+    # 1b. THC options beside a compressor of one's own would be ignored: refused.
+    for compression in (hh.THCCompressor(bits=8), hvd.Compression.fp16):
+        try:
+            hh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    named_parameters=model.named_parameters(), compression=compression, bits=2)
+        except TypeError as e:
+            assert "['bits']" in str(e), str(e)
+            out.append("options+compression")
+        else:
+            raise AssertionError("drop-in ignored bits=2 beside compression=")
     # 2. hvd.DistributedOptimizer(compression=Compression.thc, op=Average): compress sees the op.
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1),
