@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from .codec import rng
 from .errors import ConfigMismatchError, RankFailedError
+from .schedule.groups import agrees
 from .stats import Counters
 from .codec.weights import WeightCodec
 
@@ -156,7 +157,7 @@ class AllGatherState:
 
     def __init__(self, options: AllGatherOptions):
         self.options = options
-        self._stats = Counters()
+        self.counters = Counters()
         self._logged: set = set()
         self._workspaces: list = [None, None, None]
         self.switch = None  # bits="auto" (hhook.fsdp_auto.Switch): dense while it says so
@@ -176,10 +177,10 @@ class AllGatherState:
         return buffer[: n_blocks * B].view(n_blocks, B)
 
     def count(self, kind, dense_bytes: int, wire_bytes: int) -> None:
-        self._stats.add(kind, dense_bytes, wire_bytes)
+        self.counters.add(kind, dense_bytes, wire_bytes)
 
     def stats(self) -> dict:
-        return self._stats.snapshot()
+        return self.counters.snapshot()
 
     def log_once(self, key, message: str, *args) -> None:
         if key not in self._logged:
@@ -371,16 +372,12 @@ def _gathered_dtype(fsdp_param, group) -> torch.dtype:
 
 
 def handshake(group, device: torch.device, fp: int, state: AllGatherState | None) -> None:
-    """Blocking, on every rank of ``group``: a MAX all-reduce of ``[f, -f]``; a rank whose
-    ``f`` differs makes every rank raise ``ConfigMismatchError``."""
+    """Blocking, on every rank of ``group``: a rank whose ``fp`` differs makes every rank
+    raise ``ConfigMismatchError`` (:func:`hhook.schedule.groups.agrees`)."""
     if dist.get_world_size(group) == 1:
         return  # FSDP all-gathers nothing
-    f = float(fp >> 8)  # 24 bits: exact in float32
-    vector = torch.tensor([f, -f], dtype=torch.float32, device=device)
-    dist.all_reduce(vector, dist.ReduceOp.MAX, group=group)
-    if state is not None:
-        state.count(None, 0, vector.nbytes)
-    if vector[0].item() != -vector[1].item():
+    # 24 bits: exact in float32
+    if not agrees(group, float(fp >> 8), device, None if state is None else state.counters):
         mine = "no compressed all-gather" if state is None else state.options
         raise ConfigMismatchError(
             f"hhook.fsdp: ranks use different all-gather options or quantize different parameters (or differ in "

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..codec.layout import constant
 from ..errors import ConfigMismatchError
-from ..schedule.groups import explain, reduces_on_host
+from ..schedule.groups import agrees, explain, reduces_on_host
 
 if TYPE_CHECKING:
     from .decision import Decision
@@ -48,12 +48,7 @@ class Prober:
         """Once per process, at the hook's first call (a blocking point already): the
         decision states' fingerprints over the group, so ranks resumed from different
         checkpoints raise together before they pick different exchanges."""
-        fp = float(decision.fingerprint())
-        vector = torch.tensor([fp, -fp], dtype=torch.float64, device=device)
-        dist.all_reduce(vector, dist.ReduceOp.MAX, group=state.process_group)
-        state.counters.add(None, 0, vector.nbytes)
-        high, low = vector.tolist()
-        if high != -low:
+        if not agrees(state.process_group, float(decision.fingerprint()), device, state.counters, torch.float64):
             raise ConfigMismatchError("hhook: the ranks' bits='auto' decision states differ; every rank must resume "
                                       "from the same checkpoint (torch.save of the THCState of the same step)")
         self.verified = True

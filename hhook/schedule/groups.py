@@ -125,6 +125,19 @@ def explained(what: str, group):
         raise err from exc
 
 
+def agrees(group, fingerprint: float, device, counters=None, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether every rank of ``group`` holds ``fingerprint`` (exact in ``dtype``): a blocking
+    MAX all-reduce of ``[f, -f]``, whose two halves match only where no rank differs, so
+    every rank reaches the same answer. ``counters`` (:class:`hhook.stats.Counters`) are
+    charged the vector's bytes."""
+    vector = torch.tensor([fingerprint, -fingerprint], dtype=dtype, device=device)
+    dist.all_reduce(vector, dist.ReduceOp.MAX, group=group)
+    if counters is not None:
+        counters.add(None, 0, vector.nbytes)
+    high, low = vector.tolist()
+    return high == -low
+
+
 def reduces_on_host(group) -> bool:
     """Whether ``group`` reduces CPU tensors (it has a Gloo or MPI backend): small control
     vectors then travel from the host, where reading them costs no device synchronisation."""

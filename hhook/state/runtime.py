@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..codec import warm_up
 from ..codec.error_model import auto_bits
 from ..errors import ConfigMismatchError
-from ..schedule.groups import SecondGroup, explain
+from ..schedule.groups import SecondGroup, agrees, explain
 from ..schedule.sequencer import Sequencer
 from ..schedule.topology import Topology, TopologyError, detect_topology
 from .keys import drop_residuals, start_afresh
@@ -174,13 +174,11 @@ def check_options(state: THCState, group, device: torch.device) -> None:
     world = dist.get_world_size(group)
     f, codec = state.options.fingerprint(world, state.decision)
     warm_up(device)
-    vector = torch.tensor([f, -f], dtype=torch.float32, device=device)
     try:
-        dist.all_reduce(vector, dist.ReduceOp.MAX, group=group)
+        agreed = agrees(group, f, device, state.counters)
     except BaseException as exc:  # noqa: BLE001 - a stalled or lost peer, said plainly
         raise explain(exc, "hhook's options handshake", group) from exc
-    state.counters.add(None, 0, vector.nbytes)
-    if vector[0].item() != -vector[1].item():
+    if not agreed:
         raise ConfigMismatchError(
             "hhook: ranks use different THC options (configuration); this rank has "
             f"{state.describe()} (codec {codec.describe()}). Every rank must build THCState "
