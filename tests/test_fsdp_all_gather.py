@@ -1,4 +1,4 @@
-"""hhook.fsdp's compressed parameter all-gather (hhook/fsdp_all_gather.py) on FSDP2, Gloo on CPU."""
+"""hhook.fsdp's compressed parameter all-gather (hhook/fsdp/all_gather.py) on FSDP2, Gloo on CPU."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import torch.distributed as dist
 from distributed import logged, run_world
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
-LOG = "hhook.fsdp_all_gather"
+from hhook.fsdp.modules import param_group  # noqa: E402
+
+LOG = "hhook.fsdp.all_gather"
 
 
 @pytest.mark.parametrize("bits", [8, 7, 6, 5, 4, 3, 2])
@@ -300,7 +302,7 @@ def _mismatch(rank, world, what):
     try:  # at registration: a blocking handshake on every shard group
         hhook.fsdp.register(model, bits=8, all_gather=AllGatherOptions(**options))
     except ConfigMismatchError as e:
-        changed = type(model[0]._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm).__name__
+        changed = type(param_group(model[0])._reduce_scatter_comm).__name__
         return "raised" if "all-gather" in str(e) and changed == "DefaultReduceScatter" else str(e)
     return "ok"
 
@@ -320,7 +322,7 @@ def _late_mismatch_and_failure(rank, world):
     model = _shard(_model())
     hhook.fsdp.compress_all_gather(model)
     model(torch.randn(4, 37)).sum().backward()
-    comm = model[0]._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
+    comm = param_group(model[0])._all_gather_comm
     out = []
     if rank == 1:
         comm.codec = WeightCodec(8, 256, False)  # same payload length, other fingerprint
@@ -336,7 +338,7 @@ def _late_mismatch_and_failure(rank, world):
 
     model = _shard(_model())  # fresh FSDP state after the raise
     hhook.fsdp.compress_all_gather(model)
-    comm = model[0]._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
+    comm = param_group(model[0])._all_gather_comm
     if rank == 1:
         comm.codec = Broken(8)
     try:
@@ -452,7 +454,7 @@ def _refusals(rank, world):
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
     def untouched(model):
-        group = model[0]._get_fsdp_state()._fsdp_param_groups[0]
+        group = param_group(model[0])
         return type(group._reduce_scatter_comm).__name__ == "DefaultReduceScatter" and \
             type(group._all_gather_comm).__name__ == "DefaultAllGather"
 

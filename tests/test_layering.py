@@ -116,7 +116,7 @@ LAYERS = (
     ("decision", {"decision"}),
     # "": the package's front, hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
     # adapters, over the DDP hook
-    ("integrations", {"ddp_hook", "horovod", "fsdp", "fsdp_all_gather", "fsdp_auto", "", "adapters", "lightning", "accelerate", "transformers"}),
+    ("integrations", {"ddp_hook", "horovod", "fsdp", "", "adapters", "lightning", "accelerate", "transformers"}),
     ("benchmarks", {"simulation", "baselines", "profile"}),
 )
 #: Layers that are folders of hhook/ (the others are modules at its top).

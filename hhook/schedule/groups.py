@@ -138,6 +138,14 @@ def agrees(group, fingerprint: float, device, counters=None, dtype: torch.dtype 
     return high == -low
 
 
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """All-gather equal-sized ``input`` of every rank into one flat ``output``:
+    ``all_gather_single`` where torch has it (2.13), ``all_gather_into_tensor`` (the same
+    collective under its older name) where it does not (2.11, the GPU machines' torch)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
 def reduces_on_host(group) -> bool:
     """Whether ``group`` reduces CPU tensors (it has a Gloo or MPI backend): small control
     vectors then travel from the host, where reading them costs no device synchronisation."""

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec import rng
-from .groups import explained, timeout_of
+from .groups import all_gather_flat, explained, timeout_of
 from ..launch import launcher_layout
 from .node_memory import SHM_DIR, NodeMemory, budget_bytes, free_bytes, sweep_stale
 
@@ -213,9 +213,8 @@ def _gather_records(record: list[int], group) -> list[list[int]]:
     mine = torch.tensor(record, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     out = torch.empty(world * _RECORD, dtype=torch.int64, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     with explained("hhook's layout detection (an all-gather of every rank's node)", group):
-        gather(out, mine, group=group)
+        all_gather_flat(out, mine, group=group)
     return out.view(world, _RECORD).tolist()
 
 
@@ -340,7 +339,7 @@ def _probe_shared_memory(topo: Topology) -> NodeMemory | None:
     except (OSError, RuntimeError):
         ok, slots = 0, None
     with explained("hhook's shared-memory probe", topo.intra_group):
-        dist.all_reduce(torch.zeros(1), group=topo.intra_group)  # every rank of the node has written
+        dist.all_reduce(torch.zeros(1, dtype=torch.float32), group=topo.intra_group)  # every rank of the node has written
     if slots is not None and slots.tolist() != [r + 1 for r in topo.nodes[topo.node]]:
         ok = 0
     verdict = torch.tensor([ok, budget_bytes(free_bytes(memory.directory))], dtype=torch.int64)

@@ -52,13 +52,10 @@ from ..errors import PeerTimeoutError, RankFailedError
 from ..stats import Counters
 from .flat import check_tensor, flat_allreduce_async, payload_bytes, plain_allreduce
 from .futures import completed, new_future, value_of
-from .groups import explain, timeout_of
+from .groups import all_gather_flat, explain, timeout_of
 from .sequencer import stream_of
 from .teardown import attach
 from .topology import Topology
-
-_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def shard_numel(numel: int, ranks_per_node: int) -> int:
     """Coordinates of the shard each local rank owns (the tensor is padded to ``k`` of them)."""
@@ -140,7 +137,7 @@ def _all_gather(out: torch.Tensor, piece: torch.Tensor, group, k: int):
     4-5x slower than its all_to_all moved 16 MB on one host (measured here), so on
     CPUs the shard is sent to every peer through all_to_all; NCCL gathers itself."""
     if piece.is_cuda:
-        return _gather_single(out, piece, group=group, async_op=True)
+        return all_gather_flat(out, piece, group=group, async_op=True)
     return dist.all_to_all_single(out, piece.repeat(k), group=group, async_op=True)
 
 
@@ -240,7 +237,7 @@ class _TwoLevelCall:
         self.inter_ticket, self.gather_ticket = self.inter_seq.ticket(), self.gather_seq.ticket()
         try:
             if self.shm:  # a barrier: every rank of the node has written its row
-                work = dist.all_reduce(torch.zeros(1), group=self.topo.intra_group, async_op=True)
+                work = dist.all_reduce(torch.zeros(1, dtype=torch.float32), group=self.topo.intra_group, async_op=True)
             else:
                 work = dist.all_to_all_single(self.recv, send, group=self.topo.intra_group, async_op=True)
         except BaseException:
@@ -305,7 +302,7 @@ class _TwoLevelCall:
         failed = 1.0 if self.failure else 0.0
         if self.shm:
             self.shared_result[j * s:(j + 1) * s].copy_(piece)
-            out, send = self.shared_result, torch.tensor([failed])
+            out, send = self.shared_result, torch.tensor([failed], dtype=torch.int64)
         else:
             send = torch.empty(s + 1, dtype=dtype, device=device)
             send[:s].copy_(piece)

@@ -42,11 +42,12 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .codec import rng
-from .errors import ConfigMismatchError, RankFailedError
-from .schedule.groups import agrees
-from .stats import Counters
-from .codec.weights import WeightCodec
+from ..codec import rng
+from ..codec.weights import WeightCodec
+from ..errors import ConfigMismatchError, RankFailedError
+from ..schedule.groups import agrees, all_gather_flat
+from ..stats import Counters
+from .modules import param_groups, group_key
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
@@ -160,7 +161,7 @@ class AllGatherState:
         self.counters = Counters()
         self._logged: set = set()
         self._workspaces: list = [None, None, None]
-        self.switch = None  # bits="auto" (hhook.fsdp_auto.Switch): dense while it says so
+        self.switch = None  # bits="auto" (hhook.fsdp.auto.Switch): dense while it says so
 
     def workspace(self, n_blocks: int, device: torch.device, slot: int = 0) -> torch.Tensor | None:
         """A float32 ``(n_blocks, B)`` buffer, from one of three slots. On CPU they are kept
@@ -170,10 +171,10 @@ class AllGatherState:
         codec then makes its own temporaries)."""
         B = self.options.block_size
         if device.type != "cpu":
-            return torch.empty(n_blocks, B, device=device) if slot == 0 else None
+            return torch.empty(n_blocks, B, dtype=torch.float32, device=device) if slot == 0 else None
         buffer = self._workspaces[slot]
         if buffer is None or buffer.numel() < n_blocks * B:
-            buffer = self._workspaces[slot] = torch.empty(n_blocks * B)
+            buffer = self._workspaces[slot] = torch.empty(n_blocks * B, dtype=torch.float32)
         return buffer[: n_blocks * B].view(n_blocks, B)
 
     def count(self, kind, dense_bytes: int, wire_bytes: int) -> None:
@@ -219,7 +220,7 @@ class THCAllGather(AllGather):
         fp = self.fingerprint(input_tensor.dtype)
         payload, failure = self._encode(input_tensor, fp)
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
-        dist.all_gather_single(gathered, payload, group=group)
+        all_gather_flat(gathered, payload, group=group)
         rows = gathered.view(world, -1)
         headers = rows[:, :HEADER_BYTES].view(torch.int32)[:, :2].tolist()  # a host read (free on CPU)
         self.state.count("compressed_calls", output_tensor.nbytes, gathered.nbytes)
@@ -240,7 +241,7 @@ class THCAllGather(AllGather):
         return None
 
     def _dense(self, output_tensor, input_tensor, group, kind: str):
-        dist.all_gather_single(output_tensor, input_tensor, group=group)
+        all_gather_flat(output_tensor, input_tensor, group=group)
         self.state.count(kind, output_tensor.nbytes, output_tensor.nbytes)
         return None
 
@@ -307,8 +308,7 @@ class THCAllGather(AllGather):
 
 def _dense_reason(module, group, layout: Layout) -> str | None:
     """Why a module's all-gather stays plain (documented in docs/fsdp.md), or None."""
-    state = module._get_fsdp_state()
-    if len(getattr(state, "_fsdp_param_groups", ())) > 1:
+    if len(param_groups(module)) > 1:
         return "several param groups (shard_placement_fn with per-parameter meshes): FSDP refuses a custom all-gather"
     if group.post_forward_mesh_info is not None and group.post_forward_mesh_info is not group.mesh_info:
         return "reshard_after_forward is an int: the backward all-gathers over a smaller group and another layout"
@@ -345,10 +345,10 @@ def plan(entries, state: AllGatherState, extra: int = 0) -> list[tuple[str, obje
         out.append((name, module, None if reason else THCAllGather(state, layout, name), reason))
         pg = group.mesh_info.shard_process_group
         dtypes = [_DTYPE_CODES.get(_gathered_dtype(p, group), 0) for p in group.fsdp_params]
-        h = groups.get(id(pg), (pg, group.device, rng.mix32(state.options.fingerprint() ^ extra)))[2]
+        h = groups.get(group_key(pg), (pg, group.device, rng.mix32(state.options.fingerprint() ^ extra)))[2]
         for value in (zlib.crc32(name.encode()), reason is None, layout.digest(), *dtypes):
             h = rng.mix32(h ^ (int(value) & rng.MASK32))
-        groups[id(pg)] = (pg, group.device, h)
+        groups[group_key(pg)] = (pg, group.device, h)
     for pg, device, h in groups.values():
         handshake(pg, device, h, state)
     return out
@@ -359,7 +359,8 @@ def agree_without(entries, extra: int = 0) -> None:
     group of ``entries`` (``(name, FSDPModule, param group)``): a rank that compresses its
     all-gather (or decides per job) where another does not raises ``ConfigMismatchError``
     on every rank here, not in mismatched collectives later. Not counted in any stats."""
-    groups = {id(g.mesh_info.shard_process_group): (g.mesh_info.shard_process_group, g.device) for _, _, g in entries}
+    groups = {group_key(g.mesh_info.shard_process_group): (g.mesh_info.shard_process_group, g.device)
+              for _, _, g in entries}
     for pg, device in groups.values():
         handshake(pg, device, rng.mix32(_NO_ALL_GATHER ^ extra), None)
 
@@ -386,7 +387,7 @@ def handshake(group, device: torch.device, fp: int, state: AllGatherState | None
 
 
 def apply(planned, switch=None) -> None:
-    """Set the planned comms (``switch``: bits="auto"'s, :mod:`hhook.fsdp_auto`); one log
+    """Set the planned comms (``switch``: bits="auto"'s, :mod:`hhook.fsdp.auto`); one log
     line names the modules that stay dense, and why."""
     dense = []
     for name, module, comm, reason in planned:
@@ -402,8 +403,7 @@ def apply(planned, switch=None) -> None:
 def find_state(module) -> AllGatherState | None:
     """The :class:`AllGatherState` of the compressed all-gathers set on ``module``'s FSDP modules."""
     for m in module.modules():
-        get = getattr(m, "_get_fsdp_state", None)
-        for group in getattr(get(), "_fsdp_param_groups", ()) if get else ():
+        for group in param_groups(m) if hasattr(m, "_get_fsdp_state") else ():
             comm = getattr(group, "_all_gather_comm", None)
             if isinstance(comm, THCAllGather):
                 return comm.state

@@ -1,0 +1,126 @@
+"""Custom HSDP (:func:`register_hsdp`): THC's reduce-scatter inside each shard group and
+:func:`hhook.thc_allreduce` across replicas in FSDP's all-reduce hook (:mod:`hhook.fsdp`)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from ..state import THCState
+from .modules import fsdp_modules, mesh_sizes, param_group
+from .register import _register, _state_of
+
+logger = logging.getLogger("hhook.fsdp")
+
+
+def _check_replica_layout(shard_group, replica_group, device) -> None:
+    """Every member of ``replica_group`` must hold the same shard (the same rank in a shard
+    group of the same size). Blocking, on every rank: an all-gather over the replica group,
+    then a MAX of the verdict over the shard group, so that on a (replicate x shard) grid
+    every rank raises if any replica group is wrong."""
+    r = dist.get_world_size(replica_group)
+    mine = torch.tensor([shard_group.rank(), shard_group.size(), dist.get_rank()], dtype=torch.int64, device=device)
+    rows = torch.empty(r * 3, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(rows, mine, group=replica_group)
+    shard_ranks, shard_sizes, ranks = rows.view(r, 3).t().tolist()
+    local_bad = len(set(shard_ranks)) > 1 or len(set(shard_sizes)) > 1
+    verdict = torch.tensor([float(local_bad)], dtype=torch.float32, device=device)
+    dist.all_reduce(verdict, dist.ReduceOp.MAX, group=shard_group)
+    if verdict.item() > 0:
+        found = (f"this rank's replica_group (global ranks {ranks}) holds shard ranks {shard_ranks} of shard "
+                 f"groups of sizes {shard_sizes}" if local_bad else
+                 "this rank's replica group is fine, but a replica group of another rank of its shard group is not")
+        raise ValueError(
+            "hhook.fsdp.register_hsdp: replica_group must join the ranks that hold the same shard in each "
+            "replica (one rank per shard group, all with the same shard rank), e.g. mesh['replicate'].get_group() "
+            "of init_device_mesh(..., (n_replicas, shard_size), mesh_dim_names=('replicate', 'shard')) with "
+            f"fully_shard(mesh=mesh['shard']); {found}"
+        )
+
+
+def _adopt_replica_group(replica_state: THCState, replica_group: dist.ProcessGroup) -> None:
+    """A ``replica_state`` averages over its own process group: it must be
+    ``replica_group`` (averaging over WORLD instead gave relative errors near 1). A state
+    built without a group (``THCState(bits=8)``) and not used yet takes ``replica_group``."""
+    group = replica_state.process_group
+    if group is None and replica_state.calls == 0 and replica_state.runtime.topo is None:
+        replica_state.process_group = replica_group
+        replica_state.reset_runtime()
+        return
+    mine = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    if mine != dist.get_process_group_ranks(replica_group):
+        raise ValueError(
+            f"hhook.fsdp.register_hsdp: replica_state reduces over ranks {mine}, not over replica_group "
+            f"(ranks {dist.get_process_group_ranks(replica_group)}): build it with "
+            "THCState(process_group=replica_group, ...) or leave its process_group unset"
+        )
+
+
+def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | None = None,
+                  replica_state: THCState | None = None, **options) -> tuple[THCState, THCState]:
+    """Custom HSDP: THC reduce-scatter inside the shard group (``fully_shard``'s 1-D mesh)
+    and a THC allreduce over ``replica_group`` in FSDP's all-reduce hook, which averages
+    over replicas. Returns ``(shard_state, replica_state)``.
+
+    Checks the layout first, blocking, on every rank of the shard and replica groups:
+    raises ``ValueError`` on every rank if a module was sharded on a 2-D mesh (FSDP would
+    run its own replica all-reduce as well) or if the members of ``replica_group`` do not
+    all hold the same shard (e.g. ``WORLD`` passed as the replica group). A gradient
+    divide factor set before the call is respected (the result is the sum over all ranks
+    divided by it, as plain FSDP2's). A ``replica_state`` must reduce over
+    ``replica_group`` (``ValueError`` on every rank otherwise); one built without a
+    process group takes ``replica_group``.
+    """
+    from ..schedule.allreduce import thc_allreduce
+
+    if not isinstance(replica_group, dist.ProcessGroup):
+        raise TypeError(f"hhook.fsdp.register_hsdp: replica_group must be a ProcessGroup, got {replica_group!r}")
+    modules = []
+    shard_group = None
+    for name, m in fsdp_modules(module, "register_hsdp"):
+        group = param_group(m)
+        if group is None:
+            continue
+        shard, replicate = mesh_sizes(group)
+        if replicate is not None or shard is None:
+            raise ValueError(
+                f"hhook.fsdp.register_hsdp: {name} was sharded on a mesh with a replicate dimension, so FSDP "
+                "runs its own dense all-reduce across replicas before any hook. Shard on the 1-D shard mesh "
+                "(fully_shard(..., mesh=mesh['shard'])) and pass mesh['replicate'].get_group() here; or keep "
+                "the 2-D mesh and call hhook.fsdp.register (the replica all-reduce then stays dense)"
+            )
+        pg = group.mesh_info.shard_process_group
+        if shard_group is None:
+            shard_group, device = pg, group.device
+        elif pg.size() != shard_group.size() or pg.rank() != shard_group.rank():
+            raise ValueError(f"hhook.fsdp.register_hsdp: {name} is sharded over a different group than the "
+                             "other FSDP modules; every module must share one shard mesh")
+        modules.append((name, m, group.gradient_divide_factor))
+    if shard_group is not None:
+        _check_replica_layout(shard_group, replica_group, device)
+    if replica_state is not None:
+        _adopt_replica_group(replica_state, replica_group)
+    # bits="auto": one decision over every shard group and replica (their step times are
+    # coupled by the replica all-reduce), where they make up the world; else each
+    # replica's shard group decides on its own.
+    replicas = dist.get_world_size(replica_group)
+    whole = shard_group is not None and shard_group.size() * replicas == dist.get_world_size()
+    state = _register(module, _state_of(state, options), None, dist.group.WORLD if whole else None)
+    if state.bits == "auto" and replicas > 1 and not whole:
+        logger.warning("hhook.fsdp.register_hsdp: bits='auto' decides in each replica's shard group on its own: the "
+                       "shard groups and replicas do not make up the whole world")
+    if replica_state is None:
+        replica_state = THCState(process_group=replica_group, bits=state.bits, block_size=state.block_size,
+                                 seed=state.seed, start_iter=0)
+        replica_state.reported_through_parent()  # idle in a single replica; reported through the returned pair
+    for name, m, factor in modules:
+        def hook(output: torch.Tensor, key=f"hsdp:{name}", factor=factor) -> None:
+            if replicas > 1:
+                thc_allreduce(output, replica_state, key=key)  # the mean over replicas
+                if factor is not None:  # the comm returned the shard group's sum; FSDP divides by factor
+                    output.mul_(replicas)
+
+        m.set_all_reduce_hook(hook)
+    return state, replica_state
