@@ -432,6 +432,31 @@ class FakeOptimizer:
 
 
 @scenario
+def default_dtype():
+    """The same gradients compressed, summed and decompressed under the float32 and the
+    bfloat16 default dtype, in turns (float32 parameters and gradients): the same bits,
+    warm-up (dense) and predicted steps alike (every tensor hhook makes names its dtype)."""
+    results = []
+    for default in (torch.bfloat16, torch.float32, torch.bfloat16):
+        torch.set_default_dtype(default)
+        try:
+            comp = hh.THCCompressor(bits=4)
+            param = torch.nn.Parameter(torch.zeros(3000, dtype=torch.float32))
+            fake = FakeOptimizer(param, comp)
+            out = []
+            for step in range(3):
+                g = torch.Generator().manual_seed(100 * step + hvd.rank())
+                words, ctx = fake.compress(torch.randn(3000, generator=g, dtype=torch.float32))
+                out.append(comp.decompress(hvd.allreduce(words, op=hvd.Sum, name=f"dd.{default}.{step}"), ctx))
+            results.append(torch.cat(out))
+        finally:
+            torch.set_default_dtype(torch.float32)
+    assert all(r.dtype == torch.float32 and torch.equal(r, results[0]) for r in results), [
+        float((r - results[0]).abs().max()) for r in results]
+    return f"{results[0].numel()} values bit-identical under bf16/fp32/bf16 defaults"
+
+
+@scenario
 def mismatch():
     """Ranks with different seeds fail with ConfigMismatchError on every rank."""
     model = mlp(4)

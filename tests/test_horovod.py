@@ -31,6 +31,7 @@ SCENARIOS = [
     "dtypes",
     "nonfinite",
     "op_average",
+    "default_dtype",
     "mismatch",
     "grouped",
     "unused_params",
