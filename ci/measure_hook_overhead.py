@@ -1,6 +1,8 @@
 r"""What a Python comm hook costs where the wire is free: DDP's native fp32 allreduce against
-torch's own Python ``allreduce_hook``, ``bits="auto"`` held on fp32 and on bf16, and the
-bf16 hook of ``hhook-profile`` (torch's, for Gloo), all in one job on wide-cnn's
+``hhook.register(model)`` as a user calls it (on one host with CPU tensors it installs
+nothing: :func:`hhook.decision.hook.one_host`), torch's own Python ``allreduce_hook``,
+``bits="auto"`` held on fp32 and on bf16 (measuring forced, ``HHOOK_AUTO_ONE_HOST=measure``),
+and the bf16 hook of ``hhook-profile`` (torch's, for Gloo), all in one job on wide-cnn's
 gradients, the kinds taking turns of 20 steps (median ms per step, rank 0 prints).
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 ci/measure_hook_overhead.py [ROUNDS]
@@ -11,9 +13,11 @@ runs, fp32 included, goes through DDP's Python hook path (a callback in Gloo's t
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -25,7 +29,7 @@ from hhook.decision import Decision
 from hhook.profile.tasks import wide_cnn
 from hhook.profile.train import bf16_gloo_hook
 
-KINDS = ("native fp32", "torch allreduce_hook", "auto held on fp32", "profile bf16 hook", "auto held on bf16")
+KINDS = ("native fp32", "hhook.register default", "torch allreduce_hook", "auto held on fp32", "profile bf16 hook", "auto held on bf16")
 
 
 def build(kind: str):
@@ -35,8 +39,11 @@ def build(kind: str):
         model.register_comm_hook(None, default_hooks.allreduce_hook)
     elif kind == "profile bf16 hook":
         model.register_comm_hook(None, bf16_gloo_hook)
+    elif kind == "hhook.register default":
+        hhook.register(model)  # bits="auto" as the user's environment says (unset: installs nothing on one host)
     elif kind.startswith("auto"):
-        state = hhook.register(model)  # bits="auto", hhook.register's default
+        with mock.patch.dict(os.environ, {"HHOOK_AUTO_ONE_HOST": "measure"}):  # the hook, as on several hosts
+            state = hhook.register(model)  # bits="auto", hhook.register's default
         state.decision = Decision([kind.rsplit(" ", 1)[1]])  # one candidate: the choice is known
     return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
