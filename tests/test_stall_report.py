@@ -1,4 +1,5 @@
-"""The stall report (hhook/schedule/blame.py), issue 45 item 5: each suspected fault confirmed here first,
+"""The stall report (hhook/schedule/blame.py) and the teardown's wait
+(hhook/schedule/teardown.py), issue 45 item 5: each suspected fault confirmed here first,
 then fixed.
 
 * In a world of two where each rank waits for the other, a rank reads the other's report
@@ -8,6 +9,8 @@ then fixed.
   (torchrun's agent store) is not.
 * Bounding the store operations of the report leaves the store every thread shares with
   its own timeout: confirmed, not fixed (xfail, strict: it fails the suite once fixed).
+* ``destroy_process_group(subgroup)`` does not wait for hhook's continuations on another
+  group.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from hhook.schedule import blame
+
+from tests.distributed import run_world
 
 
 def _store(timeout_s: float = 10.0) -> dist.TCPStore:
@@ -106,3 +112,24 @@ def test_the_report_s_bound_leaves_the_shared_store_s_timeout_alone(monkeypatch)
     thread.join()
     assert got.get("value") == b"yes", got
     assert store.timeout == datetime.timedelta(seconds=10)
+
+
+def _destroy_subgroup_while_world_waits(rank, world):
+    import hhook
+
+    sub = dist.new_group([0, 1])
+    state = hhook.THCState(bits=4)
+    hhook.thc_allreduce(torch.ones(4096), state)  # the handshake, on both ranks
+    if rank == 1:
+        time.sleep(2.0)  # rank 0's next MAX waits for this rank meanwhile
+    fut = hhook.schedule.allreduce.thc_allreduce_async(torch.ones(4096), state)
+    start = time.monotonic()
+    dist.destroy_process_group(sub)
+    took = time.monotonic() - start
+    fut.wait()
+    return took
+
+
+def test_destroying_a_subgroup_does_not_wait_for_another_group_s_continuations():
+    took = run_world(_destroy_subgroup_while_world_waits, 2)
+    assert took[0] < 1.0, f"destroy_process_group(subgroup) waited {took[0]:.2f} s for the default group's collective"
