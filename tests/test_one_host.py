@@ -26,7 +26,7 @@ def _installed(ddp) -> bool:
     return False
 
 
-def _register(rank, env: dict):
+def _register(rank, env: dict, **options):
     import hhook
 
     for name, value in env.items():
@@ -41,7 +41,7 @@ def _register(rank, env: dict):
         torch.manual_seed(0)
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4))
         try:
-            state = hhook.register(ddp)
+            state = hhook.register(ddp, **options)
         except ValueError as exc:
             return {"error": str(exc)}
         x = torch.full((2, 8), float(rank + 1))
@@ -116,3 +116,17 @@ def test_auto_on_one_host_with_cpu_tensors_installs_nothing_and_says_why(monkeyp
             assert measured["stats"]["dense_calls"] >= 1, case  # DDP's plain first iteration, through the hook
             assert not [line for line in measured["logs"] if "one host" in line], case
         assert "HHOOK_AUTO_ONE_HOST" in out["bad_value"]["error"] and "[0]" in out["bad_value"]["error"]
+
+
+def _two_level(rank, world):
+    out = _register(rank, {}, topology=2)
+    out.pop("state")
+    return out
+
+
+def test_a_topology_that_makes_nodes_of_one_host_keeps_measuring(monkeypatch):
+    """topology=2 (2 nodes x 2 ranks, here on one host): the user says nodes, bits='auto'
+    measures between them."""
+    monkeypatch.delenv("HHOOK_AUTO_ONE_HOST", raising=False)
+    for out in run_world(_two_level, 4):
+        assert out["installed"] and out["stats"]["decision"]["phase"] == "explore", out["stats"].get("decision")

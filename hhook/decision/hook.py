@@ -67,8 +67,9 @@ def one_host(state: THCState, ddp_model) -> str | None:
     hostname) and holds its parameters in host memory: the exchange crosses no network
     (Gloo over loopback or shared memory), so no candidate can beat DDP's own fp32
     allreduce, and measuring them costs steps. GPUs on one host keep measuring (without
-    NVLink their exchange crosses PCIe, where compression may pay). ``HHOOK_AUTO_ONE_HOST
-    =measure`` on any rank measures anyway. A collective: one all-gather of every rank's
+    NVLink their exchange crosses PCIe, where compression may pay), and so does a state
+    whose ``topology`` makes nodes of the ranks. ``HHOOK_AUTO_ONE_HOST=measure`` on any
+    rank measures anyway. A collective: one all-gather of every rank's
     node record with its flags, so every rank reaches the same answer."""
     mode = os.environ.get(ONE_HOST_ENV, "skip")
     group = state.process_group
@@ -87,8 +88,8 @@ def one_host(state: THCState, ddp_model) -> str | None:
         nodes, source = _auto_nodes(records)
     except TopologyError:  # launcher variables that describe no layout: measure, as before
         return None
-    if len(nodes) != 1 or not all(r[-1] == 1 for r in records):
-        return None
+    if len(nodes) != 1 or not all(r[-1] == 1 for r in records) or state.node_layout().two_level:
+        return None  # (two-level: the state's topology says nodes, e.g. ranks_per_node=K)
     how = {"hostname": "their hostnames"}.get(source, "the launcher's variables")
     return (f"bits='auto': all {len(records)} ranks run on one host (by {how}) with CPU tensors, so no "
             "gradient crosses a network and no compressed or narrower exchange can beat DDP's own fp32 allreduce: "
