@@ -130,3 +130,11 @@ def test_a_topology_that_makes_nodes_of_one_host_keeps_measuring(monkeypatch):
     monkeypatch.delenv("HHOOK_AUTO_ONE_HOST", raising=False)
     for out in run_world(_two_level, 4):
         assert out["installed"] and out["stats"]["decision"]["phase"] == "explore", out["stats"].get("decision")
+
+
+def test_the_profiler_says_no_hook_was_installed():
+    from hhook.decision.hook import NotMeasured
+    from hhook.profile.commands.train import decision_line
+
+    line = decision_line(NotMeasured("bits='auto': all 2 ranks run on one host").summary())
+    assert "one host" in line and "plain allreduce ran" in line and "still measuring" not in line, line
