@@ -12,6 +12,7 @@ import importlib.metadata
 import torch.distributed as dist
 
 from .ddp_hook import register
+from .decision.hook import NotMeasured
 from .state import THCState
 
 
@@ -60,7 +61,10 @@ class FrameworkHook:
         return self.state
 
     def finish(self, what: str = "training") -> bool:
-        """At the end of a run: warn when no gradient went through the hook."""
+        """At the end of a run: warn when no gradient went through the hook (not where
+        ``bits="auto"`` installed none on purpose: one host, CPU tensors)."""
+        if isinstance(self.state.decision, NotMeasured):
+            return False
         return self.state.warn_if_idle(f"{self.framework} {what}")
 
     def state_dict(self) -> dict:

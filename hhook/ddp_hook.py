@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .codec import warm_up
 from .decision import live_decision, reduce_bucket_as_decided
+from .decision.hook import one_host, skip_measuring
 from .schedule.allreduce import thc_allreduce_async
 from .schedule.flat import dense_allreduce
 from .schedule.futures import completed, then
@@ -222,8 +223,12 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
     auto rule's width and narrower ones (down to 2 bits, while each bit fewer still buys
     time), a bf16 and the fp32 allreduce, in turns on every rank alike, keeps the fastest
     and re-decides on a schedule and on drift (:mod:`hhook.decision`;
-    ``state.stats()["decision"]`` says what and why). An integer
-    ``bits`` always compresses at that width.
+    ``state.stats()["decision"]`` says what and why). Where every rank runs on one host
+    with CPU tensors no exchange can beat DDP's own fp32 allreduce: there ``bits="auto"``
+    installs no hook, logs why (one line, rank 0) and ``stats()["decision"]`` says
+    ``{"method": "plain", "phase": "not measured", "hook": None, "reason": ...}``
+    (:func:`hhook.decision.hook.one_host`; ``HHOOK_AUTO_ONE_HOST=measure`` measures
+    anyway). An integer ``bits`` always compresses at that width.
 
     ``state`` is a :class:`THCState` or what its ``state_dict()`` returned (a checkpoint's
     part; any other object raises :class:`TypeError`). The process group defaults to the
@@ -270,12 +275,16 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
             "the model in DDP first (Accelerate: after accelerator.prepare; Ray Train: after prepare_model; "
             "Lightning: hhook.lightning.THCCallback; torch.compile: register on the DDP model, then compile)."
         )
+    module = getattr(ddp_model, "module", ddp_model)
+    state.registration = Registration({id(p): name for name, p in module.named_parameters()})
     if dist.is_initialized():
         state.node_layout()  # on every rank, here: a layout that cannot hold raises now
         if state.bits == "auto" and state.world_size > 1:
+            reason = one_host(state, ddp_model)
+            if reason is not None:  # nothing to measure: DDP's own allreduce, no Python hook
+                skip_measuring(state, reason)
+                return state
             live_decision(state)
-    module = getattr(ddp_model, "module", ddp_model)
-    state.registration = Registration({id(p): name for name, p in module.named_parameters()})
     ddp_model.register_comm_hook(state, thc_hook)
     for param in ddp_model.parameters():
         warm_up(param.device)  # compile the fused codec now, not in the first backward pass

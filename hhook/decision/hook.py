@@ -3,21 +3,115 @@ method the decision gives its iteration, timed by the state's :class:`~hhook.dec
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
+import torch.distributed as dist
 
 from ..codec.error_model import auto_bits
 from ..schedule.allreduce import thc_allreduce_async
 from ..schedule.flat import cast_allreduce, dense_allreduce
-from ..state import THCState
+from ..schedule.topology import TopologyError, _auto_nodes, _gather_records, local_record
+from ..state import THCState, report
 from .decision import Decision
 from .methods import BF16, PLAIN, candidates, thc_bits, wire_bits
 from .prober import Prober
 from .widths import release_other_widths, variant
 
+logger = logging.getLogger(__name__)
+
+#: ``bits="auto"`` with every rank on one host exchanging CPU tensors: ``"skip"`` (the
+#: default) installs no hook, ``"measure"`` measures as on several hosts.
+ONE_HOST_ENV = "HHOOK_AUTO_ONE_HOST"
+_ONE_HOST_MODES = ("skip", "measure")  # (the flags of one_host's record know them too)
+
+
+class NotMeasured:
+    r"""``state.decision`` of a ``bits="auto"`` state whose :func:`hhook.register` installed
+    no hook (:func:`one_host`): DDP's own fp32 allreduce runs, without Python. ``stats()``
+    reports it (:meth:`summary`). Its checkpoint (``{"not_measured": reason, "kept": ...}``)
+    keeps what the state held before (``kept``: a :class:`Decision`'s plain data, or None),
+    so loading it into this state keeps the report, and a run resumed on several hosts
+    continues that decision or starts one afresh (:func:`live_decision`)."""
+
+    def __init__(self, reason: str, kept=None):
+        self.reason = reason
+        self.kept = _measured(kept)
+
+    def summary(self) -> dict:
+        return {"method": PLAIN, "phase": "not measured", "choice": PLAIN, "hook": None, "reason": self.reason,
+                "decisions": []}
+
+    def state_dict(self) -> dict:
+        return {"not_measured": self.reason,
+                "kept": self.kept.state_dict() if hasattr(self.kept, "state_dict") else self.kept}
+
+    def load_state_dict(self, saved) -> None:
+        self.kept = _measured(saved)
+
+
+def _measured(decision):
+    """The measuring decision (or its plain data, or None) that ``decision`` holds."""
+    if isinstance(decision, NotMeasured):
+        return decision.kept
+    if isinstance(decision, dict) and "not_measured" in decision:
+        return decision["kept"]
+    return decision
+
+
+def one_host(state: THCState, ddp_model) -> str | None:
+    """Why ``hhook.register`` should install nothing for ``bits="auto"``, or None to
+    measure. Nothing is installed when every rank of the state's group is on one node
+    (:mod:`hhook.schedule.topology`'s detection: the launcher's node index, else the
+    hostname) and holds its parameters in host memory: the exchange crosses no network
+    (Gloo over loopback or shared memory), so no candidate can beat DDP's own fp32
+    allreduce, and measuring them costs steps. GPUs on one host keep measuring (without
+    NVLink their exchange crosses PCIe, where compression may pay), and so does a state
+    whose ``topology`` makes nodes of the ranks. ``HHOOK_AUTO_ONE_HOST=measure`` on any
+    rank measures anyway. A collective: one all-gather of every rank's
+    node record with its flags, so every rank reaches the same answer."""
+    mode = os.environ.get(ONE_HOST_ENV, "skip")
+    group = state.process_group
+    record = local_record(dist.get_rank(group), "auto")
+    # The last field (the shared-memory files' token of detect_topology, unused here)
+    # carries this rank's flags: 1 its parameters are all on the CPU, 2 it asked to
+    # measure, 4 its HHOOK_AUTO_ONE_HOST is not a mode (every rank raises, after the gather).
+    on_cpu = all(p.device.type == "cpu" for p in ddp_model.parameters())
+    record[-1] = int(on_cpu) | {"skip": 0, "measure": 2}.get(mode, 4)
+    records = _gather_records(record, group)
+    bad = [rank for rank, r in enumerate(records) if r[-1] & 4]
+    if bad:
+        raise ValueError(f"hhook: {ONE_HOST_ENV} must be one of {_ONE_HOST_MODES} on every rank; ranks {bad} have "
+                         f"another value (this rank's: {mode!r})")
+    try:
+        nodes, source = _auto_nodes(records)
+    except TopologyError:  # launcher variables that describe no layout: measure, as before
+        return None
+    if len(nodes) != 1 or not all(r[-1] == 1 for r in records) or state.node_layout().two_level:
+        return None  # (two-level: the state's topology says nodes, e.g. ranks_per_node=K)
+    how = {"hostname": "their hostnames"}.get(source, "the launcher's variables")
+    return (f"bits='auto': all {len(records)} ranks run on one host (by {how}) with CPU tensors, so no "
+            "gradient crosses a network and no compressed or narrower exchange can beat DDP's own fp32 allreduce: "
+            f"no hook is installed (measuring the candidates would only cost steps). {ONE_HOST_ENV}=measure "
+            "measures anyway; bits=N always compresses")
+
+
+def skip_measuring(state: THCState, reason: str) -> None:
+    """Leave ``state`` as :func:`hhook.register` returns it when it installs nothing:
+    ``state.decision`` says so (:class:`NotMeasured`), one log line on rank 0, and no
+    idle warning at exit (no tensor goes through it, by design)."""
+    state.decision = NotMeasured(reason, state.decision)
+    state.prober = None
+    report.LIVE.discard(state)
+    if dist.get_rank(state.process_group) == 0:
+        logger.info("hhook: %s", reason)
+
 
 def live_decision(state: THCState) -> Decision:
     """``state.decision``: built on first use (:func:`new_decision`), or restored from the
     plain data a :meth:`THCState.load_state_dict` left there."""
+    state.decision = _measured(state.decision)  # a state (or checkpoint) of a job that measured nothing
     if isinstance(state.decision, dict):
         state.decision = Decision.from_state_dict(state.decision)
     elif state.decision is None:

@@ -10,15 +10,24 @@ reports: a peer that reported waits too, and the search goes on through the rank
 peer waits for; the ranks it reaches that report nothing (within a few seconds: every
 waiting rank times out at about the same time) are the ones that stalled. A peer that
 closed its connection after reporting gave up waiting (it stalled nobody); one that closed
-it without a report died. Every store operation here is bounded (a store whose host
-stalled answers nothing): where the store cannot tell, the message names the group's
-peers, as before.
+it without a report died. In a world of two the same wait applies: a peer that waits for
+this rank too (each waits for the other) reports within it, and is not named as stalled.
+
+Reports are keyed by the launcher's attempt (torchrun's run id and restart count), never
+judged by a wall clock (hosts' clocks differ): torchrun's agents keep their store across
+restarts, and an earlier attempt's report there is not read. Every store operation here
+is bounded (a store whose host stalled answers nothing): where the store cannot tell, the
+message names the group's peers, as before. The bound is the store's own timeout, set to
+:data:`STORE_TIMEOUT_S` meanwhile: another thread's store operation in that moment is
+bounded by it too (a client of its own would need connecting, which a stalled store host
+does not bound: it would have to be made beforehand, at the handshake).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import threading
 import time
 
@@ -32,7 +41,6 @@ REPORT_WAIT_S = 3.0
 #: Bound (s) of each store operation here.
 STORE_TIMEOUT_S = 2.0
 _PREFIX = "hhook/blame/"
-_STARTED = time.time()  # a report older than this process is an earlier attempt's
 _lock = threading.Lock()
 _cache: dict = {}
 _reported: list = []
@@ -64,9 +72,9 @@ def blame(kind: str, peers: list[int], timeout_s: float) -> Blame | None:
 def _resolve(store, me: int, peers: list[int], kind: str, timeout_s: float) -> Blame:
     if kind == "timeout":
         _report(store, me, peers)
-    # a peer that reports waits for another rank: none where the world is this rank and it
-    lonely = len(peers) == 1 and dist.get_world_size() == 2
-    wait = min(REPORT_WAIT_S, max(1.0, timeout_s / 2)) if kind == "timeout" and not lonely else 0.0
+    # Peers that wait too time out at about the same time: their reports are awaited (in a
+    # world of two as well: there the peer may wait for this rank).
+    wait = min(REPORT_WAIT_S, max(1.0, timeout_s / 2)) if kind == "timeout" else 0.0
     deadline = time.monotonic() + wait
     while True:
         found = _walk(store, me, peers)
@@ -98,27 +106,32 @@ def _walk(store, me: int, peers: list[int]) -> Blame:
     return Blame(tuple(sorted(culprits)), tuple(sorted(waiting)), mine)
 
 
+def _key(rank: int) -> str:
+    """Where ``rank`` reports in this attempt: torchrun's agents keep their store across
+    restarts, and every rank of an attempt holds the same run id and restart count."""
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"{_PREFIX}{attempt}/{rank}"
+
+
 def _report(store, me: int, on: list[int]) -> None:
     """Say, once per process, which ranks this one waited for when it gave up."""
     if not _reported:
-        store.set(f"{_PREFIX}{me}", f"{time.time():.3f} " + ",".join(str(r) for r in on))
+        store.set(_key(me), ",".join(str(r) for r in on))
         _reported.append(on)
 
 
 def _read(store, rank: int) -> list[int] | None:
     """The ranks ``rank`` reported waiting for in this attempt, or None."""
-    key = f"{_PREFIX}{rank}"
+    key = _key(rank)
     if not store.check([key]):
         return None
-    stamp, _, on = store.get(key).decode().partition(" ")
-    if float(stamp) < _STARTED - 5.0:  # an earlier attempt's, on a store that outlived it
-        return None
-    return [int(r) for r in on.split(",") if r]
+    return [int(r) for r in store.get(key).decode().split(",") if r]
 
 
 @contextlib.contextmanager
 def _bounded(store):
-    """The store's operations time out after :data:`STORE_TIMEOUT_S` meanwhile."""
+    """The store's operations time out after :data:`STORE_TIMEOUT_S` meanwhile (every
+    thread's: the store is the process's)."""
     old = store.timeout
     store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
     try:

@@ -207,7 +207,8 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=N
         def launch() -> None:
             try:
                 attach(second.all_reduce(words).get_future(),
-                       lambda g: settle(result, lambda: decode(value_of(g, f"the SUM of the codes of {what}", second)[0])))
+                       lambda g: settle(result, lambda: decode(value_of(g, f"the SUM of the codes of {what}", second)[0])),
+                       state.process_group)
             except BaseException as exc:
                 result.set_exception(exc)
 
@@ -218,6 +219,6 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=N
     except BaseException:
         state.runtime.sequencer.launch(ticket, None)  # later tickets must not wait for this one
         raise
-    attach(fut.get_future(), finish_and_sum)
+    attach(fut.get_future(), finish_and_sum, state.process_group)
     return result
 

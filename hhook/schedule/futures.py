@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .groups import explain
-from .teardown import attach
+from .teardown import UNSAID, attach
 
 
 def new_future(like: torch.Tensor) -> torch.futures.Future:
@@ -48,10 +48,13 @@ def value_of(fut: torch.futures.Future, what: str | None = None, group=None):
         raise explained from exc
 
 
-def then(fut: torch.futures.Future, fn, like: torch.Tensor, what: str | None = None, group=None) -> torch.futures.Future:
+def then(fut: torch.futures.Future, fn, like: torch.Tensor, what: str | None = None,
+         group=UNSAID) -> torch.futures.Future:
     """``fut.then(fn)`` where ``fn`` takes ``fut``'s value and its exception (or ``fut``'s)
-    reaches the waiter unwrapped; ``what`` and ``group`` as :func:`value_of`. Counted
-    until released (:func:`hhook.schedule.teardown.attach`)."""
+    reaches the waiter unwrapped; ``what`` and ``group`` (None: the default group) as
+    :func:`value_of`. Counted until released (:func:`hhook.schedule.teardown.attach`),
+    under ``group`` where it is said."""
     result = new_future(like)
-    attach(fut, lambda f: settle(result, lambda: fn(value_of(f, what, group))))
+    named = None if group is UNSAID else group
+    attach(fut, lambda f: settle(result, lambda: fn(value_of(f, what, named))), group)
     return result

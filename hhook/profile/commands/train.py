@@ -228,6 +228,8 @@ def table(rows: list[dict], target: float) -> str:
 def decision_line(decision: dict) -> str:
     """``bits="auto"``'s decisions (hhook.decision) in one line: each one's candidates,
     their median steps, those dropped early, and the choice."""
+    if decision.get("phase") == "not measured":  # hhook.decision.hook.one_host
+        return f"{decision['reason']} (DDP's plain allreduce ran)"
     parts = []
     for d in decision["decisions"]:
         periods = ", ".join(f"{m} {v:.1f}" for m, v in sorted(d["periods_ms"].items(), key=lambda kv: kv[1]))
