@@ -259,3 +259,32 @@ def test_digest_is_chunk_invariant_and_matches_python():
         expected += rng.mix32((b + i * 0x9E3779B9 + 0x44696773) & rng.MASK32)
     expected &= (1 << 48) - 1
     assert int(rng.digest(bits)) == expected == int(rng.digest(bits, chunk=7))
+
+
+# -- one specification of the float operations -------------------------------------
+def _spec_rotate(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """docs/guarantees.md's rotation, written out with numpy float32 scalars' arithmetic:
+    sign flip, butterflies on strides 1, 2, ..., B/2, then float32(1/sqrt(B))."""
+    import numpy as np
+
+    block = x.shape[1]
+    v = (x * rotation.signs(seed, block, torch.device("cpu"))).numpy().astype(np.float32)
+    h = 1
+    while h < block:
+        for i in range(0, block, 2 * h):
+            for j in range(i, i + h):
+                a, b = v[:, j].copy(), v[:, j + h].copy()
+                v[:, j], v[:, j + h] = a + b, a - b
+        h *= 2
+    return torch.from_numpy(v * np.float32(1 / math.sqrt(block)))
+
+
+@pytest.mark.parametrize("block", [1, 2, 8, 32, 128, 512])
+def test_rotation_performs_the_specified_float_operations(block):
+    x = torch.randn(5, block) * torch.logspace(-3, 3, block)
+    assert torch.equal(rotation.rotate(x, 7).view(torch.int32), _spec_rotate(x, 7).view(torch.int32))
+    y = rotation.rotate(x, 7)
+    d0, d7 = (rotation.signs(seed, block, torch.device("cpu")) for seed in (0, 7))
+    back = _spec_rotate(y * d0, 0) * d7  # D H y / sqrt(B): D_0 D_0 = 1 undoes _spec_rotate's signs
+    assert torch.equal(rotation.unrotate(y, 7).view(torch.int32), back.view(torch.int32))
+
