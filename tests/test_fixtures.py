@@ -131,16 +131,24 @@ def test_pickles_load(case):
     assert numel == 300 and residual.shape == (1, 512) and residual.abs().sum() > 0 and scales is None
 
 
+#: Parts of a state that tell how its run went, not only where it stands: bits="auto"'s
+#: decision follows measured times (which width a step ran, which samples it kept), and
+#: the byte counters follow the decision. Compared by their fields' names and types.
+_TRAJECTORY = ("decision", "_stats", "_intra")
+
+
 def _portable(value):
     """What of a state dict is the same on every CPU: tensors as dtype and shape, floats
-    (timings, float results) and digests (of a tensor's bits) as their type, the rank it
-    was saved on left out."""
+    (timings, float results) and digests (of a tensor's bits) as their type, the run's
+    trajectory (:data:`_TRAJECTORY`) as its fields' types, the rank it was saved on left out."""
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dtype, tuple(value.shape))
     if isinstance(value, float):
         return float
     if isinstance(value, dict):
-        return {k: type(v) if k == "digest" else _portable(v) for k, v in value.items() if k != "origin"}
+        return {k: type(v) if k == "digest" else {f: type(x) for f, x in v.items()}
+                if k in _TRAJECTORY and isinstance(v, dict) else _portable(v)
+                for k, v in value.items() if k != "origin"}
     if isinstance(value, (list, tuple)):
         return type(value)(_portable(v) for v in value)
     return value
