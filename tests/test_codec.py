@@ -259,3 +259,110 @@ def test_digest_is_chunk_invariant_and_matches_python():
         expected += rng.mix32((b + i * 0x9E3779B9 + 0x44696773) & rng.MASK32)
     expected &= (1 << 48) - 1
     assert int(rng.digest(bits)) == expected == int(rng.digest(bits, chunk=7))
+
+
+# -- one specification of the float operations -------------------------------------
+def _spec_rotate(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """docs/guarantees.md's rotation, written out with numpy float32 scalars' arithmetic:
+    sign flip, butterflies on strides 1, 2, ..., B/2, then float32(1/sqrt(B))."""
+    import numpy as np
+
+    block = x.shape[1]
+    v = (x * rotation.signs(seed, block, torch.device("cpu"))).numpy().astype(np.float32)
+    h = 1
+    while h < block:
+        for i in range(0, block, 2 * h):
+            for j in range(i, i + h):
+                a, b = v[:, j].copy(), v[:, j + h].copy()
+                v[:, j], v[:, j + h] = a + b, a - b
+        h *= 2
+    return torch.from_numpy(v * np.float32(1 / math.sqrt(block)))
+
+
+@pytest.mark.parametrize("block", [1, 2, 8, 32, 128, 512])
+def test_rotation_performs_the_specified_float_operations(block):
+    x = torch.randn(5, block) * torch.logspace(-3, 3, block)
+    assert torch.equal(rotation.rotate(x, 7).view(torch.int32), _spec_rotate(x, 7).view(torch.int32))
+    y = rotation.rotate(x, 7)
+    d0, d7 = (rotation.signs(seed, block, torch.device("cpu")) for seed in (0, 7))
+    back = _spec_rotate(y * d0, 0) * d7  # D H y / sqrt(B): D_0 D_0 = 1 undoes _spec_rotate's signs
+    assert torch.equal(rotation.unrotate(y, 7).view(torch.int32), back.view(torch.int32))
+
+
+# -- the default dtype (issue 42) ---------------------------------------------------
+def dtype_probe(switch=lambda: None) -> dict:
+    """Every output of the codec's stages on fixed inputs: ``THCCodec`` through the
+    reference and the fused CPU path (error feedback on), ``WeightCodec``; ``switch()`` runs
+    between stages (tests change the default dtype there)."""
+    import os
+
+    from hhook.codec.weights import WeightCodec
+
+    g = torch.Generator().manual_seed(42)
+    xs = [torch.randn(5000, generator=g, dtype=torch.float32) * 3 for _ in range(3)]
+    out = {}
+    saved = os.environ.get(FORCE_REFERENCE_ENV)
+    try:
+        for name, force in (("reference", "1"), ("fused", "0")):
+            os.environ[FORCE_REFERENCE_ENV] = force
+            codec = THCCodec(4, 512, 3, 3)
+            prepared = [codec.prepare(x) for x in xs]
+            switch()
+            agreed = torch.stack([p.scales for p in prepared]).amax(0)
+            residual = torch.zeros(3, codec.n_blocks(5000), 512, dtype=torch.float32)
+            words = [codec.quantize(p, agreed, codec.stream(r, 9), residual[r]) for r, p in enumerate(prepared)]
+            switch()
+            total = sum(words)
+            decoded = codec.decode(prepared[0], agreed, total, torch.empty(5000, dtype=torch.float32))
+            out[name] = (agreed, torch.stack(words), residual, decoded)
+            switch()
+    finally:
+        if saved is None:
+            os.environ.pop(FORCE_REFERENCE_ENV, None)
+        else:
+            os.environ[FORCE_REFERENCE_ENV] = saved
+    weights = WeightCodec(bits=4, block_size=256)
+    blocks = torch.randn(6, 256, generator=g, dtype=torch.float32) ** 3  # heavy tails: "auto" rotates some
+    payload = torch.empty(weights.nbytes(6), dtype=torch.uint8)
+    weights.encode(blocks.clone(), payload)
+    switch()
+    out["weights"] = (payload, weights.decode(payload, 6))
+    return out
+
+
+def _flat(probe: dict) -> list[torch.Tensor]:
+    return [t for name in sorted(probe) for t in probe[name]]
+
+
+def _same_bits(a: dict, b: dict) -> bool:
+    return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(_flat(a), _flat(b), strict=True))
+
+
+def test_results_do_not_depend_on_the_default_dtype(monkeypatch):
+    base = dtype_probe()
+    assert all(t.dtype in (torch.float32, torch.int32, torch.uint8) for t in _flat(base))
+    defaults = iter([torch.bfloat16, torch.float64, torch.float32] * 10)
+    try:
+        torch.set_default_dtype(torch.bfloat16)
+        under = dtype_probe()
+        torch.set_default_dtype(torch.float32)
+        switching = dtype_probe(lambda: torch.set_default_dtype(next(defaults)))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert _same_bits(base, under) and _same_bits(base, switching)
+
+
+def test_a_first_use_under_bfloat16_gives_the_same_bits(tmp_path):
+    """The caches (signs, norms, kernels) are filled by the first use: in a fresh process."""
+    import subprocess
+    import sys
+
+    from tests.distributed import subprocess_env
+
+    script = ("import torch; torch.set_default_dtype(torch.bfloat16)\n"
+              "from tests.test_codec import dtype_probe\n"
+              f"torch.save(dtype_probe(), {str(tmp_path / 'probe.pt')!r})\n")
+    done = subprocess.run([sys.executable, "-c", script], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _same_bits(dtype_probe(), torch.load(tmp_path / "probe.pt", weights_only=True))

@@ -171,7 +171,7 @@ def hash_range(key: int, start: int, count: int, device=None) -> torch.Tensor:
 def uniform(key: int, start: int, count: int, device=None) -> torch.Tensor:
     """Uniform floats in [0, 1): the top 24 bits of the hash, exact in float32."""
     h = hash_range(key, start, count, device)
-    return torch.mul((h >> 8).bitwise_and_(0xFFFFFF), 2.0**-24)
+    return (h >> 8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(2.0**-24)
 
 
 def thresholds(stream: Stream, start: int, count: int, block: int, device=None) -> torch.Tensor:
@@ -186,7 +186,7 @@ def thresholds(stream: Stream, start: int, count: int, block: int, device=None) 
         rows = (mix32_(_wrap32((j // block).add_(stream.row).bitwise_and_(MASK32))) >> (32 - bits)).bitwise_and_(mask)
         strata = stream.table(block, h.device)[j % block].add_(rows).add_(stream.offset).bitwise_and_(mask)
         h.bitwise_or_(strata.bitwise_left_shift_(24 - bits))
-    return torch.mul(h, 2.0**-24)
+    return h.to(torch.float32).mul_(2.0**-24)
 
 
 def _wrap32(values: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ import math
 import torch
 
 from . import rng
-from .rotation import _factors, check_block_size, rotate, signs, unrotate
+from .rotation import check_block_size, rotate, unrotate
 
 #: Widths the all-gather takes: 8 by default; 6 and 4 measured (docs/fsdp.md).
 WIDTHS = (2, 3, 4, 5, 6, 7, 8)
@@ -84,23 +84,11 @@ class WeightCodec:
         """Per block, the largest possible L2 norm of ``decode - x`` (``scales`` as stored)."""
         return scales.abs() * (math.sqrt(self.block_size) / (2 * self.q))
 
-    def _rotate(self, blocks: torch.Tensor, inverse: bool, work: torch.Tensor | None) -> torch.Tensor:
-        """:func:`hhook.codec.rotation.rotate` (or ``unrotate``) in place; with a ``work`` buffer
-        shaped like ``blocks``, as two large matrix products instead of one batched product
-        of small ones (the same transform up to float rounding: 2.4x faster on one CPU core,
-        and no temporaries)."""
-        if work is None:
-            return (unrotate if inverse else rotate)(blocks, self.seed, out=blocks)
-        d = signs(self.seed, self.block_size, blocks.device)
-        if not inverse:
-            blocks.mul_(d)
-        left, right = _factors(self.block_size, blocks.device)  # H_B = H_b1 (x) H_b2; left holds 1/sqrt(B)
-        n, b1, b2 = blocks.shape[0], left.shape[0], right.shape[0]
-        torch.matmul(blocks.view(-1, b2), right, out=work.view(-1, b2))  # X H_b2, every block at once
-        blocks.view(n, b2, b1).copy_(work.view(n, b1, b2).transpose(1, 2))
-        torch.matmul(blocks.view(-1, b1), left, out=work.view(-1, b1))  # (H_b1 X H_b2)^T (H_b1 is symmetric)
-        blocks.view(n, b1, b2).copy_(work.view(n, b2, b1).transpose(1, 2))
-        return blocks.mul_(d) if inverse else blocks
+    def _rotate(self, blocks: torch.Tensor, inverse: bool) -> torch.Tensor:
+        """:func:`hhook.codec.rotation.rotate` (or ``unrotate``) of contiguous ``blocks``, in
+        place: the specification's butterflies, so every rank decodes a shard to the same
+        bits on any CPU."""
+        return (unrotate if inverse else rotate)(blocks, self.seed, out=blocks)
 
     def _choose(self, blocks: torch.Tensor, work) -> tuple[torch.Tensor, torch.Tensor]:
         """``blocks`` (in place) as they will be quantized, and their signed scales (the
@@ -108,7 +96,7 @@ class WeightCodec:
         if self.rotate is False:
             return blocks, _maxabs(blocks)
         if self.rotate is True:
-            return self._rotate(blocks, False, work[0]), _maxabs(blocks).neg_()
+            return self._rotate(blocks, False), _maxabs(blocks).neg_()
         plain = _maxabs(blocks)
         # Candidates: a block whose max is under twice its RMS stays as it is (uniform: 1.7);
         # rotated, its max would not be lower (about Gaussian: near 3 RMS at B = 256).
@@ -118,7 +106,7 @@ class WeightCodec:
             return blocks, plain
         n = rows.numel()
         rotated = torch.index_select(blocks, 0, rows, out=work[1][:n]) if work[1] is not None else blocks[rows]
-        self._rotate(rotated, False, None if work[0] is None else work[0][:n])
+        self._rotate(rotated, False)
         turned = _maxabs(rotated)
         use = turned < plain[rows]
         rows, turned = rows[use], turned[use]
@@ -128,7 +116,8 @@ class WeightCodec:
     def encode(self, blocks: torch.Tensor, out: torch.Tensor, work=(None, None)) -> bool:
         """Quantize float32 ``(n, B)`` ``blocks`` (overwritten) into the uint8 payload
         ``out`` of :meth:`nbytes` bytes; ``work``: up to two float32 buffers shaped like
-        ``blocks`` (None: temporaries). Returns whether every value was finite (an inf or
+        ``blocks`` (None: temporaries; only the second is used, for the blocks tried
+        rotated under ``rotate="auto"``). Returns whether every value was finite (an inf or
         NaN makes its block's scale inf or NaN: ``amax`` propagates NaN).
 
         Codes are ``floor(y q / M + q + 1/2)``, clamped to ``0..2q``: round to nearest,
@@ -149,18 +138,18 @@ class WeightCodec:
     def decode(self, payload: torch.Tensor, n_blocks: int, out: torch.Tensor | None = None,
                work: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 ``(n_blocks, B)`` values of a payload (into ``out`` if given;
-        ``work``: a buffer shaped like it, as in :meth:`encode`)."""
+        ``work``: accepted for callers, not needed: the inverse rotation runs in place)."""
         scales = self.scales(payload, n_blocks)
         codes = unpack(payload[4 * n_blocks:], self.bits, n_blocks * self.block_size)
-        y = torch.empty(n_blocks, self.block_size, device=payload.device) if out is None else out
+        y = torch.empty(n_blocks, self.block_size, dtype=torch.float32, device=payload.device) if out is None else out
         y.view(-1).copy_(codes)
         y.sub_(self.q).mul_((scales.abs() / float(self.q))[:, None])
         turned = torch.signbit(scales).nonzero().view(-1) if self.rotate == "auto" else None
         if self.rotate is True or turned is not None and turned.numel() == n_blocks:
-            return self._rotate(y, True, work)
+            return self._rotate(y, True)
         if turned is not None and turned.numel():  # only the rotated blocks
             rows = y.index_select(0, turned)
-            y.index_copy_(0, turned, self._rotate(rows, True, None if work is None else work[: rows.shape[0]]))
+            y.index_copy_(0, turned, self._rotate(rows, True))
         return y
 
 

@@ -4,16 +4,18 @@ The pure-torch codec makes about a dozen passes over memory per stage (0.2 GB/s 
 thread); each stage here is one pass per block, from ``csrc/thc_cpu.c``:
 
 1. ``prepare``: load (fp32/fp16/bf16), digest of the float32 bits, sign diagonal,
-   Walsh-Hadamard butterflies in L1, per-block max ``|y|``; the rotated blocks go to a
-   recycled workspace (``Prepared.blocks``), the scale vector to ``Prepared.scales``.
+   Walsh-Hadamard butterflies in L1, ``1/sqrt(B)``, per-block max ``|y|``; the rotated
+   blocks go to a recycled workspace (``Prepared.blocks``), the scale vector to
+   ``Prepared.scales``.
 2. ``quantize``: ``y + residual``, stochastic rounding with the counter-based RNG of
    :mod:`hhook.codec.rng` (independent or correlated thresholds, :class:`hhook.codec.rng.Stream`), written straight into the lane words of :mod:`hhook.codec.lanes`, and the
    new residual. Given the same rotated blocks and scales the words equal the
    reference's bit for bit (same float32 operations in the same order, no contraction).
 3. ``decode``: unpack, dequantize, inverse rotation, crop, store in the output's dtype.
 
-The butterflies sum in another order than the reference's Kronecker matmuls, so rotated
-values (and hence, rarely, a code) differ from the reference in the last bits.
+The butterflies run in the order :mod:`hhook.codec.rotation` specifies, so every stage's
+output (rotated blocks, maxima, words, residuals, the decoded mean) is the reference's, bit
+for bit, at every instruction set the C file is built for (``HHOOK_CPU_MARCH``).
 
 Why a C file and ctypes: no new dependency and nothing to build at install time
 (``pip install hhook`` needs no compiler). On first use the system C compiler (``$CC``,
@@ -22,7 +24,8 @@ else Python's, else ``cc``/``gcc``/``clang``) builds it with ``-O3 -march=native
 flags and the CPU, so every later process (every rank of every job) just loads it. A
 file lock makes concurrent ranks compile once; the library is written to a temporary
 file and renamed, so no process ever loads a half-written one. Without a working
-compiler the codec logs one line and uses the reference. ctypes releases the GIL, so
+compiler the codec logs one line and uses the reference. ``HHOOK_CPU_MARCH`` builds for
+another ``-march`` than ``native`` (the same bits, another speed). ctypes releases the GIL, so
 the blocks are split over ``torch.get_num_threads()`` Python threads.
 ``HHOOK_FORCE_REFERENCE=1`` forces the reference.
 """
@@ -35,7 +38,6 @@ import ctypes
 import functools
 import hashlib
 import logging
-import math
 import os
 import platform
 import shlex
@@ -57,8 +59,13 @@ from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by hhook.pro
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "HHOOK_CACHE_DIR"
+#: ``HHOOK_CPU_MARCH=x86-64-v2`` (any ``-march`` value): build for that instruction set
+#: instead of ``native``. The results are the same bits at every instruction set (the C
+#: file performs the specification's float operations in its order, without contraction);
+#: only the speed differs.
+MARCH_ENV = "HHOOK_CPU_MARCH"
 SOURCE_NAME = "thc_cpu.c"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-std=c11", "-fPIC", "-shared")
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-std=c11", "-fPIC", "-shared")
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MIN_PER_THREAD = 1 << 16  # coordinates: below this a second thread costs more than it saves
 _POOL_SIZE = 8  # rotated-block workspaces kept for reuse
@@ -69,7 +76,8 @@ build_info: dict = {}
 
 _c_int, _c_i64, _c_u32, _c_ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
 _SIGNATURES = {
-    "hh_prepare": (_c_ptr, _c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr),
+    "hh_prepare": (_c_ptr, _c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, ctypes.c_float, _c_ptr, _c_ptr, _c_ptr,
+                   _c_ptr),
     "hh_quantize": (_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_int, _c_int, _c_u32, _c_ptr, _c_u32, _c_int, _c_u32,
                     _c_i64, _c_int, _c_int, _c_int, _c_i64, _c_i64, _c_ptr),
     "hh_decode": (_c_ptr, _c_int, _c_i64, _c_int, _c_ptr, _c_int, _c_int, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
@@ -112,11 +120,20 @@ def _cpu_identity() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
-def library_path(cc: list[str]) -> Path:
+def march() -> str:
+    """The ``-march`` the library is built for: ``$HHOOK_CPU_MARCH``, else ``native``."""
+    return os.environ.get(MARCH_ENV) or "native"
+
+
+def flags(arch: str | None = None) -> tuple[str, ...]:
+    return (*FLAGS, f"-march={arch or march()}")
+
+
+def library_path(cc: list[str], arch: str | None = None) -> Path:
     """Cache file of the library for this source, compiler, flags and CPU."""
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(
-        "\0".join((source_path().read_text(), " ".join(cc), version, " ".join(FLAGS), _cpu_identity())).encode()
+        "\0".join((source_path().read_text(), " ".join(cc), version, " ".join(flags(arch)), _cpu_identity())).encode()
     ).hexdigest()[:20]
     return cache_dir() / f"thc_cpu-{key}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
 
@@ -137,15 +154,16 @@ def _file_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def build() -> Path:
-    """Compile the library into the cache unless it is there; returns its path.
+def build(arch: str | None = None) -> Path:
+    """Compile the library (for ``-march=arch``, default :func:`march`) into the cache
+    unless it is there; returns its path.
 
     Concurrent callers (ranks of one node) serialise on a lock file: the first compiles,
     the others find the result. The compiler writes a temporary file that is renamed
     into place, so a reader never sees a partial library.
     """
     cc = compiler()
-    target = library_path(cc)
+    target = library_path(cc, arch)
     target.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with _file_lock(target.with_suffix(".lock")):
@@ -155,7 +173,7 @@ def build() -> Path:
         fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
         os.close(fd)
         try:
-            done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(source_path()), "-lm"],
+            done = subprocess.run([*cc, *flags(arch), "-o", tmp, str(source_path()), "-lm"],
                                   capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cc)} failed: {done.stderr.strip()[-2000:]}")
@@ -167,12 +185,17 @@ def build() -> Path:
     return target
 
 
+def _library(arch: str | None = None):
+    """The loaded library for ``-march=arch`` (default :func:`march`, read at every call), or
+    None (logged once) when it cannot be built here."""
+    return _load(arch or march())
+
+
 @functools.cache
-def _library():
-    """The loaded library, or None (logged once) when it cannot be built here."""
+def _load(arch: str):
     start = time.perf_counter()
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(arch)))
     except Exception as e:  # no compiler, a failing one, an unwritable cache: use the reference
         logger.warning("hhook: fused CPU codec unavailable, using the torch reference (%s)", e)
         return None
@@ -181,6 +204,9 @@ def _library():
         getattr(lib, name).restype = None
     build_info["seconds"] = time.perf_counter() - start
     return lib
+
+
+_library.cache_clear = _load.cache_clear
 
 
 def available() -> bool:
@@ -244,8 +270,9 @@ def _give_workspace(buffer: torch.Tensor) -> None:
 
 @functools.lru_cache(maxsize=64)
 def scaled_signs(seed: int, block: int) -> torch.Tensor:
-    """``D / sqrt(B)``: the normalisation rides on the sign diagonal."""
-    return (rotation.signs(seed, block, torch.device("cpu")) / math.sqrt(block)).contiguous()
+    """``D`` times ``rotation.norm(B)``: decode's last multiply, ``(H y * norm) * D`` in one
+    (the sign is exact, so the bits are the specification's)."""
+    return (rotation.signs(seed, block, torch.device("cpu")) * rotation.norm(block)).contiguous()
 
 
 # -- stages ------------------------------------------------------------------------
@@ -259,12 +286,13 @@ def rotate(codec, source: torch.Tensor):
     src = source.contiguous()
     blocks = _take_workspace(n_blocks * block).view(n_blocks, block)
     maxima = torch.empty(n_blocks, dtype=torch.float32)
-    signs = scaled_signs(codec.seed, block)
+    signs = rotation.signs(codec.seed, block, torch.device("cpu"))
+    norm = rotation.norm(block)
     dtype = _DTYPE_CODE[src.dtype]
 
     def run(first, last):
         digest, nonfinite = ctypes.c_uint64(0), ctypes.c_int32(0)
-        lib.hh_prepare(src.data_ptr(), dtype, numel, block, first, last, signs.data_ptr(), blocks.data_ptr(),
+        lib.hh_prepare(src.data_ptr(), dtype, numel, block, first, last, signs.data_ptr(), norm, blocks.data_ptr(),
                        maxima.data_ptr(), ctypes.byref(digest), ctypes.byref(nonfinite))
         return digest.value, nonfinite.value
 

@@ -1,13 +1,19 @@
-/* Fused CPU stages of the THC codec (hhook/cpu_kernels.py compiles and loads this file).
+/* Fused CPU stages of the THC codec (hhook/codec/kernels/cpu.py compiles and loads this file).
  *
  * Each function does one stage over a range of blocks or words, so that Python threads
- * can split a tensor (ctypes releases the GIL). The pure-torch codec in hhook/codec.py is
- * the specification; quantization reproduces its float32 operations in the same order,
+ * can split a tensor (ctypes releases the GIL). The pure-torch codec in hhook/codec/ is
+ * the specification; every stage reproduces its float32 operations in the same order,
  * so the file must be compiled without floating-point contraction or fast-math
  * (-fno-trapping-math only lets the clamps vectorize; it changes no value).
  *
  *   hh_prepare:  load (fp32/fp16/bf16) + digest of the float32 bits + sign diagonal
- *                + Walsh-Hadamard transform + per-block max |y|, rotated blocks out.
+ *                + Walsh-Hadamard transform + 1/sqrt(B) + per-block max |y|, rotated blocks out.
+ *
+ * The transform is the specification's (hhook/codec/rotation.py): radix-2 butterflies on
+ * strides 1, 2, 4, ..., B/2 in that order, each an exact-rounded add and subtract, then one
+ * multiply by norm = float32(1/sqrt(B)); the sign diagonal is exact. Every code path below
+ * (the portable one and the AVX2 one, whatever -march) performs these operations in this
+ * order, so the rotated blocks and the decoded outputs are the same bits on every CPU.
  *   hh_quantize: (y + residual) -> stochastic rounding -> lane words, residual out.
  *   hh_decode:   lane sums -> dequantized mean -> inverse rotation -> store in dtype.
  */
@@ -159,10 +165,12 @@ HH_INLINE void wht_first_pass(const float *in, float *out, int64_t n, const floa
 }
 
 /* 2^stages butterfly stages over strides h .. h 2^(stages-1), in registers; in -> out
- * (in == out is fine), the outputs * mul when mul, their max |y| bits into top when top. */
+ * (in == out is fine), the outputs * mul[i] when mul, else * scale when scale != 0, their
+ * max |y| bits into top when top. */
 HH_INLINE void wht_radix_pass(const float *in, float *out, int64_t n, int64_t h, int stages, const float *mul,
-                              __m256i *top, int stream) {
+                              float scale, __m256i *top, int stream) {
     const int r = 1 << stages;
+    const __m256 scale8 = _mm256_set1_ps(scale);
     const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
     for (int64_t i = 0; i < n; i += r * h)
         for (int64_t j = i; j < i + h; j += 8) {
@@ -176,7 +184,10 @@ HH_INLINE void wht_radix_pass(const float *in, float *out, int64_t n, int64_t h,
                         v[k + s] = _mm256_sub_ps(a, b);
                     }
             for (int k = 0; k < r; k++) {
-                if (mul) v[k] = _mm256_mul_ps(v[k], _mm256_loadu_ps(mul + j + k * h));
+                if (mul)
+                    v[k] = _mm256_mul_ps(v[k], _mm256_loadu_ps(mul + j + k * h));
+                else if (scale != 0.0f)
+                    v[k] = _mm256_mul_ps(v[k], scale8);
                 if (top) *top = _mm256_max_epu32(*top, _mm256_and_si256(_mm256_castps_si256(v[k]), abs_mask));
                 if (stream)
                     _mm256_stream_ps(out + j + k * h, v[k]);
@@ -187,28 +198,28 @@ HH_INLINE void wht_radix_pass(const float *in, float *out, int64_t n, int64_t h,
 }
 
 /* Strides HH_GROUP .. n/2 of x (the first pass done), the last pass writing to out with
- * its epilogue (mul, top) as in wht_radix_pass; stream: out is 32-byte aligned and is
+ * its epilogue (mul or scale, top) as in wht_radix_pass; stream: out is 32-byte aligned and is
  * written with non-temporal stores (no read for ownership, for outputs beyond the cache). */
-HH_INLINE void wht_rest_to(float *x, float *out, int64_t n, const float *mul, __m256i *top, int stream) {
+HH_INLINE void wht_rest_to(float *x, float *out, int64_t n, const float *mul, float scale, __m256i *top, int stream) {
     int64_t h = HH_GROUP;
     int left = 0;
     for (int64_t m = h; m < n; m <<= 1) left++;
     for (; left > 4; left -= 3, h <<= 3) /* radix 8 passes, then one of radix 1..16 */
-        wht_radix_pass(x, x, n, h, 3, 0, 0, 0);
+        wht_radix_pass(x, x, n, h, 3, 0, 0.0f, 0, 0);
     switch (left) {
-    case 0: wht_radix_pass(x, out, n, 8, 0, mul, top, stream); break; /* n == HH_GROUP: the epilogue */
-    case 1: wht_radix_pass(x, out, n, h, 1, mul, top, stream); break;
-    case 2: wht_radix_pass(x, out, n, h, 2, mul, top, stream); break;
-    case 3: wht_radix_pass(x, out, n, h, 3, mul, top, stream); break;
-    default: wht_radix_pass(x, out, n, h, 4, mul, top, stream); break;
+    case 0: wht_radix_pass(x, out, n, 8, 0, mul, scale, top, stream); break; /* n == HH_GROUP: the epilogue */
+    case 1: wht_radix_pass(x, out, n, h, 1, mul, scale, top, stream); break;
+    case 2: wht_radix_pass(x, out, n, h, 2, mul, scale, top, stream); break;
+    case 3: wht_radix_pass(x, out, n, h, 3, mul, scale, top, stream); break;
+    default: wht_radix_pass(x, out, n, h, 4, mul, scale, top, stream); break;
     }
 }
 
-HH_INLINE void wht_rest(float *x, float *out, int64_t n, const float *mul, __m256i *top, int stream) {
+HH_INLINE void wht_rest(float *x, float *out, int64_t n, const float *mul, float scale, __m256i *top, int stream) {
     if (stream)
-        wht_rest_to(x, out, n, mul, top, 1);
+        wht_rest_to(x, out, n, mul, scale, top, 1);
     else
-        wht_rest_to(x, out, n, mul, top, 0);
+        wht_rest_to(x, out, n, mul, scale, top, 0);
 }
 
 /* Streaming pays once a stage's output exceeds the last-level cache; below, the next stage
@@ -242,9 +253,10 @@ static inline void digest_halves(const float *y, int64_t count, uint32_t index_h
 /* Rotated blocks [first_block, last_block) into blocks_out (float32, n_blocks x B), their
  * max |y| into maxima; returns through digest_out the sum of this range's element hashes
  * (mod 2^64; the caller reduces mod 2^48) and through nonfinite_out whether any rotated
- * value is not finite. signs holds D / sqrt(B). */
+ * value is not finite. signs holds D (+-1), norm is float32(1/sqrt(B)), applied after the
+ * butterflies. */
 void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_t first_block,
-                int64_t last_block, const float *signs, float *blocks_out, float *maxima,
+                int64_t last_block, const float *signs, float norm, float *blocks_out, float *maxima,
                 uint64_t *digest_out, int32_t *nonfinite_out) {
     uint64_t digest = 0;
     int32_t bad = 0;
@@ -283,7 +295,7 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
             else
                 wht_first_pass(in, x, block, signs, 0, 0, 0, 0);
             __m256i tops = _mm256_setzero_si256();
-            wht_rest(x, y, block, 0, &tops, stream);
+            wht_rest(x, y, block, 0, norm, &tops, stream);
             top = max_u32_x8(tops);
         } else
 #endif
@@ -297,6 +309,7 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
              * inf/NaN (exponent all ones) sort above every finite value */
             for (int64_t i = 0; i < block; i++) {
                 uint32_t u;
+                y[i] *= norm;
                 memcpy(&u, y + i, 4);
                 u &= 0x7FFFFFFFu;
                 top = u > top ? u : top;
@@ -523,7 +536,7 @@ void hh_decode(const void *words, int word_bits, int64_t n_words, int width,
             int direct = out_dtype == HH_F32 && count == block;
             float *dst = direct ? (float *)out + start : work;
             wht_first_pass(work, work, block, 0, 0, 0, 0, 0);
-            wht_rest(work, dst, block, signs, 0, direct && big && aligned32(dst));
+            wht_rest(work, dst, block, signs, 0.0f, 0, direct && big && aligned32(dst));
             if (!direct) store_from_f32(out, out_dtype, start, count, work);
             continue;
         }
