@@ -1,5 +1,5 @@
 r"""Blockwise round-to-nearest quantization of parameter shards (ZeRO++ qwZ style), for
-FSDP2's compressed parameter all-gather (:mod:`hhook.fsdp_all_gather`).
+FSDP2's compressed parameter all-gather (:mod:`hhook.fsdp.all_gather`).
 
 Blocks of ``B`` float32 values. Each block keeps one float32 scale ``M`` (its max
 ``|y|``) and ``bits``-bit codes on the symmetric grid ``y ~ (c - q) M / q`` with
