@@ -28,6 +28,9 @@ def test_dry_run_runs_every_stage_without_a_gpu(tmp_path):
 
     assert report["stages"]["sanitizer"]["result"]["kernels"] == len(cuda_kernels.KERNEL_NAMES)
     assert report["stages"]["tests"]["result"]["collected"] > 100
+    fsdp = report["stages"]["fsdp"]["result"]
+    for name in ("gloo_2_ranks_default", "gloo_2_ranks_bits4_ag8"):  # FSDP2 for real, on CPU tensors
+        assert fsdp[name]["status"] == "pass" and fsdp[name]["all_gather_stats"]["compressed_calls"] > 0
     assert (tmp_path / "gpu-check.log").stat().st_size > 0
 
 
@@ -55,3 +58,96 @@ def test_parity_plan_spans_the_lengths_and_inputs_the_issue_names():
     assert {c["dtype"] for c in cases} == {torch.float32, torch.bfloat16, torch.float16}
     assert {c["kind"] for c in cases} == {"random", "zeros", "nonfinite", "subnormal", "outlier"}
     assert all(c["numel"] % 1024 for c in cases if c["numel"] > 1024)  # lengths off the block
+
+
+def _fake_rank(tmp_path, group, rank, script):
+    """A stand-in rank process running ``script`` (its result file: ``RESULT``), for the
+    parent's side of the FSDP stage: waiting, killing, reporting."""
+    result, log = tmp_path / f"{group}-{rank}.json", tmp_path / f"{group}-{rank}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", f"RESULT = {str(result)!r}\n" + script], stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return gpu_check.RankProc(group, rank, proc, result, log)
+
+
+RAISES = """
+import json, sys
+json.dump({"c": {"ok": False, "error": "Traceback (most recent call last):\\n  File ...\\nAttributeError: module "
+                 "'torch.distributed' has no attribute 'all_gather_single'"}}, open(RESULT, "w"))
+sys.exit(1)
+"""
+HANGS = """
+import faulthandler, signal, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+def blocked_in_a_collective():
+    time.sleep(600)
+blocked_in_a_collective()
+"""
+DIES = "import os; os._exit(7)\n"
+
+
+def test_fsdp_stage_reports_each_ranks_exception_or_where_it_hung(tmp_path):
+    """Issue 42: two ranks that failed read as 'timed out; ranks that answered: []'. Now a
+    rank that raised is reported with its traceback, its hung peer is killed a grace
+    period later with its stack in the report, and a rank that died says its exit code."""
+    import time
+
+    case = dict(name="c", world=2, backend="gloo", device="cpu", register="default", must_compress=True)
+    procs = [_fake_rank(tmp_path, "c", 0, RAISES), _fake_rank(tmp_path, "c", 1, HANGS)]
+    start = time.monotonic()
+    gpu_check.wait_ranks(procs, time.monotonic() + 60, grace=1.0)
+    assert time.monotonic() - start < 30  # not the deadline: the grace after rank 0's failure
+    entry = gpu_check.judge_case(case, [gpu_check.rank_report(p, "c") for p in procs])
+    assert entry["status"] == "fail"
+    r0, r1 = entry["ranks"]
+    assert r0["status"] == "raised" and "all_gather_single" in r0["error"]
+    assert "rank 1 killed 1 s after rank 0" in " ".join(entry["reasons"])
+    assert "blocked_in_a_collective" in r1["log_tail"]  # its stack, dumped before the kill
+    assert any("rank 0 raised AttributeError" in reason for reason in entry["reasons"])
+
+    procs = [_fake_rank(tmp_path, "d", 0, HANGS), _fake_rank(tmp_path, "d", 1, DIES)]
+    gpu_check.wait_ranks(procs, time.monotonic() + 60, grace=1.0)
+    r0, r1 = (gpu_check.rank_report(p, "d") for p in procs)
+    assert r1["status"] == "exited with code 7 before writing a result" and "after rank 1" in r0["status"]
+
+    procs = [_fake_rank(tmp_path, "e", 0, HANGS)]
+    gpu_check.wait_ranks(procs, time.monotonic() + 1.5)
+    assert gpu_check.rank_report(procs[0], "e")["status"] == "killed: the stage's time ran out"
+
+
+def test_fsdp_case_fails_without_compressed_calls_or_a_falling_loss():
+    case = dict(name="c", world=1, backend="gloo", device="cpu", register="default", must_compress=True)
+    good = {"losses": [1.0, 0.5], "all_gather_stats": {"compressed_calls": 3}, "reduce_scatter": {"compressed_calls": 2},
+            "decision": None}
+    assert gpu_check.judge_case(case, [{"rank": 0, "status": "ok", "result": good}])["status"] == "pass"
+    for change, reason in (({"all_gather_stats": None}, "is None"),
+                           ({"all_gather_stats": {"compressed_calls": 0}}, "no compressed all-gather call"),
+                           ({"reduce_scatter": {"compressed_calls": 0}}, "no compressed reduce-scatter call"),
+                           ({"losses": [1.0, 1.5]}, "did not fall"), ({"losses": [1.0, float("nan")]}, "not finite")):
+        entry = gpu_check.judge_case(case, [{"rank": 0, "status": "ok", "result": {**good, **change}}])
+        assert entry["status"] == "fail" and reason in " ".join(entry["reasons"]), (change, entry["reasons"])
+    # a world of one on NCCL: FSDP2 calls no comm, so only training is asked of it
+    lone = {**case, "must_compress": False}
+    assert gpu_check.judge_case(lone, [{"rank": 0, "status": "ok", "result": {**good, "all_gather_stats": None}}]
+                                )["status"] == "pass"
+
+
+def test_a_rank_job_writes_its_traceback(tmp_path):
+    """rank_main itself: what a rank raises lands in its result file, and it exits 1."""
+    from hhook.launch import free_port
+
+    job = dict(rank=0, world=1, backend="gloo", device="cpu", port=free_port("127.0.0.1"), steps=1,
+               cases=[{"name": "bad", "register": "no such case"}], result=str(tmp_path / "r.json"), pg_timeout=30)
+    done = subprocess.run([sys.executable, str(ROOT / "ci" / "gpu_check.py"), "--rank-job", json.dumps(job)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert not out["bad"]["ok"] and "KeyError: 'no such case'" in out["bad"]["error"]
+
+
+def test_fsdp_verdict():
+    passed = {"status": "pass"}
+    key = "FSDP2 trains on CUDA, both collectives compressed (2 ranks)"
+    assert gpu_check.verdicts({"fsdp": {"result": {"a": passed, "b": passed}}})[key] is True
+    assert gpu_check.verdicts({"fsdp": {"result": {"a": passed, "b": {"status": "fail"}}}})[key] is False
+    assert gpu_check.verdicts({})[key] is None
