@@ -25,7 +25,10 @@ of the run's budget, and the JSON file is rewritten after every stage:
                   adversarial inputs (zeros, inf/NaN, subnormals, an outlier, lengths off
                   the block), fp32/bf16/fp16, 2-8 bits, both roundings, 1 K to 100 M;
 5. ``throughput`` encode, decode and each stage against a device-to-device copy of the
-                  same bytes (25/100/400 MB), host time per bucket;
+                  same bytes (25/100/400 MB), host time per bucket; FSDP2's all-gather
+                  codec (``WeightCodec``, 8 bits, blocks of 256) encode and decode at 25
+                  and 100 MB (``hhook.profile.codec_bench``'s timers; the dry run runs
+                  them on CPU tensors of 1/100 the size);
 6. ``sanitizer``  compute-sanitizer memcheck and racecheck over each kernel, small;
 7. ``nccl``       a world of one on NCCL through the hook's real path (the second
                   communicator on NCCL, ``set_sync_debug_mode("error")`` after the first
@@ -473,29 +476,56 @@ def stage_throughput(ctx: Context) -> dict:
     import torch
 
     from hhook.codec import THCCodec
+    from hhook.codec.weights import WeightCodec
+    from hhook.profile import codec_bench as bench
 
-    bench = _bench_cuda()
     codec = THCCodec(bits=4, block_size=1024, seed=1, world_size=4)
+    weights = WeightCodec(bits=8, block_size=256, seed=1)
+    if ctx.dry:  # the same code on CPU tensors of 256 KB, two timed repeats
+        device, iters, scale = "cpu", 2, 0.01
+    else:
+        device, iters, scale = "cuda", 20, 1.0
     plan = [(torch.float32, 25), (torch.float32, 100), (torch.bfloat16, 100), (torch.float32, 400)]
     if ctx.dry:
-        assert callable(bench.stage_times) and callable(bench.host_time_per_bucket)
-        return {"would": [f"{str(d).replace('torch.', '')} {mb} MB: copy, prepare, quantize, encode, decode" for d, mb in plan]
-                + ["host time per 25 MB bucket", "the reference codec at 25 MB"]}
+        plan = plan[:1] + plan[2:3]
     rows = []
     for dtype, mb in plan:
-        x = torch.randn(int(mb * 1e6) // dtype.itemsize, device="cuda").to(dtype)
-        t = bench.stage_times(codec, x, iters=20)
+        x = torch.randn(int(mb * scale * 1e6) // dtype.itemsize, dtype=torch.float32, device=device).to(dtype)
+        t = bench.stage_times(codec, x, iters=iters)
         fused = t["encode_s"] + t["decode_s"]
-        rows.append({"dtype": str(dtype).replace("torch.", ""), "mb": mb, **{k: round(v * 1e3, 4) for k, v in t.items()},
+        rows.append({"dtype": str(dtype).replace("torch.", ""), "mb": mb * scale,
+                     **{k: round(v * 1e3, 4) for k, v in t.items()},
                      "of_copy": round(t["copy_s"] / fused, 3), "encode_of_copy": round(t["copy_s"] / t["encode_s"], 3),
                      "decode_of_copy": round(t["copy_s"] / t["decode_s"], 3),
                      "copy_gbps": round(2 * x.nbytes / t["copy_s"] / 1e9, 1)})
         del x
+    # FSDP2's all-gather codec (8 bits, blocks of 256) on a float32 shard
+    weight_rows = []
+    for mb in (25, 100):
+        n = int(mb * scale * 1e6) // 4 // weights.block_size * weights.block_size
+        x = torch.randn(n, dtype=torch.float32, device=device)
+        t = bench.weight_codec_times(weights, x, iters)
+        weight_rows.append({"mb": round(n * 4 / 1e6, 3), "bits": weights.bits, "block_size": weights.block_size,
+                            **{k: round(v * 1e3, 4) for k, v in t.items() if k.endswith("_s")},
+                            "encode_of_copy": round(t["copy_s"] / t["encode_s"], 3),
+                            "decode_of_copy": round(t["copy_s"] / t["decode_s"], 3),
+                            "ratio_vs_bf16": round(2 * n / t["payload_bytes"], 3)})
+        del x
+    if device == "cuda":
         torch.cuda.empty_cache()
-    host = bench.host_time_per_bucket(codec, 25, 50)
-    ref = bench.codec_throughput(codec, [25], (torch.float32,), 5)[0]
-    return {"rows": rows, "host_us_per_25mb_bucket": round(host * 1e6, 1), "vs_reference_25mb": round(ref["vs_ref"], 1),
-            "note": "*_s are milliseconds (medians of CUDA-event timings); of_copy = copy time / (encode + decode) time"}
+    bucket = torch.randn(int(25 * scale * 1e6) // 4, dtype=torch.float32, device=device)
+    host = bench.host_time_per_bucket(codec, bucket, 50 if not ctx.dry else 3)
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": rows,
+              "weight_codec": weight_rows, f"host_us_per_{25 * scale:g}mb_bucket": round(host * 1e6, 1),
+              "note": "*_s are milliseconds (medians of CUDA-event timings on a GPU, wall clock on CPU); "
+                      "of_copy = copy time / (encode + decode) time; weight_codec: hhook.codec.weights.WeightCodec "
+                      "(FSDP2's all-gather), encode includes the shard's copy into its block workspace"}
+    if ctx.dry:
+        result["would"] = "the same on cuda:0 at 25/100/400 MB, and the reference codec at 25 MB"
+    else:
+        ref = _bench_cuda().codec_throughput(codec, [25], (torch.float32,), 5)[0]
+        result["vs_reference_25mb"] = round(ref["vs_ref"], 1)
+    return result
 
 
 # -- 5. sanitizer -----------------------------------------------------------------------------

@@ -31,6 +31,8 @@ def test_dry_run_runs_every_stage_without_a_gpu(tmp_path):
     fsdp = report["stages"]["fsdp"]["result"]
     for name in ("gloo_2_ranks_default", "gloo_2_ranks_bits4_ag8"):  # FSDP2 for real, on CPU tensors
         assert fsdp[name]["status"] == "pass" and fsdp[name]["all_gather_stats"]["compressed_calls"] > 0
+    weight = report["stages"]["throughput"]["result"]["weight_codec"]  # FSDP2's all-gather codec, timed
+    assert len(weight) == 2 and all(r["encode_s"] > 0 and r["decode_s"] > 0 for r in weight)
     assert (tmp_path / "gpu-check.log").stat().st_size > 0
 
 
@@ -151,3 +153,25 @@ def test_fsdp_verdict():
     assert gpu_check.verdicts({"fsdp": {"result": {"a": passed, "b": passed}}})[key] is True
     assert gpu_check.verdicts({"fsdp": {"result": {"a": passed, "b": {"status": "fail"}}}})[key] is False
     assert gpu_check.verdicts({})[key] is None
+
+
+def test_the_shared_timers_run_on_cpu():
+    """hhook.profile.codec_bench's per-bucket timers (the throughput and speed stages, and
+    examples/bench_cuda.py) on CPU tensors: times, the input left as it was."""
+    import pytest
+    import torch
+
+    from hhook.codec import THCCodec
+    from hhook.codec.weights import WeightCodec
+    from hhook.profile import codec_bench as bench
+
+    x = torch.randn(4096, dtype=torch.float32)
+    kept = x.clone()
+    assert bench.fp16_hook_seconds(x, 2) > 0 and bench.copy_seconds(x, 2) > 0
+    assert bench.roundtrip_seconds(THCCodec(4, 1024, 1, 16), x, 2) > 0
+    assert bench.host_time_per_bucket(THCCodec(4, 1024, 1, 16), x, 2) > 0
+    assert torch.equal(x, kept)
+    t = bench.weight_codec_times(WeightCodec(8, 256), x, 2)
+    assert t["payload_bytes"] == WeightCodec(8, 256).nbytes(16) and min(t["encode_s"], t["decode_s"]) > 0
+    with pytest.raises(ValueError, match="whole blocks"):
+        bench.weight_codec_times(WeightCodec(8, 256), x[:1000], 2)
