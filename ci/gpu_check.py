@@ -18,26 +18,35 @@ of the run's budget, and the JSON file is rewritten after every stage:
                   is reported with its traceback, a rank still running after a peer
                   failed (or at the stage's end) is killed after its stack was dumped,
                   and the report says which and why (never a bare timeout);
-3. ``tests``      tests/test_cuda.py on the GPU (not the CPU emulator's cases): kernels,
+3. ``speed``      issue 44's quick look (``--only speed``: under 2 minutes): per bucket of
+                  25 and 100 MB, fp32 and bf16, THC encode + decode through ``THCCodec``
+                  (4 bits, lanes for 16 ranks, allocations included), torch's fp16 hook's
+                  compress + decompress of the same bucket (one cast each way), a
+                  device-to-device copy, the host's time to issue one THC bucket, and the
+                  ratios THC/fp16 and THC's GB/s over the copy's; a table on the console
+                  with the device's name, the rows in the JSON (``hhook.profile.codec_bench``'s
+                  timers; the dry run on CPU tensors of 1/1000 the size);
+4. ``tests``      tests/test_cuda.py on the GPU (not the CPU emulator's cases): kernels,
                   two ranks sharing the GPU over Gloo, side streams, allocator pressure,
                   no host sync from hhook, the default ``bits="auto"`` hook;
-4. ``parity``     the kernels against the reference codec, bit for bit: random and
+5. ``parity``     the kernels against the reference codec, bit for bit: random and
                   adversarial inputs (zeros, inf/NaN, subnormals, an outlier, lengths off
                   the block), fp32/bf16/fp16, 2-8 bits, both roundings, 1 K to 100 M;
-5. ``throughput`` encode, decode and each stage against a device-to-device copy of the
+6. ``throughput`` encode, decode and each stage against a device-to-device copy of the
                   same bytes (25/100/400 MB), host time per bucket; FSDP2's all-gather
                   codec (``WeightCodec``, 8 bits, blocks of 256) encode and decode at 25
                   and 100 MB (``hhook.profile.codec_bench``'s timers; the dry run runs
                   them on CPU tensors of 1/100 the size);
-6. ``sanitizer``  compute-sanitizer memcheck and racecheck over each kernel, small;
-7. ``nccl``       a world of one on NCCL through the hook's real path (the second
+7. ``sanitizer``  compute-sanitizer memcheck and racecheck over each kernel, small;
+8. ``nccl``       a world of one on NCCL through the hook's real path (the second
                   communicator on NCCL, ``set_sync_debug_mode("error")`` after the first
                   call);
-8. ``train``      DDP, 2 ranks sharing the GPU over Gloo: fp32, the fp16 hook, THC 4 bits
+9. ``train``      DDP, 2 ranks sharing the GPU over Gloo: fp32, the fp16 hook, THC 4 bits
                   and ``hhook.register``'s default, on wide-cnn and gpt.
 
 ``--dry-run`` runs everything that needs no GPU (imports, arguments, the JSON writer, the
-two-rank FSDP2 cases on CPU tensors over Gloo, the parity sweep and the kernel smoke run
+two-rank FSDP2 cases on CPU tensors over Gloo, the speed and throughput timers on small
+CPU tensors, the parity sweep and the kernel smoke run
 on the CPU emulator of the kernels, pytest's collection) and says what it would run on a
 GPU; CI runs it.
 """
@@ -366,6 +375,71 @@ def stage_fsdp(ctx: Context) -> dict:
     if failed:
         raise RuntimeError(f"failed: {failed}")
     return result
+
+
+# -- speed (issue 44) ----------------------------------------------------------------------------
+SPEED_PLAN = ((25, "float32"), (25, "bfloat16"), (100, "float32"), (100, "bfloat16"))  # MB, dtype
+SPEED_WORLD = 16  # THC's lanes hold the sum of 16 ranks' codes (8-bit lanes at 4 bits)
+
+
+def speed_rows(device: str, scale: float, iters: int, host_iters: int) -> list[dict]:
+    """Per bucket of ``SPEED_PLAN`` (``scale`` times its MB): THC encode + decode through
+    ``THCCodec`` (4 bits, lanes for 16 ranks, allocations included), torch's fp16 hook's
+    compress + decompress (one cast each way), a copy of the bucket, and the host's time
+    to issue one THC bucket, with hhook.profile.codec_bench's timers."""
+    import torch
+
+    from hhook.codec import THCCodec
+    from hhook.profile import codec_bench as bench
+
+    codec = THCCodec(bits=4, block_size=1024, seed=1, world_size=SPEED_WORLD)
+    rows = []
+    for mb, name in SPEED_PLAN:
+        dtype = getattr(torch, name)
+        x = torch.randn(int(mb * scale * 1e6) // dtype.itemsize, dtype=torch.float32, device=device).to(dtype)
+        thc = bench.roundtrip_seconds(codec, x, iters)
+        fp16 = bench.fp16_hook_seconds(x, iters, SPEED_WORLD)
+        copy = bench.copy_seconds(x, iters)
+        host = bench.host_time_per_bucket(codec, x, host_iters)
+        rows.append({"mb": mb * scale, "dtype": name, "thc_ms": thc * 1e3, "fp16_hook_ms": fp16 * 1e3,
+                     "copy_ms": copy * 1e3, "host_us": host * 1e6, "thc_vs_fp16": thc / fp16,
+                     "thc_gbps": x.nbytes / thc / 1e9, "copy_gbps": x.nbytes / copy / 1e9, "thc_of_copy": copy / thc,
+                     "fp16_of_copy": copy / fp16})
+        del x
+    return rows
+
+
+def speed_table(rows: list[dict], device: str) -> str:
+    head = (f"{'bucket':>9} {'dtype':>8} {'THC ms':>8} {'fp16 ms':>8} {'copy ms':>8} {'host us':>8} "
+            f"{'THC/fp16':>8} {'THC GB/s':>9} {'of copy':>8}")
+    lines = [f"# {device}: THCCodec 4 bits, lanes for {SPEED_WORLD} ranks, encode + decode (allocations "
+             "included); fp16 hook: one cast each way; copy: device to device; host: issuing one THC bucket",
+             head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['mb']:>6g} MB {r['dtype']:>8} {r['thc_ms']:>8.3f} {r['fp16_hook_ms']:>8.3f} "
+                     f"{r['copy_ms']:>8.3f} {r['host_us']:>8.1f} {r['thc_vs_fp16']:>7.2f}x {r['thc_gbps']:>9.1f} "
+                     f"{r['thc_of_copy']:>7.2f}x")
+    return "\n".join(lines)
+
+
+def stage_speed(ctx: Context) -> dict:
+    """Issue 44's quick look (``--only speed``: under 2 minutes on a GPU, the kernels'
+    compile included): the table of :func:`speed_rows`; the dry run on CPU tensors of
+    1/1000 the size."""
+    import torch
+
+    if ctx.dry:
+        device, scale, iters, host_iters, name = "cpu", 1e-3, 2, 2, "cpu (dry run, 1/1000 the sizes)"
+    else:
+        device, scale, iters, host_iters, name = "cuda", 1.0, 20, 50, torch.cuda.get_device_name()
+    rows = speed_rows(device, scale, iters, host_iters)
+    table = speed_table(rows, name)
+    print(table, flush=True)
+    return {"device": name, "table": table, "rows": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+                                     for r in rows],
+            "note": "ms: medians of CUDA-event timings on a GPU (wall clock on CPU); host_us: the minimum wall-clock "
+                    "time to issue one THC bucket (prepare, quantize, decode); thc_vs_fp16: THC's time over the fp16 "
+                    "hook's; thc_of_copy: THC's GB/s as a fraction of the copy's"}
 
 
 # -- 2. tests ---------------------------------------------------------------------------------
@@ -808,6 +882,7 @@ def stage_ncu(ctx: Context) -> dict:
 STAGES = {  # name: (function, seconds at most on a GPU)
     "env": (stage_env, 40),
     "fsdp": (stage_fsdp, 60),
+    "speed": (stage_speed, 60),
     "tests": (stage_tests, 100),
     "parity": (stage_parity, 75),
     "throughput": (stage_throughput, 40),
@@ -848,6 +923,8 @@ def verdicts(stages: dict) -> dict:
     san = get("sanitizer", "result") or {}
     nccl = get("nccl", "result", "nccl_world_of_one") or {}
     fsdp = [v for v in (get("fsdp", "result") or {}).values() if isinstance(v, dict) and "status" in v]
+    speed = {(r["mb"], r["dtype"]): r for r in get("speed", "result", "rows") or []}
+    s25, s100 = speed.get((25, "float32")), speed.get((100, "float32"))
     losses = [m.get("loss_vs_fp32") for run in (get("train", "result") or {}).values() if isinstance(run, dict)
               for m in run.get("methods", []) if m["method"].startswith("thc")]
     return {
@@ -858,6 +935,9 @@ def verdicts(stages: dict) -> dict:
         "zero sanitizer errors": None if not san else all(not r["errors"] and not r["hazards"] for r in san.values()),
         "zero host syncs from hhook (NCCL, mode 'error')": None if "host_sync_errors" not in nccl
         else not nccl["host_sync_errors"] and not nccl.get("warn_mode_syncs_from_hhook"),
+        "THC encode + decode <= 2x the fp16 hook's casts (25 MB fp32)": None if not s25 else s25["thc_vs_fp16"] <= 2,
+        "host <= 50 us to issue a 25 MB fp32 bucket": None if not s25 else s25["host_us"] <= 50,
+        "THC >= 0.4x a copy's GB/s at 100 MB fp32": None if not s100 else s100["thc_of_copy"] >= 0.4,
         "encode + decode >= 0.5x a copy at 100 MB": None if not thr else thr[0]["of_copy"] >= 0.5,
         "THC's training loss within 1% of fp32's": None if not losses or None in losses else max(losses) <= 0.01,
     }
@@ -926,6 +1006,8 @@ def main() -> int:
             print(f"   {entry['status']} in {entry['seconds']} s" +
                   (f": {entry.get('error_summary') or entry.get('error', '')[-300:]}" if entry["status"] != "ok" else ""),
                   flush=True)
+            if isinstance(entry.get("result"), dict) and entry["result"].get("table"):
+                print(entry["result"]["table"], flush=True)  # a stage's table on the console too
             report["seconds"] = round(time.monotonic() - start, 1)
             if not args.dry_run:
                 report["targets"] = verdicts(report["stages"])

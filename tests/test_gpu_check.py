@@ -31,6 +31,8 @@ def test_dry_run_runs_every_stage_without_a_gpu(tmp_path):
     fsdp = report["stages"]["fsdp"]["result"]
     for name in ("gloo_2_ranks_default", "gloo_2_ranks_bits4_ag8"):  # FSDP2 for real, on CPU tensors
         assert fsdp[name]["status"] == "pass" and fsdp[name]["all_gather_stats"]["compressed_calls"] > 0
+    speed = report["stages"]["speed"]["result"]
+    assert len(speed["rows"]) == len(gpu_check.SPEED_PLAN) and "THC ms" in speed["table"]
     weight = report["stages"]["throughput"]["result"]["weight_codec"]  # FSDP2's all-gather codec, timed
     assert len(weight) == 2 and all(r["encode_s"] > 0 and r["decode_s"] > 0 for r in weight)
     assert (tmp_path / "gpu-check.log").stat().st_size > 0
@@ -175,3 +177,25 @@ def test_the_shared_timers_run_on_cpu():
     assert t["payload_bytes"] == WeightCodec(8, 256).nbytes(16) and min(t["encode_s"], t["decode_s"]) > 0
     with pytest.raises(ValueError, match="whole blocks"):
         bench.weight_codec_times(WeightCodec(8, 256), x[:1000], 2)
+
+
+def test_speed_rows_and_table_on_cpu():
+    """Issue 44's speed stage on CPU tensors: every bucket of the plan, each column
+    measured, the ratios computed from the times, the device named in the table."""
+    rows = gpu_check.speed_rows("cpu", 1e-4, iters=1, host_iters=1)
+    assert [(r["mb"] / 1e-4, r["dtype"]) for r in rows] == [(mb, d) for mb, d in gpu_check.SPEED_PLAN]
+    for r in rows:
+        assert min(r["thc_ms"], r["fp16_hook_ms"], r["copy_ms"], r["host_us"]) > 0
+        assert abs(r["thc_vs_fp16"] - r["thc_ms"] / r["fp16_hook_ms"]) < 1e-9
+        assert abs(r["thc_of_copy"] - r["copy_ms"] / r["thc_ms"]) < 1e-9
+    table = gpu_check.speed_table(rows, "Some GPU")
+    assert table.startswith("# Some GPU") and len(table.splitlines()) == 3 + len(rows)
+
+
+def test_speed_verdicts():
+    rows = [{"mb": 25, "dtype": "float32", "thc_vs_fp16": 5.1, "host_us": 40.0},
+            {"mb": 100, "dtype": "float32", "thc_of_copy": 0.45}]
+    v = gpu_check.verdicts({"speed": {"result": {"rows": rows}}})
+    assert v["THC encode + decode <= 2x the fp16 hook's casts (25 MB fp32)"] is False
+    assert v["host <= 50 us to issue a 25 MB fp32 bucket"] is True
+    assert v["THC >= 0.4x a copy's GB/s at 100 MB fp32"] is True
