@@ -414,3 +414,62 @@ def fsdp_training(rank: int, world_size: int, device: str, register: dict, steps
                                                          "local_calls", "ratio")},
             "decision": str(stats.get("decision")) if stats.get("decision") is not None else None,
             "all_gather_stats": hhook.fsdp.all_gather_stats(model)}
+
+
+# -- host work per bucket: launches and allocations (issue 44) -------------------------------------
+#: aten ops that only allocate (no kernel runs on a GPU for them).
+ALLOCATING_OPS = ("empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
+                  "new_empty_strided.default")
+
+
+@contextlib.contextmanager
+def counting_host_work():
+    """Count what the code inside issues, as a GPU would see it: ``launches`` (the fused
+    kernels, by name, from :data:`hhook.codec.kernels.cuda._launch`, the emulator or CuPy),
+    ``torch_ops`` (every other aten op that computes: one or more kernels each on a GPU)
+    and ``allocations`` (aten ops whose output has storage of its own, not an input's or
+    a view of one). Yields the dict of three ``collections.Counter``."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = {"launches": collections.Counter(), "torch_ops": collections.Counter(),
+              "allocations": collections.Counter()}
+
+    class _Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = func.__name__ if "." in func.__name__ else f"{func.__name__}.default"
+            inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            fresh = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+                     and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() not in inputs]
+            if fresh:
+                counts["allocations"][name] += len(fresh)
+            if name not in ALLOCATING_OPS and not func.is_view and "view" not in name:
+                counts["torch_ops"][name] += 1
+            return out
+
+    saved = cuda_kernels._launch
+
+    def launch(the_launch, device):
+        counts["launches"][the_launch.name] += 1
+        with _paused(mode):  # the emulator's own torch calls are not the kernels'
+            saved(the_launch, device)
+
+    mode = _Mode()
+    cuda_kernels._launch = launch
+    try:
+        with mode:
+            yield counts
+    finally:
+        cuda_kernels._launch = saved
+
+
+@contextlib.contextmanager
+def _paused(mode):
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+
+    with _pop_mode_temporarily():
+        yield
