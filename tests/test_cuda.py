@@ -822,6 +822,7 @@ def test_steady_state_host_work_per_bucket_through_thccodec(emulator, monkeypatc
 
     monkeypatch.setattr(codec_module, "fused_backend", lambda x, block: cuda_kernels)  # CPU tensors: the CUDA path
     codec = THCCodec(bits=4, block_size=1024, seed=5, world_size=16)
+    cuda_kernels._sizes_cache.clear()
     x = gradient(9000, seed=1, dtype=dtype)
     out, words_out = torch.empty_like(x), None
     kernels = {f"hh_prepare_{cuda_kernels._DTYPE_SUFFIX[dtype]}": 1,
@@ -833,15 +834,22 @@ def test_steady_state_host_work_per_bucket_through_thccodec(emulator, monkeypatc
             agreed = agreed_from(p0 if p0 is not None else codec.prepare(x), call)
             if call == 3:
                 words_out = torch.empty(codec.words_numel(x.numel()), dtype=torch.int32)
+            stream, hashes = codec.stream(0, call), []
+            monkeypatch.setattr(rng, "mix32", lambda v, f=rng.mix32: hashes.append(sys._getframe(1).f_code.co_name) or f(v))
             with counting_host_work() as counts:
                 p = codec.prepare(x)
-                words = codec.quantize(p, agreed, codec.stream(0, call), out=words_out)
+                words = codec.quantize(p, agreed, stream, out=words_out)
                 codec.decode(p, agreed, words, out)
+            monkeypatch.undo()
+            monkeypatch.setattr(codec_module, "fused_backend", lambda x, block: cuda_kernels)
             if call == 0:
                 continue  # the workspace of a new stream may be made here
             assert dict(counts["launches"]) == kernels, counts
             assert not counts["torch_ops"], counts
             assert sum(counts["allocations"].values()) == (1 if words_out is not None else 2), counts
+            # sizes, fingerprint and launch arguments were kept from the first bucket: the one
+            # hash left is this call's rounding stream's row key
+            assert hashes == ["row"], hashes
     monkeypatch.setattr(codec_module, "fused_backend", lambda x, block: None)
     with reference():
         p = codec.prepare(x)
