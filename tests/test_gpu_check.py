@@ -199,3 +199,44 @@ def test_speed_verdicts():
     assert v["THC encode + decode <= 2x the fp16 hook's casts (25 MB fp32)"] is False
     assert v["host <= 50 us to issue a 25 MB fp32 bucket"] is True
     assert v["THC >= 0.4x a copy's GB/s at 100 MB fp32"] is True
+
+
+def test_gpu_cluster_model_follows_the_ring_and_the_lane_width():
+    """hhook-profile model --gpu-cluster (hhook.profile.gpu_model): the rows are the ring
+    alpha-beta sums the docstring states, and their trends hold."""
+    from hhook.codec import THCCodec
+    from hhook.profile import gpu_model
+    from hhook.profile.models import ring_allreduce_s
+
+    rows = gpu_model.exchange_rows(codec_s=0.3e-3, cast_s=0.06e-3, bucket_bytes=25_000_000, step_bytes=100_000_000,
+                                   alpha=10e-6)
+    assert len(rows) == len(gpu_model.GPU_COUNTS) * len(gpu_model.LINKS_GBIT)
+    r = next(r for r in rows if r["gpus"] == 8 and r["link_gbit"] == 100)
+    beta, codec = 100e9 / 8, THCCodec(4, 1024, 0, 8)
+    scales = 4 * codec.scales_numel(6_250_000)
+    thc = (ring_allreduce_s(8, scales, 10e-6, beta) + ring_allreduce_s(8, codec.wire_bytes(6_250_000) - scales,
+                                                                          10e-6, beta) + 0.3e-3)
+    assert abs(r["thc_ms"] - 4 * thc * 1e3) < 1e-9 and r["buckets"] == 4
+    assert abs(r["half_ms"] - 4 * (ring_allreduce_s(8, 12_500_000, 10e-6, beta) + 0.06e-3) * 1e3) < 1e-9
+    lanes = [next(r["lane_bits"] for r in rows if r["gpus"] == n) for n in gpu_model.GPU_COUNTS]
+    assert lanes == sorted(lanes) and lanes[0] < lanes[-1]  # wider lanes for more ranks
+    for n in gpu_model.GPU_COUNTS:  # a faster link leaves less for compression to save
+        gains = [r["thc_vs_half"] for r in rows if r["gpus"] == n]
+        assert gains == sorted(gains, reverse=True)
+
+
+def test_gpu_cluster_model_command(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "hhook.profile", "model", "--gpu-cluster", "--thc-ms", "0.33",
+                           "--cast-ms", "0.064", "--json", str(tmp_path / "m.json")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "A MODEL, not a measurement" in done.stdout and "vs bf16" in done.stdout
+    doc = json.loads((tmp_path / "m.json").read_text())
+    assert doc["meta"]["codec_source"] == "given" and len(doc["results"]) == 28
+    import torch
+
+    if not torch.cuda.is_available():  # nothing to measure the codec on: a usage error, not a made-up time
+        done = subprocess.run([sys.executable, "-m", "hhook.profile", "model", "--gpu-cluster"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and "--thc-ms" in done.stdout + done.stderr
