@@ -5,29 +5,56 @@ child process of its own (a crash or a hang costs that stage only) under what is
 of the run's budget, and the JSON file is rewritten after every stage:
 
 1. ``env``        versions, the GPU, the kernels' NVRTC compile (time, architecture);
-2. ``tests``      tests/test_cuda.py on the GPU (not the CPU emulator's cases): kernels,
+2. ``fsdp``       FSDP2 training for real on CUDA: a 256-1024-1024-16 MLP sharded layer by
+                  layer with ``fully_shard`` and then the root, 6 Adam steps, on 2 ranks
+                  sharing the GPU over Gloo with ``hhook.fsdp.register(model)`` (the
+                  default, ``bits="auto"``) and with ``register(model, bits=4,
+                  all_gather=8)``, and in a world of one on NCCL (``bits=4,
+                  all_gather=8``). Per case: pass/fail with the reasons, the loss, the
+                  reduce-scatter's counters and ``hhook.fsdp.all_gather_stats(model)``.
+                  The two-rank cases fail unless both collectives made compressed calls
+                  and every rank's loss fell; the world of one (where FSDP2 calls no
+                  comm) must train. Every rank is a process of its own: what it raised
+                  is reported with its traceback, a rank still running after a peer
+                  failed (or at the stage's end) is killed after its stack was dumped,
+                  and the report says which and why (never a bare timeout);
+3. ``speed``      issue 44's quick look (``--only speed``: under 2 minutes): per bucket of
+                  25 and 100 MB, fp32 and bf16, THC encode + decode through ``THCCodec``
+                  (4 bits, lanes for 16 ranks, allocations included), torch's fp16 hook's
+                  compress + decompress of the same bucket (one cast each way), a
+                  device-to-device copy, the host's time to issue one THC bucket, and the
+                  ratios THC/fp16 and THC's GB/s over the copy's; a table on the console
+                  with the device's name, the rows in the JSON (``hhook.profile.codec_bench``'s
+                  timers; the dry run on CPU tensors of 1/1000 the size);
+4. ``tests``      tests/test_cuda.py on the GPU (not the CPU emulator's cases): kernels,
                   two ranks sharing the GPU over Gloo, side streams, allocator pressure,
                   no host sync from hhook, the default ``bits="auto"`` hook;
-3. ``parity``     the kernels against the reference codec, bit for bit: random and
+5. ``parity``     the kernels against the reference codec, bit for bit: random and
                   adversarial inputs (zeros, inf/NaN, subnormals, an outlier, lengths off
                   the block), fp32/bf16/fp16, 2-8 bits, both roundings, 1 K to 100 M;
-4. ``throughput`` encode, decode and each stage against a device-to-device copy of the
-                  same bytes (25/100/400 MB), host time per bucket;
-5. ``sanitizer``  compute-sanitizer memcheck and racecheck over each kernel, small;
-6. ``train``      DDP, 2 ranks sharing the GPU over Gloo: fp32, the fp16 hook, THC 4 bits
-                  and ``hhook.register``'s default, on wide-cnn and gpt;
-7. ``nccl``       a world of one on NCCL through the hook's real path (the second
+6. ``throughput`` encode, decode and each stage against a device-to-device copy of the
+                  same bytes (25/100/400 MB), host time per bucket; FSDP2's all-gather
+                  codec (``WeightCodec``, 8 bits, blocks of 256) encode and decode at 25
+                  and 100 MB (``hhook.profile.codec_bench``'s timers; the dry run runs
+                  them on CPU tensors of 1/100 the size);
+7. ``sanitizer``  compute-sanitizer memcheck and racecheck over each kernel, small;
+8. ``nccl``       a world of one on NCCL through the hook's real path (the second
                   communicator on NCCL, ``set_sync_debug_mode("error")`` after the first
-                  call), FSDP2's THC reduce-scatter on CUDA tensors.
+                  call);
+9. ``train``      DDP, 2 ranks sharing the GPU over Gloo: fp32, the fp16 hook, THC 4 bits
+                  and ``hhook.register``'s default, on wide-cnn and gpt.
 
 ``--dry-run`` runs everything that needs no GPU (imports, arguments, the JSON writer, the
-parity sweep and the kernel smoke run on the CPU emulator of the kernels, pytest's
-collection) and says what it would run on a GPU; CI runs it.
+two-rank FSDP2 cases on CPU tensors over Gloo, the speed and throughput timers on small
+CPU tensors, the parity sweep and the kernel smoke run
+on the CPU emulator of the kernels, pytest's collection) and says what it would run on a
+GPU; CI runs it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -129,6 +156,290 @@ def stage_env(ctx: Context) -> dict:
     if not info["kernels_compiled"]:
         raise RuntimeError(f"the kernels did not compile: {info}")
     return info
+
+
+# -- 2. fsdp ---------------------------------------------------------------------------------
+# A case's ranks are processes of their own (``--rank-job``); on a GPU each case has its own
+# processes, all started at once; the dry run runs its cases one after the other in one
+# pair of processes (importing torch's FSDP costs more than the steps). A rank writes each
+# case's result, or the traceback of what it raised, to its file the moment it has it,
+# and after a failure leaves at once without tearing the process group down (a peer may
+# be blocked in a collective). The parent waits for every rank; once a rank has failed,
+# the peers of its process group get FSDP_GRACE_S seconds to fail too, then SIGUSR1
+# (faulthandler prints every thread's stack into the rank's log) and SIGKILL. So the
+# report names each rank's fate: what it returned, what it raised, or where it stood when
+# it was killed and why.
+FSDP_STEPS = 6
+FSDP_GRACE_S = 5.0
+
+
+@dataclasses.dataclass
+class RankProc:
+    group: str  # the process group's name: its cases' names joined
+    rank: int
+    proc: subprocess.Popen
+    result: Path
+    log: Path
+    killed: str | None = None
+
+    def outcomes(self) -> dict:
+        try:
+            return json.loads(self.result.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def failed(self) -> bool:
+        return any(not o["ok"] for o in self.outcomes().values()) or self.proc.poll() not in (None, 0)
+
+
+def fsdp_cases(dry: bool) -> list[dict]:
+    """FSDP2 cases (tests/cuda_support.py's ``fsdp_training``): two ranks over Gloo (sharing
+    the GPU, or on CPU tensors in the dry run) with the default and with bits=4 +
+    all_gather=8, both of which must compress both collectives; on a GPU a world of one on
+    NCCL too (FSDP2 calls no comm in a shard group of one: it must train, nothing more)."""
+    device = "cpu" if dry else "cuda"
+    cases = [dict(name=f"gloo_2_ranks_{register}", world=2, backend="gloo", device=device, register=register,
+                  must_compress=True) for register in ("default", "bits4_ag8")]
+    if not dry:
+        cases.append(dict(name="nccl_world_of_one_bits4_ag8", world=1, backend="nccl", device="cuda",
+                          register="bits4_ag8", must_compress=False))
+    return cases
+
+
+def rank_main(job: dict) -> int:
+    """One rank of a process group running ``job["cases"]`` in turn (``--rank-job JSON``):
+    each case's result or traceback into the JSON file ``job["result"]``."""
+    import datetime as dt
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's last look before a kill
+    out, outcomes = Path(job["result"]), {}
+
+    def write(name: str, value: dict) -> None:
+        outcomes[name] = value
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(outcomes, default=str))
+        tmp.replace(out)  # the parent never reads half a file
+
+    code, name = 0, job["cases"][0]["name"]
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from cuda_support import FSDP_CASES, fsdp_training
+
+        extra = {}
+        if job["device"] == "cuda":
+            torch.cuda.set_device(0)  # Gloo ranks share GPU 0 (NCCL refuses two ranks on one GPU)
+            if job["backend"] == "nccl":
+                extra["device_id"] = torch.device("cuda", 0)
+        dist.init_process_group(job["backend"], init_method=f"tcp://127.0.0.1:{job['port']}", rank=job["rank"],
+                                world_size=job["world"], timeout=dt.timedelta(seconds=job["pg_timeout"]), **extra)
+        for case in job["cases"]:
+            name = case["name"]
+            write(name, {"ok": True, "result": fsdp_training(job["rank"], job["world"], job["device"],
+                                                              FSDP_CASES[case["register"]], job["steps"])})
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        write(name, {"ok": False, "error": traceback.format_exc()})
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no teardown: a peer may still be blocked in a collective
+
+
+def start_ranks(cases: list[dict], work: Path, timeout: float) -> list[RankProc]:
+    """The ranks of one process group that runs ``cases`` (one world, backend, device) in turn."""
+    from hhook.launch import free_port
+
+    first, port = cases[0], free_port("127.0.0.1")
+    group = "+".join(c["name"] for c in cases)
+    procs = []
+    for rank in range(first["world"]):
+        result, log = work / f"{first['name']}-rank{rank}.json", work / f"{first['name']}-rank{rank}.log"
+        job = dict(rank=rank, world=first["world"], backend=first["backend"], device=first["device"], port=port,
+                   cases=[{"name": c["name"], "register": c["register"]} for c in cases], steps=FSDP_STEPS,
+                   result=str(result), pg_timeout=max(5, int(timeout) - 5))  # a collective that never completes raises
+        with open(log, "w") as f:
+            proc = subprocess.Popen([sys.executable, __file__, "--rank-job", json.dumps(job)], cwd=ROOT,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        procs.append(RankProc(group, rank, proc, result, log))
+    return procs
+
+
+def wait_ranks(procs: list[RankProc], deadline: float, grace: float = FSDP_GRACE_S) -> None:
+    """Until every rank has exited: kill (stacks first) the peers of a failed rank after
+    ``grace`` seconds, and everyone left at ``deadline``; ``killed`` says why."""
+    failed_at: dict = {}  # process group -> (rank, time) of its first failure
+    while True:
+        alive = [p for p in procs if p.proc.poll() is None]
+        now = time.monotonic()
+        for p in procs:
+            if p.group not in failed_at and p.failed():
+                failed_at[p.group] = (p.rank, now)
+        doomed = []
+        for p in alive:
+            if now >= deadline:
+                p.killed = "killed: the stage's time ran out"
+            elif p.group in failed_at and now >= failed_at[p.group][1] + grace:
+                p.killed = f"killed {grace:g} s after rank {failed_at[p.group][0]} of its process group had failed"
+            else:
+                continue
+            doomed.append(p)
+        for p in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.proc.pid, signal.SIGUSR1)
+        if doomed:
+            time.sleep(1.0)
+        for p in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.proc.pid, signal.SIGKILL)
+            p.proc.wait()
+        if not alive:
+            return
+        if not doomed:
+            time.sleep(0.05)
+
+
+def rank_report(p: RankProc, case: str) -> dict:
+    """Rank ``p``'s fate in ``case``: returned, raised (the traceback), or why not."""
+    out = p.outcomes().get(case)
+    entry = {"rank": p.rank, "exit_code": p.proc.returncode}
+    if out is not None and out["ok"]:
+        return {**entry, "status": "ok", "result": out["result"]}
+    if out is not None:
+        entry.update(status="raised", error=_tail(out["error"], 4000))
+    elif p.killed:
+        entry["status"] = p.killed
+    elif any(not o["ok"] for o in p.outcomes().values()):
+        entry["status"] = "not run: an earlier case failed in this process"
+    else:
+        entry["status"] = f"exited with code {p.proc.returncode} before writing a result"
+    log = p.log.read_text(errors="replace") if p.log.exists() else ""
+    entry["log_tail"] = _tail(log, 4000)  # its stderr, and its stacks when it was killed
+    return entry
+
+
+def judge_case(case: dict, ranks: list[dict]) -> dict:
+    """pass/fail with the reasons, rank 0's loss and the all-gather's stats."""
+    reasons = []
+    for r in ranks:
+        if r["status"] == "raised":
+            last = r["error"].strip().splitlines()[-1] if r["error"].strip() else "?"
+            reasons.append(f"rank {r['rank']} raised {last}")
+        elif r["status"] != "ok":
+            reasons.append(f"rank {r['rank']} {r['status']}")
+    entry = {"world": case["world"], "backend": case["backend"], "device": case["device"],
+             "register": case["register"], "ranks": ranks}
+    results = [r["result"] for r in ranks if r["status"] == "ok"]
+    if len(results) == case["world"]:
+        first = results[0]
+        losses = [res["losses"] for res in results]
+        entry.update(loss=first["losses"][-1], losses=first["losses"], all_gather_stats=first["all_gather_stats"],
+                     reduce_scatter=first["reduce_scatter"], decision=first["decision"])
+        if not all(v == v and abs(v) != float("inf") for ls in losses for v in ls):
+            reasons.append("a loss is not finite")
+        elif not all(ls[-1] < ls[0] for ls in losses):
+            reasons.append(f"the loss did not fall in {len(first['losses'])} steps: {losses}")
+        if case["must_compress"]:
+            ag = first["all_gather_stats"]
+            if ag is None:
+                reasons.append("hhook.fsdp.all_gather_stats(model) is None: the all-gather is not compressed")
+            elif not ag.get("compressed_calls"):
+                reasons.append(f"no compressed all-gather call: {ag}")
+            if not first["reduce_scatter"].get("compressed_calls"):
+                reasons.append(f"no compressed reduce-scatter call: {first['reduce_scatter']}")
+    entry["status"] = "fail" if reasons else "pass"
+    entry["reasons"] = reasons
+    return entry
+
+
+def stage_fsdp(ctx: Context) -> dict:
+    cases = fsdp_cases(ctx.dry)
+    timeout = ctx.left(3)
+    groups = [cases] if ctx.dry else [[c] for c in cases]
+    procs = [start_ranks(g, ctx.work, timeout) for g in groups]
+    wait_ranks([p for ps in procs for p in ps], time.monotonic() + timeout)
+    result = ctx.partial
+    for group, ps in zip(groups, procs):
+        for case in group:
+            result[case["name"]] = entry = judge_case(case, [rank_report(p, case["name"]) for p in ps])
+            print(f"fsdp: {case['name']}: {entry['status']}" + (
+                f": {'; '.join(entry['reasons'])}" if entry["reasons"]
+                else f", loss {entry['loss']:.4f}, all-gather {entry['all_gather_stats']}"), flush=True)
+            for r in entry["ranks"]:
+                if r["status"] != "ok":
+                    print(f"--- rank {r['rank']}: {r['status']}\n{r.get('error') or r['log_tail']}", flush=True)
+    if ctx.dry:
+        result["would"] = "on cuda:0: " + ", ".join(c["name"] for c in fsdp_cases(False))
+    failed = {k: v["reasons"] for k, v in result.items() if isinstance(v, dict) and v.get("status") == "fail"}
+    if failed:
+        raise RuntimeError(f"failed: {failed}")
+    return result
+
+
+# -- speed (issue 44) ----------------------------------------------------------------------------
+SPEED_PLAN = ((25, "float32"), (25, "bfloat16"), (100, "float32"), (100, "bfloat16"))  # MB, dtype
+SPEED_WORLD = 16  # THC's lanes hold the sum of 16 ranks' codes (8-bit lanes at 4 bits)
+
+
+def speed_rows(device: str, scale: float, iters: int, host_iters: int) -> list[dict]:
+    """Per bucket of ``SPEED_PLAN`` (``scale`` times its MB): THC encode + decode through
+    ``THCCodec`` (4 bits, lanes for 16 ranks, allocations included), torch's fp16 hook's
+    compress + decompress (one cast each way), a copy of the bucket, and the host's time
+    to issue one THC bucket, with hhook.profile.codec_bench's timers."""
+    import torch
+
+    from hhook.codec import THCCodec
+    from hhook.profile import codec_bench as bench
+
+    codec = THCCodec(bits=4, block_size=1024, seed=1, world_size=SPEED_WORLD)
+    rows = []
+    for mb, name in SPEED_PLAN:
+        dtype = getattr(torch, name)
+        x = torch.randn(int(mb * scale * 1e6) // dtype.itemsize, dtype=torch.float32, device=device).to(dtype)
+        thc = bench.roundtrip_seconds(codec, x, iters)
+        fp16 = bench.fp16_hook_seconds(x, iters, SPEED_WORLD)
+        copy = bench.copy_seconds(x, iters)
+        host = bench.host_time_per_bucket(codec, x, host_iters)
+        rows.append({"mb": mb * scale, "dtype": name, "thc_ms": thc * 1e3, "fp16_hook_ms": fp16 * 1e3,
+                     "copy_ms": copy * 1e3, "host_us": host * 1e6, "thc_vs_fp16": thc / fp16,
+                     "thc_gbps": x.nbytes / thc / 1e9, "copy_gbps": x.nbytes / copy / 1e9, "thc_of_copy": copy / thc,
+                     "fp16_of_copy": copy / fp16})
+        del x
+    return rows
+
+
+def speed_table(rows: list[dict], device: str) -> str:
+    head = (f"{'bucket':>9} {'dtype':>8} {'THC ms':>8} {'fp16 ms':>8} {'copy ms':>8} {'host us':>8} "
+            f"{'THC/fp16':>8} {'THC GB/s':>9} {'of copy':>8}")
+    lines = [f"# {device}: THCCodec 4 bits, lanes for {SPEED_WORLD} ranks, encode + decode (allocations "
+             "included); fp16 hook: one cast each way; copy: device to device; host: issuing one THC bucket",
+             head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['mb']:>6g} MB {r['dtype']:>8} {r['thc_ms']:>8.3f} {r['fp16_hook_ms']:>8.3f} "
+                     f"{r['copy_ms']:>8.3f} {r['host_us']:>8.1f} {r['thc_vs_fp16']:>7.2f}x {r['thc_gbps']:>9.1f} "
+                     f"{r['thc_of_copy']:>7.2f}x")
+    return "\n".join(lines)
+
+
+def stage_speed(ctx: Context) -> dict:
+    """Issue 44's quick look (``--only speed``: under 2 minutes on a GPU, the kernels'
+    compile included): the table of :func:`speed_rows`; the dry run on CPU tensors of
+    1/1000 the size."""
+    import torch
+
+    if ctx.dry:
+        device, scale, iters, host_iters, name = "cpu", 1e-3, 2, 2, "cpu (dry run, 1/1000 the sizes)"
+    else:
+        device, scale, iters, host_iters, name = "cuda", 1.0, 20, 50, torch.cuda.get_device_name()
+    rows = speed_rows(device, scale, iters, host_iters)
+    table = speed_table(rows, name)
+    print(table, flush=True)
+    return {"device": name, "table": table, "rows": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+                                     for r in rows],
+            "note": "ms: medians of CUDA-event timings on a GPU (wall clock on CPU); host_us: the minimum wall-clock "
+                    "time to issue one THC bucket (prepare, quantize, decode); thc_vs_fp16: THC's time over the fp16 "
+                    "hook's; thc_of_copy: THC's GB/s as a fraction of the copy's"}
 
 
 # -- 2. tests ---------------------------------------------------------------------------------
@@ -239,29 +550,56 @@ def stage_throughput(ctx: Context) -> dict:
     import torch
 
     from hhook.codec import THCCodec
+    from hhook.codec.weights import WeightCodec
+    from hhook.profile import codec_bench as bench
 
-    bench = _bench_cuda()
     codec = THCCodec(bits=4, block_size=1024, seed=1, world_size=4)
+    weights = WeightCodec(bits=8, block_size=256, seed=1)
+    if ctx.dry:  # the same code on CPU tensors of 256 KB, two timed repeats
+        device, iters, scale = "cpu", 2, 0.01
+    else:
+        device, iters, scale = "cuda", 20, 1.0
     plan = [(torch.float32, 25), (torch.float32, 100), (torch.bfloat16, 100), (torch.float32, 400)]
     if ctx.dry:
-        assert callable(bench.stage_times) and callable(bench.host_time_per_bucket)
-        return {"would": [f"{str(d).replace('torch.', '')} {mb} MB: copy, prepare, quantize, encode, decode" for d, mb in plan]
-                + ["host time per 25 MB bucket", "the reference codec at 25 MB"]}
+        plan = plan[:1] + plan[2:3]
     rows = []
     for dtype, mb in plan:
-        x = torch.randn(int(mb * 1e6) // dtype.itemsize, device="cuda").to(dtype)
-        t = bench.stage_times(codec, x, iters=20)
+        x = torch.randn(int(mb * scale * 1e6) // dtype.itemsize, dtype=torch.float32, device=device).to(dtype)
+        t = bench.stage_times(codec, x, iters=iters)
         fused = t["encode_s"] + t["decode_s"]
-        rows.append({"dtype": str(dtype).replace("torch.", ""), "mb": mb, **{k: round(v * 1e3, 4) for k, v in t.items()},
+        rows.append({"dtype": str(dtype).replace("torch.", ""), "mb": mb * scale,
+                     **{k: round(v * 1e3, 4) for k, v in t.items()},
                      "of_copy": round(t["copy_s"] / fused, 3), "encode_of_copy": round(t["copy_s"] / t["encode_s"], 3),
                      "decode_of_copy": round(t["copy_s"] / t["decode_s"], 3),
                      "copy_gbps": round(2 * x.nbytes / t["copy_s"] / 1e9, 1)})
         del x
+    # FSDP2's all-gather codec (8 bits, blocks of 256) on a float32 shard
+    weight_rows = []
+    for mb in (25, 100):
+        n = int(mb * scale * 1e6) // 4 // weights.block_size * weights.block_size
+        x = torch.randn(n, dtype=torch.float32, device=device)
+        t = bench.weight_codec_times(weights, x, iters)
+        weight_rows.append({"mb": round(n * 4 / 1e6, 3), "bits": weights.bits, "block_size": weights.block_size,
+                            **{k: round(v * 1e3, 4) for k, v in t.items() if k.endswith("_s")},
+                            "encode_of_copy": round(t["copy_s"] / t["encode_s"], 3),
+                            "decode_of_copy": round(t["copy_s"] / t["decode_s"], 3),
+                            "ratio_vs_bf16": round(2 * n / t["payload_bytes"], 3)})
+        del x
+    if device == "cuda":
         torch.cuda.empty_cache()
-    host = bench.host_time_per_bucket(codec, 25, 50)
-    ref = bench.codec_throughput(codec, [25], (torch.float32,), 5)[0]
-    return {"rows": rows, "host_us_per_25mb_bucket": round(host * 1e6, 1), "vs_reference_25mb": round(ref["vs_ref"], 1),
-            "note": "*_s are milliseconds (medians of CUDA-event timings); of_copy = copy time / (encode + decode) time"}
+    bucket = torch.randn(int(25 * scale * 1e6) // 4, dtype=torch.float32, device=device)
+    host = bench.host_time_per_bucket(codec, bucket, 50 if not ctx.dry else 3)
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": rows,
+              "weight_codec": weight_rows, f"host_us_per_{25 * scale:g}mb_bucket": round(host * 1e6, 1),
+              "note": "*_s are milliseconds (medians of CUDA-event timings on a GPU, wall clock on CPU); "
+                      "of_copy = copy time / (encode + decode) time; weight_codec: hhook.codec.weights.WeightCodec "
+                      "(FSDP2's all-gather), encode includes the shard's copy into its block workspace"}
+    if ctx.dry:
+        result["would"] = "the same on cuda:0 at 25/100/400 MB, and the reference codec at 25 MB"
+    else:
+        ref = _bench_cuda().codec_throughput(codec, [25], (torch.float32,), 5)[0]
+        result["vs_reference_25mb"] = round(ref["vs_ref"], 1)
+    return result
 
 
 # -- 5. sanitizer -----------------------------------------------------------------------------
@@ -476,12 +814,6 @@ def _nccl_world_of_one() -> dict:
         state.check_deferred(wait=True)
         exact = all(bool(torch.equal(x, want)) for x, want in pairs)  # a world of one: the input itself
         out.update(host_sync_errors=errors, calls=len(pairs), results_exact=exact, stats=state.stats())
-        from cuda_support import fsdp_thc_ranks
-
-        try:  # FSDP2's THC reduce-scatter on NCCL (its THC path runs in a world of one too)
-            out["fsdp_world_of_one"] = fsdp_thc_ranks(0, 1)
-        except Exception:  # noqa: BLE001 - reported
-            out["fsdp_world_of_one"] = {"error": _tail(traceback.format_exc(), 3000)}
         return out
     finally:
         dist.destroy_process_group()
@@ -491,21 +823,13 @@ def stage_nccl(ctx: Context) -> dict:
     if ctx.dry:
         from hhook.schedule.flat import _reduce  # noqa: F401 - the path the GPU run takes exists
 
-        return {"would": ["a world of one on NCCL through hhook.schedule.flat._reduce, sync debug mode 'error'",
-                          "FSDP2 + hhook.fsdp.register, 2 ranks sharing the GPU over Gloo, against plain FSDP2"]}
-    from cuda_support import fsdp_thc_ranks
-    from distributed import run_world
-
+        return {"would": "a world of one on NCCL through hhook.schedule.flat._reduce, sync debug mode 'error'"}
     result = ctx.partial
-    for name, fn in (("nccl_world_of_one", _nccl_world_of_one),
-                     ("fsdp_gloo_2_ranks", lambda: run_world(fsdp_thc_ranks, 2, backend="gloo", cuda=True,
-                                                             timeout=ctx.left(3)))):
-        try:
-            result[name] = fn()
-        except Exception as err:  # noqa: BLE001 - each part reported on its own
-            result[name] = {"error": _tail(f"{type(err).__name__}: {err}", 4000)}
+    try:
+        result["nccl_world_of_one"] = _nccl_world_of_one()
+    except Exception as err:  # noqa: BLE001 - reported
+        result["nccl_world_of_one"] = {"error": _tail(f"{type(err).__name__}: {err}", 4000)}
     failed = [k for k, v in result.items() if "error" in v or v.get("host_sync_errors")
-              or "error" in v.get("fsdp_world_of_one", {})
               or v.get("warn_mode_syncs_from_hhook") or v.get("results_exact") is False]
     if failed:
         raise RuntimeError(f"failed: {failed}")
@@ -557,11 +881,13 @@ def stage_ncu(ctx: Context) -> dict:
 # -- the driver -------------------------------------------------------------------------------
 STAGES = {  # name: (function, seconds at most on a GPU)
     "env": (stage_env, 40),
+    "fsdp": (stage_fsdp, 60),
+    "speed": (stage_speed, 60),
     "tests": (stage_tests, 100),
     "parity": (stage_parity, 75),
     "throughput": (stage_throughput, 40),
     "sanitizer": (stage_sanitizer, 75),
-    "nccl": (stage_nccl, 40),
+    "nccl": (stage_nccl, 30),
     "train": (stage_train, 150),
     "ncu": (stage_ncu, 50),  # not run by default: --only ncu
 }
@@ -596,14 +922,22 @@ def verdicts(stages: dict) -> dict:
     thr = [r for r in get("throughput", "result", "rows") or [] if r["mb"] == 100 and r["dtype"] == "float32"]
     san = get("sanitizer", "result") or {}
     nccl = get("nccl", "result", "nccl_world_of_one") or {}
+    fsdp = [v for v in (get("fsdp", "result") or {}).values() if isinstance(v, dict) and "status" in v]
+    speed = {(r["mb"], r["dtype"]): r for r in get("speed", "result", "rows") or []}
+    s25, s100 = speed.get((25, "float32")), speed.get((100, "float32"))
     losses = [m.get("loss_vs_fp32") for run in (get("train", "result") or {}).values() if isinstance(run, dict)
               for m in run.get("methods", []) if m["method"].startswith("thc")]
     return {
         "every CUDA test passes": None if "passed" not in tests else tests["failed"] + tests["errors"] == 0,
+        "FSDP2 trains on CUDA, both collectives compressed (2 ranks)": None if not fsdp
+        else all(v["status"] == "pass" for v in fsdp),
         "zero bit differences": None if get("parity", "result") is None else get("parity", "result", "differing_elements") == 0,
         "zero sanitizer errors": None if not san else all(not r["errors"] and not r["hazards"] for r in san.values()),
         "zero host syncs from hhook (NCCL, mode 'error')": None if "host_sync_errors" not in nccl
         else not nccl["host_sync_errors"] and not nccl.get("warn_mode_syncs_from_hhook"),
+        "THC encode + decode <= 2x the fp16 hook's casts (25 MB fp32)": None if not s25 else s25["thc_vs_fp16"] <= 2,
+        "host <= 50 us to issue a 25 MB fp32 bucket": None if not s25 else s25["host_us"] <= 50,
+        "THC >= 0.4x a copy's GB/s at 100 MB fp32": None if not s100 else s100["thc_of_copy"] >= 0.4,
         "encode + decode >= 0.5x a copy at 100 MB": None if not thr else thr[0]["of_copy"] >= 0.5,
         "THC's training loss within 1% of fp32's": None if not losses or None in losses else max(losses) <= 0.01,
     }
@@ -620,7 +954,10 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--kernel-smoke", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kernel-bench", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank-job", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rank_job:
+        return rank_main(json.loads(args.rank_job))
     if args.kernel_bench:
         kernel_bench()
         return 0
@@ -669,6 +1006,8 @@ def main() -> int:
             print(f"   {entry['status']} in {entry['seconds']} s" +
                   (f": {entry.get('error_summary') or entry.get('error', '')[-300:]}" if entry["status"] != "ok" else ""),
                   flush=True)
+            if isinstance(entry.get("result"), dict) and entry["result"].get("table"):
+                print(entry["result"]["table"], flush=True)  # a stage's table on the console too
             report["seconds"] = round(time.monotonic() - start, 1)
             if not args.dry_run:
                 report["targets"] = verdicts(report["stages"])

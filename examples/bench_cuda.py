@@ -25,40 +25,13 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
-import time
 
 import torch
 
 from hhook.codec.kernels import cuda as cuda_kernels
 from hhook.codec import THCCodec
-
-
-def _median_seconds(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def _roundtrip(codec: THCCodec, x: torch.Tensor, out: torch.Tensor):
-    """One bucket's full local codec work, as the transport runs it."""
-
-    def run():
-        p = codec.prepare(x)
-        agreed = p.scales.clone()
-        agreed[3] += 1  # another rank's digest: not "identical", so quantize and decode work
-        codec.decode(p, agreed, codec.quantize(p, agreed, 7), out)
-
-    return run
+from hhook.profile.codec_bench import host_time_per_bucket, stage_times  # noqa: F401 - the timers, shared
+from hhook.profile.codec_bench import median_seconds as _median_seconds, roundtrip as _roundtrip
 
 
 class _Reference:
@@ -71,23 +44,6 @@ class _Reference:
             del os.environ[cuda_kernels.FORCE_REFERENCE_ENV]
         else:
             os.environ[cuda_kernels.FORCE_REFERENCE_ENV] = self.saved
-
-
-def stage_times(codec: THCCodec, x: torch.Tensor, iters: int) -> dict:
-    """Median seconds of each stage alone on ``x`` (the others' outputs made beforehand),
-    of encode (prepare + quantize) and of a device-to-device copy of the same bytes."""
-    out, dst = torch.empty_like(x), torch.empty_like(x)
-    p = codec.prepare(x)
-    agreed = p.scales.clone()
-    agreed[3] += 1  # another rank's digest: not "identical"
-    words = codec.quantize(p, agreed, 7)
-    return {
-        "copy_s": _median_seconds(lambda: dst.copy_(x), iters),
-        "prepare_s": _median_seconds(lambda: codec.prepare(x), iters),
-        "quantize_s": _median_seconds(lambda: codec.quantize(p, agreed, 7, out=words), iters),
-        "encode_s": _median_seconds(lambda: codec.quantize(codec.prepare(x), agreed, 7, out=words), iters),
-        "decode_s": _median_seconds(lambda: codec.decode(p, agreed, words, out), iters),
-    }
 
 
 def codec_throughput(codec: THCCodec, sizes_mb, dtypes, iters: int) -> list[dict]:
@@ -106,23 +62,6 @@ def codec_throughput(codec: THCCodec, sizes_mb, dtypes, iters: int) -> list[dict
                  "of_copy": copy / fused, "vs_ref": ref / fused, "gbps": nbytes / fused / 1e9}
             )
     return rows
-
-
-def host_time_per_bucket(codec: THCCodec, mb: float, iters: int) -> float:
-    """Wall-clock seconds the CPU spends issuing prepare + quantize + decode (minimum)."""
-    x = torch.randn(int(mb * 1e6) // 4, device="cuda")
-    out = torch.empty_like(x)
-    run = _roundtrip(codec, x, out)
-    for _ in range(3):
-        run()
-    best = float("inf")
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()  # includes the clone and the += of the fake MAX result: two tiny torch ops
-        best = min(best, time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return best
 
 
 def ddp_overhead(params_m: float, steps: int) -> tuple[float, float, int]:
@@ -214,7 +153,7 @@ def main() -> None:
             f"{r['dtype']:>8} {r['mb']:>5g} {r['copy_s'] * 1e3:>8.3f} {r['fused_s'] * 1e3:>9.3f} {r['ref_s'] * 1e3:>8.2f} "
             f"{r['gbps']:>7.1f} {r['of_copy']:>7.0%} {r['vs_ref']:>6.1f}x  {ok} (>= 50% of copy, >= 10x ref)"
         )
-    host = host_time_per_bucket(codec, args.sizes[0], 50)
+    host = host_time_per_bucket(codec, torch.randn(int(args.sizes[0] * 1e6) // 4, dtype=torch.float32, device="cuda"), 50)
     print(f"host time per {args.sizes[0]:g} MB bucket: {host * 1e6:.1f} us  {'met' if host <= 50e-6 else 'MISSED'} (<= 50 us)")
     print(
         "DDP step: not measured in one process (a world of one hands gradients back as they are); "

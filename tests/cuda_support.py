@@ -368,37 +368,108 @@ def parity_sweep(cases, device, deadline: float | None = None) -> dict:
     return totals
 
 
-def fsdp_thc_ranks(rank, world_size):
-    """FSDP2 with hhook.fsdp.register against plain FSDP2 on CUDA (ci/gpu_check.py): the
-    largest relative gradient error per step and the compressed calls."""
+#: ci/gpu_check.py's FSDP2 cases: name -> hhook.fsdp.register's keyword arguments.
+FSDP_CASES = {"default": {}, "bits4_ag8": {"bits": 4, "all_gather": 8}}
+FSDP_WIDTHS = (256, 1024, 1024, 16)  # the MLP's layer widths
+
+
+def fsdp_training(rank: int, world_size: int, device: str, register: dict, steps: int,
+                  widths=FSDP_WIDTHS, batch: int = 64) -> dict:
+    """A few FSDP2 training steps with ``hhook.fsdp.register(model, **register)`` in the
+    process group already set up: an MLP of ``widths`` (ReLU between), every Linear sharded
+    with ``fully_shard`` and then the root, Adam on one batch per rank (the same every
+    step). Returns the losses of every step, the reduce-scatter's counters
+    (``state.stats()``) and ``hhook.fsdp.all_gather_stats(model)`` (None: not compressed)."""
     import torch
     from torch.distributed.fsdp import fully_shard
 
-    import faulthandler
-
     import hhook.fsdp
 
-    faulthandler.dump_traceback_later(25, exit=False)  # a hang shows where, in the check's log
-
-    def build():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 257), torch.nn.Tanh(), torch.nn.Linear(257, 31)).cuda()
-        for layer in (model[0], model[2]):
+    torch.manual_seed(0)  # the same initial weights on every rank
+    layers = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers += [torch.nn.Linear(a, b, dtype=torch.float32)] + ([torch.nn.ReLU()] if i < len(widths) - 2 else [])
+    model = torch.nn.Sequential(*layers).to(device)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
-        return fully_shard(model)
+    fully_shard(model)
+    state = hhook.fsdp.register(model, **register)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(batch, widths[0], dtype=torch.float32, generator=gen).to(device)
+    y = torch.randn(batch, widths[-1], dtype=torch.float32, generator=gen).to(device)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    stats = state.stats()
+    return {"losses": [float(v) for v in losses],
+            "reduce_scatter": {k: stats.get(k) for k in ("compressed_calls", "dense_calls", "nonfinite_calls",
+                                                         "local_calls", "ratio")},
+            "decision": str(stats.get("decision")) if stats.get("decision") is not None else None,
+            "all_gather_stats": hhook.fsdp.all_gather_stats(model)}
 
-    torch.manual_seed(100 + rank)
-    x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 31, device="cuda")
-    plain, thc = build(), build()
-    state = hhook.fsdp.register(thc, bits=8)
-    errors = []
-    for _ in range(3):
-        grads = []
-        for model in (plain, thc):
-            model.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            grads.append([p.grad.full_tensor() for p in model.parameters()])
-        errors.append(max(float((a - b).norm() / a.norm()) for a, b in zip(*grads)))
-    torch.cuda.synchronize()
-    faulthandler.cancel_dump_traceback_later()
-    return {"relative_errors": errors, "compressed_calls": state.stats()["compressed_calls"]}
+
+# -- host work per bucket: launches and allocations (issue 44) -------------------------------------
+#: aten ops that only allocate (no kernel runs on a GPU for them).
+ALLOCATING_OPS = ("empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
+                  "new_empty_strided.default")
+
+
+@contextlib.contextmanager
+def counting_host_work():
+    """Count what the code inside issues, as a GPU would see it: ``launches`` (the fused
+    kernels, by name, from :data:`hhook.codec.kernels.cuda._launch`, the emulator or CuPy),
+    ``torch_ops`` (every other aten op that computes: one or more kernels each on a GPU)
+    and ``allocations`` (aten ops whose output has storage of its own, not an input's or
+    a view of one). Yields the dict of three ``collections.Counter``."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = {"launches": collections.Counter(), "torch_ops": collections.Counter(),
+              "allocations": collections.Counter()}
+
+    class _Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = func.__name__ if "." in func.__name__ else f"{func.__name__}.default"
+            inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            fresh = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+                     and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() not in inputs]
+            if fresh:
+                counts["allocations"][name] += len(fresh)
+            if name not in ALLOCATING_OPS and not func.is_view and "view" not in name:
+                counts["torch_ops"][name] += 1
+            return out
+
+    saved = cuda_kernels._launch
+
+    def launch(the_launch, device):
+        counts["launches"][the_launch.name] += 1
+        with _paused(mode):  # the emulator's own torch calls are not the kernels'
+            saved(the_launch, device)
+
+    mode = _Mode()
+    cuda_kernels._launch = launch
+    try:
+        with mode:
+            yield counts
+    finally:
+        cuda_kernels._launch = saved
+
+
+@contextlib.contextmanager
+def _paused(mode):
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+
+    with _pop_mode_temporarily():
+        yield

@@ -805,3 +805,53 @@ def test_every_stage_matches_the_reference_on_adversarial_inputs(backend, kind):
                 continue  # the emulator is slow
             diff = parity_case(kind, numel, dtype, bits=3 + 2 * i, rounding=rounding, device=backend.device)
             assert not any(diff.values()), (numel, dtype, rounding, diff)
+
+
+# -- host work per bucket (issue 44) ------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steady_state_host_work_per_bucket_through_thccodec(emulator, monkeypatch, dtype):
+    """What one bucket costs the host through THCCodec on the CUDA path (the emulator
+    standing in for the GPU), from the second bucket on: the three fused kernels and
+    nothing else, no torch op (no helper kernel on a GPU), and two allocations, the
+    scale vector that prepare returns and the words that quantize returns; one, when
+    quantize writes into the caller's ``out`` (as the transport's message does). The
+    first bucket adds prepare's per-stream workspace, made once."""
+    from hhook.codec import codec as codec_module
+
+    from cuda_support import counting_host_work, emulated
+
+    monkeypatch.setattr(codec_module, "fused_backend", lambda x, block: cuda_kernels)  # CPU tensors: the CUDA path
+    codec = THCCodec(bits=4, block_size=1024, seed=5, world_size=16)
+    cuda_kernels._sizes_cache.clear()
+    x = gradient(9000, seed=1, dtype=dtype)
+    out, words_out = torch.empty_like(x), None
+    kernels = {f"hh_prepare_{cuda_kernels._DTYPE_SUFFIX[dtype]}": 1,
+               f"hh_quantize_{cuda_kernels._DTYPE_SUFFIX[dtype]}_i32": 1,
+               f"hh_decode_i32_{cuda_kernels._DTYPE_SUFFIX[dtype]}_{cuda_kernels._DTYPE_SUFFIX[dtype]}": 1}
+    with emulated(emulator):
+        for call in range(4):
+            p0 = codec.prepare(x) if call == 0 else None
+            agreed = agreed_from(p0 if p0 is not None else codec.prepare(x), call)
+            if call == 3:
+                words_out = torch.empty(codec.words_numel(x.numel()), dtype=torch.int32)
+            stream, hashes = codec.stream(0, call), []
+            monkeypatch.setattr(rng, "mix32", lambda v, f=rng.mix32: hashes.append(sys._getframe(1).f_code.co_name) or f(v))
+            with counting_host_work() as counts:
+                p = codec.prepare(x)
+                words = codec.quantize(p, agreed, stream, out=words_out)
+                codec.decode(p, agreed, words, out)
+            monkeypatch.undo()
+            monkeypatch.setattr(codec_module, "fused_backend", lambda x, block: cuda_kernels)
+            if call == 0:
+                continue  # the workspace of a new stream may be made here
+            assert dict(counts["launches"]) == kernels, counts
+            assert not counts["torch_ops"], counts
+            assert sum(counts["allocations"].values()) == (1 if words_out is not None else 2), counts
+            # sizes, fingerprint and launch arguments were kept from the first bucket: the one
+            # hash left is this call's rounding stream's row key
+            assert hashes == ["row"], hashes
+    monkeypatch.setattr(codec_module, "fused_backend", lambda x, block: None)
+    with reference():
+        p = codec.prepare(x)
+        want = codec.decode(p, agreed, codec.quantize(p, agreed, codec.stream(0, 3)), torch.empty_like(x))
+    assert torch.equal(out, want)  # the counted path is the exact one

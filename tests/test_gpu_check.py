@@ -28,6 +28,13 @@ def test_dry_run_runs_every_stage_without_a_gpu(tmp_path):
 
     assert report["stages"]["sanitizer"]["result"]["kernels"] == len(cuda_kernels.KERNEL_NAMES)
     assert report["stages"]["tests"]["result"]["collected"] > 100
+    fsdp = report["stages"]["fsdp"]["result"]
+    for name in ("gloo_2_ranks_default", "gloo_2_ranks_bits4_ag8"):  # FSDP2 for real, on CPU tensors
+        assert fsdp[name]["status"] == "pass" and fsdp[name]["all_gather_stats"]["compressed_calls"] > 0
+    speed = report["stages"]["speed"]["result"]
+    assert len(speed["rows"]) == len(gpu_check.SPEED_PLAN) and "THC ms" in speed["table"]
+    weight = report["stages"]["throughput"]["result"]["weight_codec"]  # FSDP2's all-gather codec, timed
+    assert len(weight) == 2 and all(r["encode_s"] > 0 and r["decode_s"] > 0 for r in weight)
     assert (tmp_path / "gpu-check.log").stat().st_size > 0
 
 
@@ -55,3 +62,181 @@ def test_parity_plan_spans_the_lengths_and_inputs_the_issue_names():
     assert {c["dtype"] for c in cases} == {torch.float32, torch.bfloat16, torch.float16}
     assert {c["kind"] for c in cases} == {"random", "zeros", "nonfinite", "subnormal", "outlier"}
     assert all(c["numel"] % 1024 for c in cases if c["numel"] > 1024)  # lengths off the block
+
+
+def _fake_rank(tmp_path, group, rank, script):
+    """A stand-in rank process running ``script`` (its result file: ``RESULT``), for the
+    parent's side of the FSDP stage: waiting, killing, reporting."""
+    result, log = tmp_path / f"{group}-{rank}.json", tmp_path / f"{group}-{rank}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", f"RESULT = {str(result)!r}\n" + script], stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return gpu_check.RankProc(group, rank, proc, result, log)
+
+
+RAISES = """
+import json, sys
+json.dump({"c": {"ok": False, "error": "Traceback (most recent call last):\\n  File ...\\nAttributeError: module "
+                 "'torch.distributed' has no attribute 'all_gather_single'"}}, open(RESULT, "w"))
+sys.exit(1)
+"""
+HANGS = """
+import faulthandler, signal, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+def blocked_in_a_collective():
+    time.sleep(600)
+blocked_in_a_collective()
+"""
+DIES = "import os; os._exit(7)\n"
+
+
+def test_fsdp_stage_reports_each_ranks_exception_or_where_it_hung(tmp_path):
+    """Issue 42: two ranks that failed read as 'timed out; ranks that answered: []'. Now a
+    rank that raised is reported with its traceback, its hung peer is killed a grace
+    period later with its stack in the report, and a rank that died says its exit code."""
+    import time
+
+    case = dict(name="c", world=2, backend="gloo", device="cpu", register="default", must_compress=True)
+    procs = [_fake_rank(tmp_path, "c", 0, RAISES), _fake_rank(tmp_path, "c", 1, HANGS)]
+    start = time.monotonic()
+    gpu_check.wait_ranks(procs, time.monotonic() + 60, grace=1.0)
+    assert time.monotonic() - start < 30  # not the deadline: the grace after rank 0's failure
+    entry = gpu_check.judge_case(case, [gpu_check.rank_report(p, "c") for p in procs])
+    assert entry["status"] == "fail"
+    r0, r1 = entry["ranks"]
+    assert r0["status"] == "raised" and "all_gather_single" in r0["error"]
+    assert "rank 1 killed 1 s after rank 0" in " ".join(entry["reasons"])
+    assert "blocked_in_a_collective" in r1["log_tail"]  # its stack, dumped before the kill
+    assert any("rank 0 raised AttributeError" in reason for reason in entry["reasons"])
+
+    procs = [_fake_rank(tmp_path, "d", 0, HANGS), _fake_rank(tmp_path, "d", 1, DIES)]
+    gpu_check.wait_ranks(procs, time.monotonic() + 60, grace=1.0)
+    r0, r1 = (gpu_check.rank_report(p, "d") for p in procs)
+    assert r1["status"] == "exited with code 7 before writing a result" and "after rank 1" in r0["status"]
+
+    procs = [_fake_rank(tmp_path, "e", 0, HANGS)]
+    gpu_check.wait_ranks(procs, time.monotonic() + 1.5)
+    assert gpu_check.rank_report(procs[0], "e")["status"] == "killed: the stage's time ran out"
+
+
+def test_fsdp_case_fails_without_compressed_calls_or_a_falling_loss():
+    case = dict(name="c", world=1, backend="gloo", device="cpu", register="default", must_compress=True)
+    good = {"losses": [1.0, 0.5], "all_gather_stats": {"compressed_calls": 3}, "reduce_scatter": {"compressed_calls": 2},
+            "decision": None}
+    assert gpu_check.judge_case(case, [{"rank": 0, "status": "ok", "result": good}])["status"] == "pass"
+    for change, reason in (({"all_gather_stats": None}, "is None"),
+                           ({"all_gather_stats": {"compressed_calls": 0}}, "no compressed all-gather call"),
+                           ({"reduce_scatter": {"compressed_calls": 0}}, "no compressed reduce-scatter call"),
+                           ({"losses": [1.0, 1.5]}, "did not fall"), ({"losses": [1.0, float("nan")]}, "not finite")):
+        entry = gpu_check.judge_case(case, [{"rank": 0, "status": "ok", "result": {**good, **change}}])
+        assert entry["status"] == "fail" and reason in " ".join(entry["reasons"]), (change, entry["reasons"])
+    # a world of one on NCCL: FSDP2 calls no comm, so only training is asked of it
+    lone = {**case, "must_compress": False}
+    assert gpu_check.judge_case(lone, [{"rank": 0, "status": "ok", "result": {**good, "all_gather_stats": None}}]
+                                )["status"] == "pass"
+
+
+def test_a_rank_job_writes_its_traceback(tmp_path):
+    """rank_main itself: what a rank raises lands in its result file, and it exits 1."""
+    from hhook.launch import free_port
+
+    job = dict(rank=0, world=1, backend="gloo", device="cpu", port=free_port("127.0.0.1"), steps=1,
+               cases=[{"name": "bad", "register": "no such case"}], result=str(tmp_path / "r.json"), pg_timeout=30)
+    done = subprocess.run([sys.executable, str(ROOT / "ci" / "gpu_check.py"), "--rank-job", json.dumps(job)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert not out["bad"]["ok"] and "KeyError: 'no such case'" in out["bad"]["error"]
+
+
+def test_fsdp_verdict():
+    passed = {"status": "pass"}
+    key = "FSDP2 trains on CUDA, both collectives compressed (2 ranks)"
+    assert gpu_check.verdicts({"fsdp": {"result": {"a": passed, "b": passed}}})[key] is True
+    assert gpu_check.verdicts({"fsdp": {"result": {"a": passed, "b": {"status": "fail"}}}})[key] is False
+    assert gpu_check.verdicts({})[key] is None
+
+
+def test_the_shared_timers_run_on_cpu():
+    """hhook.profile.codec_bench's per-bucket timers (the throughput and speed stages, and
+    examples/bench_cuda.py) on CPU tensors: times, the input left as it was."""
+    import pytest
+    import torch
+
+    from hhook.codec import THCCodec
+    from hhook.codec.weights import WeightCodec
+    from hhook.profile import codec_bench as bench
+
+    x = torch.randn(4096, dtype=torch.float32)
+    kept = x.clone()
+    assert bench.fp16_hook_seconds(x, 2) > 0 and bench.copy_seconds(x, 2) > 0
+    assert bench.roundtrip_seconds(THCCodec(4, 1024, 1, 16), x, 2) > 0
+    assert bench.host_time_per_bucket(THCCodec(4, 1024, 1, 16), x, 2) > 0
+    assert torch.equal(x, kept)
+    t = bench.weight_codec_times(WeightCodec(8, 256), x, 2)
+    assert t["payload_bytes"] == WeightCodec(8, 256).nbytes(16) and min(t["encode_s"], t["decode_s"]) > 0
+    with pytest.raises(ValueError, match="whole blocks"):
+        bench.weight_codec_times(WeightCodec(8, 256), x[:1000], 2)
+
+
+def test_speed_rows_and_table_on_cpu():
+    """Issue 44's speed stage on CPU tensors: every bucket of the plan, each column
+    measured, the ratios computed from the times, the device named in the table."""
+    rows = gpu_check.speed_rows("cpu", 1e-4, iters=1, host_iters=1)
+    assert [(r["mb"] / 1e-4, r["dtype"]) for r in rows] == [(mb, d) for mb, d in gpu_check.SPEED_PLAN]
+    for r in rows:
+        assert min(r["thc_ms"], r["fp16_hook_ms"], r["copy_ms"], r["host_us"]) > 0
+        assert abs(r["thc_vs_fp16"] - r["thc_ms"] / r["fp16_hook_ms"]) < 1e-9
+        assert abs(r["thc_of_copy"] - r["copy_ms"] / r["thc_ms"]) < 1e-9
+    table = gpu_check.speed_table(rows, "Some GPU")
+    assert table.startswith("# Some GPU") and len(table.splitlines()) == 3 + len(rows)
+
+
+def test_speed_verdicts():
+    rows = [{"mb": 25, "dtype": "float32", "thc_vs_fp16": 5.1, "host_us": 40.0},
+            {"mb": 100, "dtype": "float32", "thc_of_copy": 0.45}]
+    v = gpu_check.verdicts({"speed": {"result": {"rows": rows}}})
+    assert v["THC encode + decode <= 2x the fp16 hook's casts (25 MB fp32)"] is False
+    assert v["host <= 50 us to issue a 25 MB fp32 bucket"] is True
+    assert v["THC >= 0.4x a copy's GB/s at 100 MB fp32"] is True
+
+
+def test_gpu_cluster_model_follows_the_ring_and_the_lane_width():
+    """hhook-profile model --gpu-cluster (hhook.profile.gpu_model): the rows are the ring
+    alpha-beta sums the docstring states, and their trends hold."""
+    from hhook.codec import THCCodec
+    from hhook.profile import gpu_model
+    from hhook.profile.models import ring_allreduce_s
+
+    rows = gpu_model.exchange_rows(codec_s=0.3e-3, cast_s=0.06e-3, bucket_bytes=25_000_000, step_bytes=100_000_000,
+                                   alpha=10e-6)
+    assert len(rows) == len(gpu_model.GPU_COUNTS) * len(gpu_model.LINKS_GBIT)
+    r = next(r for r in rows if r["gpus"] == 8 and r["link_gbit"] == 100)
+    beta, codec = 100e9 / 8, THCCodec(4, 1024, 0, 8)
+    scales = 4 * codec.scales_numel(6_250_000)
+    thc = (ring_allreduce_s(8, scales, 10e-6, beta) + ring_allreduce_s(8, codec.wire_bytes(6_250_000) - scales,
+                                                                          10e-6, beta) + 0.3e-3)
+    assert abs(r["thc_ms"] - 4 * thc * 1e3) < 1e-9 and r["buckets"] == 4
+    assert abs(r["half_ms"] - 4 * (ring_allreduce_s(8, 12_500_000, 10e-6, beta) + 0.06e-3) * 1e3) < 1e-9
+    lanes = [next(r["lane_bits"] for r in rows if r["gpus"] == n) for n in gpu_model.GPU_COUNTS]
+    assert lanes == sorted(lanes) and lanes[0] < lanes[-1]  # wider lanes for more ranks
+    for n in gpu_model.GPU_COUNTS:  # a faster link leaves less for compression to save
+        gains = [r["thc_vs_half"] for r in rows if r["gpus"] == n]
+        assert gains == sorted(gains, reverse=True)
+
+
+def test_gpu_cluster_model_command(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "hhook.profile", "model", "--gpu-cluster", "--thc-ms", "0.33",
+                           "--cast-ms", "0.064", "--json", str(tmp_path / "m.json")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "A MODEL, not a measurement" in done.stdout and "vs bf16" in done.stdout
+    doc = json.loads((tmp_path / "m.json").read_text())
+    assert doc["meta"]["codec_source"] == "given" and len(doc["results"]) == 28
+    import torch
+
+    if not torch.cuda.is_available():  # nothing to measure the codec on: a usage error, not a made-up time
+        done = subprocess.run([sys.executable, "-m", "hhook.profile", "model", "--gpu-cluster"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and "--thc-ms" in done.stdout + done.stderr

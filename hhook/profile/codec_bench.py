@@ -12,6 +12,14 @@ timed in the same run. ``impl`` A/Bs the fused backend (:mod:`hhook.codec.kernel
 :mod:`hhook.codec.kernels.cuda` on CUDA) against the torch reference (``HHOOK_FORCE_REFERENCE``);
 ``rounding`` A/Bs correlated against independent rounding (:data:`hhook.codec.ROUNDINGS`),
 time and vNMSE of the mean alike.
+
+The per-bucket timers that ``ci/gpu_check.py`` and ``examples/bench_cuda.py`` share are here
+too, on any device (:func:`median_seconds`: CUDA events on a CUDA tensor's device, the wall
+clock elsewhere): :func:`stage_times` (each codec stage alone, encode, decode, a copy),
+:func:`roundtrip_seconds` (one bucket's whole local codec work, allocations included),
+:func:`fp16_hook_seconds` (torch's ``fp16_compress_hook``'s two casts),
+:func:`host_time_per_bucket` (what the CPU thread spends issuing a bucket) and
+:func:`weight_codec_times` (FSDP2's all-gather codec, :class:`hhook.codec.weights.WeightCodec`).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import statistics
 import time
 
 import torch
@@ -140,3 +149,123 @@ def format_table(rows: list[dict]) -> str:
             f"{r['wire_ratio']:>9.2f} {r['vnmse']:>9.2e}"
         )
     return "\n".join(lines)
+
+
+# -- per-bucket timers (ci/gpu_check.py, examples/bench_cuda.py) ---------------------------------
+def median_seconds(fn, iters: int, warmup: int = 3, device="cuda") -> float:
+    """Median seconds of ``fn()`` over ``iters`` calls after ``warmup``: CUDA-event timings
+    on a CUDA ``device`` (GPU time, the host's issuing hidden when it is shorter), the
+    wall clock elsewhere."""
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def roundtrip(codec: THCCodec, x: torch.Tensor, out: torch.Tensor):
+    """One bucket's full local codec work, as the transport runs it: prepare, quantize into
+    new words, decode into ``out`` (allocations included). One rank, no communication:
+    the agreed scales are this rank's with a foreign digest (a clone and an add: two tiny
+    torch ops), so quantize and decode really work."""
+
+    def run():
+        p = codec.prepare(x)
+        agreed = p.scales.clone()
+        agreed[3] += 1  # another rank's digest: not "identical", so quantize and decode work
+        codec.decode(p, agreed, codec.quantize(p, agreed, 7), out)
+
+    return run
+
+
+def roundtrip_seconds(codec: THCCodec, x: torch.Tensor, iters: int) -> float:
+    """Median seconds of :func:`roundtrip` on ``x``."""
+    return median_seconds(roundtrip(codec, x, torch.empty_like(x)), iters, device=x.device)
+
+
+def stage_times(codec: THCCodec, x: torch.Tensor, iters: int) -> dict:
+    """Median seconds of each stage alone on ``x`` (the others' outputs made beforehand),
+    of encode (prepare + quantize) and of a device-to-device copy of the same bytes."""
+    out, dst = torch.empty_like(x), torch.empty_like(x)
+    p = codec.prepare(x)
+    agreed = p.scales.clone()
+    agreed[3] += 1  # another rank's digest: not "identical"
+    words = codec.quantize(p, agreed, 7)
+    d = x.device
+    return {
+        "copy_s": median_seconds(lambda: dst.copy_(x), iters, device=d),
+        "prepare_s": median_seconds(lambda: codec.prepare(x), iters, device=d),
+        "quantize_s": median_seconds(lambda: codec.quantize(p, agreed, 7, out=words), iters, device=d),
+        "encode_s": median_seconds(lambda: codec.quantize(codec.prepare(x), agreed, 7, out=words), iters, device=d),
+        "decode_s": median_seconds(lambda: codec.decode(p, agreed, words, out), iters, device=d),
+    }
+
+
+def fp16_hook_seconds(x: torch.Tensor, iters: int, world_size: int = 16) -> float:
+    """Median seconds of torch's ``fp16_compress_hook`` on the bucket ``x`` without its
+    allreduce: compress (``x.to(float16).div_(world_size)``) and decompress (the bucket's
+    ``copy_`` from the fp16 result): one cast each way."""
+    bucket = torch.empty_like(x)  # the bucket written back (x itself stays as it is)
+    return median_seconds(lambda: bucket.copy_(x.to(torch.float16).div_(world_size)), iters, device=x.device)
+
+
+def copy_seconds(x: torch.Tensor, iters: int) -> float:
+    """Median seconds of a device-to-device copy of ``x`` into a buffer made beforehand."""
+    dst = torch.empty_like(x)
+    return median_seconds(lambda: dst.copy_(x), iters, device=x.device)
+
+
+def host_time_per_bucket(codec: THCCodec, x: torch.Tensor, iters: int) -> float:
+    """Wall-clock seconds the CPU thread spends issuing :func:`roundtrip` on ``x``
+    (minimum over ``iters``, the device idle at each start). On a GPU that is the host's
+    cost alone (the kernels run after it returns); on a CPU it is the whole codec."""
+    run = roundtrip(codec, x, torch.empty_like(x))
+    for _ in range(3):
+        run()
+    best = float("inf")
+    for _ in range(iters):
+        _sync(x.device)
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    _sync(x.device)
+    return best
+
+
+def weight_codec_times(codec, x: torch.Tensor, iters: int) -> dict:
+    """Median seconds of FSDP2's all-gather codec (:class:`hhook.codec.weights.WeightCodec`)
+    on the flat float32 shard ``x``, as :mod:`hhook.fsdp_all_gather` runs it: encode (the
+    shard copied into the block workspace, which encode overwrites, then quantized into
+    the payload with two work buffers) and decode (the payload into float32 blocks), and
+    a copy of the same bytes. ``x.numel()`` must be a multiple of the block size."""
+    n = x.numel() // codec.block_size
+    if n * codec.block_size != x.numel():
+        raise ValueError(f"{x.numel()} values are not whole blocks of {codec.block_size}")
+    blocks = torch.empty(n, codec.block_size, dtype=torch.float32, device=x.device)
+    work = tuple(torch.empty_like(blocks) for _ in range(2))
+    payload = torch.empty(codec.nbytes(n), dtype=torch.uint8, device=x.device)
+    out = torch.empty_like(blocks)
+
+    def encode():
+        blocks.view(-1).copy_(x)
+        codec.encode(blocks, payload, work)
+
+    encode()
+    d = x.device
+    return {"copy_s": median_seconds(lambda: out.view(-1).copy_(x), iters, device=d),
+            "encode_s": median_seconds(encode, iters, device=d),
+            "decode_s": median_seconds(lambda: codec.decode(payload, n, out, work[0]), iters, device=d),
+            "payload_bytes": payload.numel()}

@@ -42,7 +42,13 @@ decode      ``words``, ``agreed``, ``source`` (identical) ``out`` (or a temporar
 **Host cost.** Tensors cross over as raw ``data_ptr()`` integers (no DLPack: works with
 ``requires_grad`` tensors and under ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``), stream
 objects and per-stream workspaces are cached, and there are no helper kernels: one launch
-per stage.
+per stage. A bucket's sizes and fingerprint (:func:`_sizes`) and each launch's geometry
+and scalar arguments (:mod:`.cuda_launches`) are computed once per codec configuration
+and length. Per bucket in steady state: three launches, no other torch op, and two
+allocations, the scale vector that ``prepare`` returns and the words that ``quantize``
+returns (none when the caller passes ``out``); both escape to the caller, who may hold
+several buckets of one length in flight, so they are not reused here
+(``tests/test_cuda.py::test_steady_state_host_work_per_bucket_through_thccodec``).
 
 **Availability.** :func:`warm_up` compiles the kernels for a device (NVRTC, seconds, once;
 CuPy also caches the binary on disk, ``~/.cupy/kernel_cache``, or a private temporary
@@ -300,16 +306,32 @@ def _block_of(codec, numel: int) -> int:
     return block
 
 
+_sizes_cache: dict = {}
+
+
+def _sizes(codec, numel: int) -> tuple[int, int, int, int]:
+    """``(block, n_blocks, words_numel, fingerprint)`` of a bucket of ``numel`` values, kept
+    per codec configuration and length (the fingerprint alone is seven hashes in Python)."""
+    key = (type(codec), codec.bits, codec.block_size, codec.seed, codec.world_size, codec.rounding, numel)
+    sizes = _sizes_cache.get(key)
+    if sizes is None:
+        if len(_sizes_cache) >= 4096:
+            _sizes_cache.clear()
+        sizes = _sizes_cache[key] = (_block_of(codec, numel), codec.n_blocks(numel), codec.words_numel(numel),
+                                     codec.fingerprint(numel))
+    return sizes
+
+
 def prepare(codec, source: torch.Tensor):
     """:meth:`THCCodec.prepare` in one kernel. ``source`` is the flattened input."""
 
     if not source.is_contiguous() or source.dtype not in _DTYPE_SUFFIX:
         raise ValueError("hhook: prepare needs a contiguous float32/float16/bfloat16 source")
     numel = source.numel()
-    block = _block_of(codec, numel)
-    scales = torch.empty(_HEADER + codec.n_blocks(numel), dtype=torch.float32, device=source.device)
+    block, n_blocks, _, fingerprint = _sizes(codec, numel)
+    scales = torch.empty(_HEADER + n_blocks, dtype=torch.float32, device=source.device)
     signs = _signs_on(codec.seed, block, source.device)
-    launch = prepare_launch(source, signs, scales, _workspace(source.device), numel, block, codec.fingerprint(numel))
+    launch = prepare_launch(source, signs, scales, _workspace(source.device), numel, block, fingerprint)
     _launch(launch, source.device)
     return Prepared(numel, source, scales, None, sys.modules[__name__])
 
@@ -317,10 +339,9 @@ def prepare(codec, source: torch.Tensor):
 def quantize(codec, prepared, agreed: torch.Tensor, key, residual=None, residual_out=None, out=None) -> torch.Tensor:
     """:meth:`THCCodec.quantize`: the lane words; the residual as described there."""
     source = prepared.source
-    block = _block_of(codec, prepared.numel)
-    n_blocks = codec.n_blocks(prepared.numel)
+    block, n_blocks, n_words, _ = _sizes(codec, prepared.numel)
     layout = codec.layout
-    words = torch.empty(codec.words_numel(prepared.numel), dtype=layout.word_dtype, device=source.device) if out is None else out
+    words = torch.empty(n_words, dtype=layout.word_dtype, device=source.device) if out is None else out
     if words.numel() == 0:
         return words
     backend.check(agreed, _HEADER + n_blocks, "agreed scales", torch.float32, contiguous=True)
@@ -341,9 +362,9 @@ def decode(codec, prepared, agreed: torch.Tensor, words: torch.Tensor, out: torc
         raise ValueError(f"hhook: out has {out.numel()} elements, expected {numel}")
     if numel == 0:
         return out
-    block = _block_of(codec, numel)
-    backend.check(agreed, _HEADER + codec.n_blocks(numel), "agreed scales", torch.float32, contiguous=True)
-    backend.check(words, codec.words_numel(numel), "words", codec.layout.word_dtype, contiguous=True)
+    block, n_blocks, n_words, _ = _sizes(codec, numel)
+    backend.check(agreed, _HEADER + n_blocks, "agreed scales", torch.float32, contiguous=True)
+    backend.check(words, n_words, "words", codec.layout.word_dtype, contiguous=True)
     direct = out.is_contiguous() and out.dtype in _DTYPE_SUFFIX
     target = out.view(-1) if direct else torch.empty(numel, dtype=torch.float32, device=out.device)
     signs = _signs_on(codec.seed, block, out.device)

@@ -1,10 +1,17 @@
 r"""The launches of the fused CUDA kernels (:mod:`hhook.codec.kernels.cuda`): each
 stage's grid, threads, shared memory and arguments, as plain data (:class:`Launch`) that
-a test can run on the CPU emulator as well as CuPy on a GPU."""
+a test can run on the CPU emulator as well as CuPy on a GPU.
+
+Host time: what depends only on the bucket's shape and the codec (the kernel's name, the
+grid, the shared memory, the scalar arguments as exact C types) is computed once per
+shape and kept (``functools.lru_cache``; numpy scalars are immutable, so launches share
+them); a call adds the pointers, the alignment flags and the rounding stream.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -59,42 +66,61 @@ def _aligned(t: torch.Tensor) -> np.int32:
     return np.int32(t.data_ptr() % (4 * t.element_size()) == 0)
 
 
-def prepare_launch(source, signs, scales, workspace, numel: int, block: int, fingerprint: int) -> Launch:
+@functools.lru_cache(maxsize=1024)
+def _prepare_static(dtype, numel: int, block: int, fingerprint: int) -> tuple:
     n_blocks = -(-numel // block)
     tile, threads = _tile(block)
-    return Launch(
-        f"hh_prepare_{_DTYPE_SUFFIX[source.dtype]}",
+    return (
+        f"hh_prepare_{_DTYPE_SUFFIX[dtype]}",
         max(1, -(-(n_blocks * block) // tile)),  # one block even when empty: it writes the header
         threads,
         4 * (_pad(tile) + tile // block + 1),
         (
-            source,
-            signs,
-            scales,
-            workspace,
             np.int64(numel),
             np.int64(n_blocks * block),
             np.int32(block.bit_length() - 1),
             np.float32(1.0 / math.sqrt(block)),
             np.float32(fingerprint),
-            _aligned(source),
         ),
     )
+
+
+def prepare_launch(source, signs, scales, workspace, numel: int, block: int, fingerprint: int) -> Launch:
+    name, grid, threads, shared, scalars = _prepare_static(source.dtype, numel, block, fingerprint)
+    return Launch(name, grid, threads, shared, (source, signs, scales, workspace, *scalars, _aligned(source)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _quantize_static(dtype, word_dtype, width: int, lanes: int, numel: int, n_words: int, block: int,
+                     levels: int) -> tuple:
+    total = -(-numel // block) * block
+    threads, span, window = _quantize_geometry(block)
+    return (
+        f"hh_quantize_{_DTYPE_SUFFIX[dtype]}_{_WORD_SUFFIX[word_dtype]}",
+        -(-n_words // span),
+        threads,
+        4 * (_pad(window) + 3 * (window // block)),
+        (np.int64(numel), np.int64(total), np.int64(n_words), np.int32(block.bit_length() - 1), np.int32(levels),
+         np.int32(width), np.int32(lanes)),
+        (np.float32(1.0 / math.sqrt(block)), np.int32(_WORDS_PER_THREAD)),
+    )
+
+
+_HAS_RESIDUAL = (np.int32(0), np.int32(1))
 
 
 def quantize_launch(
     source, signs, agreed, words, residual, residual_out, block: int, layout, levels: int, key
 ) -> Launch:
     stream = rng.as_stream(key)
-    numel = source.numel()
-    total = -(-numel // block) * block
-    threads, span, window = _quantize_geometry(block)
+    name, grid, threads, shared, sizes, tail = _quantize_static(
+        source.dtype, layout.word_dtype, layout.width, layout.lanes, source.numel(), words.numel(), block, levels)
     has_residual = residual is not None
     return Launch(
-        f"hh_quantize_{_DTYPE_SUFFIX[source.dtype]}_{_WORD_SUFFIX[layout.word_dtype]}",
-        -(-words.numel() // span),
+        name,
+        grid,
         threads,
-        4 * (_pad(window) + 3 * (window // block)),
+        shared,
         (
             source,
             signs,
@@ -102,50 +128,37 @@ def quantize_launch(
             words,
             residual if has_residual else agreed,  # never read when has_residual is 0
             residual_out if has_residual else agreed,  # never written either
-            np.int32(has_residual),
-            np.int64(numel),
-            np.int64(total),
-            np.int64(words.numel()),
-            np.int32(block.bit_length() - 1),
-            np.int32(levels),
-            np.int32(layout.width),
-            np.int32(layout.lanes),
+            _HAS_RESIDUAL[has_residual],
+            *sizes,
             np.uint32(stream.key),
             np.uint32(stream.shared & rng.MASK32),
             np.uint32(stream.row),
             np.int32(stream.strata_bits),
             np.uint32(stream.offset),
-            np.float32(1.0 / math.sqrt(block)),
-            np.int32(_WORDS_PER_THREAD),
+            *tail,
             _aligned(source),
         ),
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_static(word_dtype, out_dtype, source_dtype, width: int, numel: int, n_words: int, block: int,
+                   levels: int, world_size: int) -> tuple:
+    total = -(-numel // block) * block
+    tile, threads = _tile(block)
+    return (
+        f"hh_decode_{_WORD_SUFFIX[word_dtype]}_{_DTYPE_SUFFIX[out_dtype]}_{_DTYPE_SUFFIX[source_dtype]}",
+        -(-total // tile),
+        threads,
+        4 * (_pad(tile) + 2 * (tile // block)),
+        (np.int64(numel), np.int64(total), np.int64(n_words), np.int32(block.bit_length() - 1), np.int32(levels),
+         np.int32(world_size), np.int32(width), np.float32(1.0 / math.sqrt(block))),
     )
 
 
 def decode_launch(words, signs, agreed, out_flat, source, block: int, layout, levels: int, world_size: int) -> Launch:
-    numel = out_flat.numel()
-    total = -(-numel // block) * block
-    tile, threads = _tile(block)
-    return Launch(
-        f"hh_decode_{_WORD_SUFFIX[layout.word_dtype]}_{_DTYPE_SUFFIX[out_flat.dtype]}_{_DTYPE_SUFFIX[source.dtype]}",
-        -(-total // tile),
-        threads,
-        4 * (_pad(tile) + 2 * (tile // block)),
-        (
-            words,
-            signs,
-            agreed,
-            out_flat,
-            source,
-            np.int64(numel),
-            np.int64(total),
-            np.int64(words.numel()),
-            np.int32(block.bit_length() - 1),
-            np.int32(levels),
-            np.int32(world_size),
-            np.int32(layout.width),
-            np.float32(1.0 / math.sqrt(block)),
-            _aligned(out_flat),
-            _aligned(source),
-        ),
-    )
+    name, grid, threads, shared, scalars = _decode_static(
+        layout.word_dtype, out_flat.dtype, source.dtype, layout.width, out_flat.numel(), words.numel(), block, levels,
+        world_size)
+    return Launch(name, grid, threads, shared,
+                  (words, signs, agreed, out_flat, source, *scalars, _aligned(out_flat), _aligned(source)))

@@ -1,6 +1,8 @@
 """``hhook-profile model``: predicted time per update and speedup against the number of
 workers (the ring and the paper's model), or with ``--layouts`` the scale model of nodes x
-ranks per node, flat and two-level THC; the maths is :mod:`hhook.profile.models`."""
+ranks per node, flat and two-level THC; the maths is :mod:`hhook.profile.models`. With
+``--gpu-cluster``: the gradient exchange per step on a GPU cluster, THC against the
+bf16/fp16 hook and fp32 (:mod:`hhook.profile.gpu_model`, its assumptions printed)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,18 @@ def add_parser(sub) -> None:
     md.add_argument("--plot-models", choices=("ring", "paper", "both"), default="ring",
                     help="models drawn in the speedup panel (default ring: the one that applies to "
                     "allreduce, hence to hhook; both tables are printed and in --json either way)")
+    md.add_argument("--gpu-cluster", action="store_true",
+                    help="instead: a model of the gradient exchange per step on a GPU cluster, THC against the "
+                    "bf16/fp16 hook and fp32, 8-512 GPUs at 10/25/100/400 Gbit/s (hhook.profile.gpu_model); "
+                    "uses --model-bytes, --bucket-bytes, --alpha-us (default 10 here), --bits, --block-size")
+    md.add_argument("--bucket-bytes", type=size, default=parse_size("25MB"), metavar="SIZE",
+                    help="--gpu-cluster: float32 bytes per bucket (default 25MB, DDP's)")
+    md.add_argument("--thc-ms", type=number(0, strict=False), metavar="MS",
+                    help="--gpu-cluster: THC encode + decode per bucket, ms (default: measured on this GPU; "
+                    "required without one)")
+    md.add_argument("--cast-ms", type=number(0, strict=False), metavar="MS",
+                    help="--gpu-cluster: the half-precision hook's casts per bucket, ms (default: measured on "
+                    "this GPU; required without one)")
     add_output_options(md)
 
 
@@ -63,6 +77,12 @@ def check(args, env) -> dict:
         THCCodec(args.bits, args.block_size)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
+    if args.gpu_cluster and (args.thc_ms is None or args.cast_ms is None):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("model --gpu-cluster: no GPU here to measure the codec on: give --thc-ms and --cast-ms "
+                             "(e.g. from `hhook-profile codec --device cuda` or ci/gpu_check.sh --only speed)")
     W = float(args.model_bytes)
     alpha, beta, link_doc, ar_doc = 50e-6, 1e9 / 8, None, None
     try:
@@ -120,7 +140,33 @@ def check(args, env) -> dict:
 
 
 def run(args, cfg) -> int:
+    if args.gpu_cluster:
+        return run_local(args, lambda args: _gpu_cluster(args), cfg["rank0"])
     return run_local(args, lambda args: _scale(args, cfg) if args.layouts else _predict(args, cfg), cfg["rank0"])
+
+
+def _gpu_cluster(args) -> tuple[dict, list[dict]]:
+    """``model --gpu-cluster`` (:mod:`hhook.profile.gpu_model`): codec and cast times given
+    or measured on this GPU, then the modelled exchange per step."""
+    import torch
+
+    from .. import gpu_model
+
+    W, bucket = int(args.model_bytes), int(args.bucket_bytes)
+    thc_s = None if args.thc_ms is None else args.thc_ms * 1e-3
+    cast_s = None if args.cast_ms is None else args.cast_ms * 1e-3
+    source = "given"
+    if thc_s is None or cast_s is None:  # check() made sure a GPU is here
+        measured = gpu_model.measured_seconds(bucket, args.bits, args.block_size)
+        thc_s = measured[0] if thc_s is None else thc_s
+        cast_s = measured[1] if cast_s is None else cast_s
+        source = f"measured on {torch.cuda.get_device_name()}" if args.thc_ms is None else "given"
+    alpha = (args.alpha_us if args.alpha_us is not None else 10.0) * 1e-6
+    rows = gpu_model.exchange_rows(thc_s, cast_s, bucket, W, alpha, bits=args.bits, block_size=args.block_size)
+    say(gpu_model.assumptions(thc_s, cast_s, bucket, W, alpha, args.bits, source))
+    say(gpu_model.table(rows))
+    return {"model": "gpu_cluster", "thc_ms_per_bucket": thc_s * 1e3, "cast_ms_per_bucket": cast_s * 1e3,
+            "codec_source": source, "alpha_us": alpha * 1e6, "bucket_bytes": bucket, "model_bytes": W}, rows
 
 
 def _predict(args, cfg) -> tuple[dict, list[dict]]:
