@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..codec.error_model import auto_bits
 from ..schedule.allreduce import thc_allreduce_async
 from ..schedule.flat import cast_allreduce, dense_allreduce
-from ..schedule.topology import TopologyError, _auto_nodes, _gather_records, local_record
+from ..schedule.topology import TopologyError, node_census
 from ..state import THCState, report
 from .decision import Decision
 from .methods import BF16, PLAIN, candidates, thc_bits, wire_bits
@@ -73,25 +73,22 @@ def one_host(state: THCState, ddp_model) -> str | None:
     node record with its flags, so every rank reaches the same answer."""
     mode = os.environ.get(ONE_HOST_ENV, "skip")
     group = state.process_group
-    record = local_record(dist.get_rank(group), "auto")
-    # The last field (the shared-memory files' token of detect_topology, unused here)
-    # carries this rank's flags: 1 its parameters are all on the CPU, 2 it asked to
-    # measure, 4 its HHOOK_AUTO_ONE_HOST is not a mode (every rank raises, after the gather).
+    # This rank's flags: 1 its parameters are all on the CPU, 2 it asked to measure, 4 its
+    # HHOOK_AUTO_ONE_HOST is not a mode (every rank raises, after the gather).
     on_cpu = all(p.device.type == "cpu" for p in ddp_model.parameters())
-    record[-1] = int(on_cpu) | {"skip": 0, "measure": 2}.get(mode, 4)
-    records = _gather_records(record, group)
-    bad = [rank for rank, r in enumerate(records) if r[-1] & 4]
-    if bad:
+    flag = int(on_cpu) | {"skip": 0, "measure": 2}.get(mode, 4)
+    try:
+        nodes, source, flags = node_census(group, flag)
+    except TopologyError:  # launcher variables that describe no layout: measure, as before
+        nodes, source, flags = None, None, None
+    if flags is not None and any(f & 4 for f in flags):
+        bad = [rank for rank, f in enumerate(flags) if f & 4]
         raise ValueError(f"hhook: {ONE_HOST_ENV} must be one of {_ONE_HOST_MODES} on every rank; ranks {bad} have "
                          f"another value (this rank's: {mode!r})")
-    try:
-        nodes, source = _auto_nodes(records)
-    except TopologyError:  # launcher variables that describe no layout: measure, as before
-        return None
-    if len(nodes) != 1 or not all(r[-1] == 1 for r in records) or state.node_layout().two_level:
+    if nodes is None or len(nodes) != 1 or not all(f == 1 for f in flags) or state.node_layout().two_level:
         return None  # (two-level: the state's topology says nodes, e.g. ranks_per_node=K)
     how = {"hostname": "their hostnames"}.get(source, "the launcher's variables")
-    return (f"bits='auto': all {len(records)} ranks run on one host (by {how}) with CPU tensors, so no "
+    return (f"bits='auto': all {len(flags)} ranks run on one host (by {how}) with CPU tensors, so no "
             "gradient crosses a network and no compressed or narrower exchange can beat DDP's own fp32 allreduce: "
             f"no hook is installed (measuring the candidates would only cost steps). {ONE_HOST_ENV}=measure "
             "measures anyway; bits=N always compresses")

@@ -205,6 +205,16 @@ def _auto_nodes(records: list[list[int]]) -> tuple[list[list[int]], str]:
     )
 
 
+def node_census(group, flag: int) -> tuple[list[list[int]], str, list[int]]:
+    """``(nodes, source, flags)``: the ranks of ``group`` (indices in the group) per node,
+    found as ``ranks_per_node="auto"`` finds them (the launcher's variables, else the
+    hostnames; ``source`` says which), and every rank's ``flag``. One all-gather; every
+    rank gets the same answer or the same :class:`TopologyError`."""
+    records = _gather_records(local_record(dist.get_rank(group), "auto") + [flag], group)
+    nodes, source = _auto_nodes(records)
+    return nodes, source, [r[-1] for r in records]
+
+
 def _gather_records(record: list[int], group) -> list[list[int]]:
     backend = str(dist.get_backend(group))
     device = torch.device("cpu")
@@ -212,10 +222,10 @@ def _gather_records(record: list[int], group) -> list[list[int]]:
         device = torch.device("cuda", torch.cuda.current_device())
     mine = torch.tensor(record, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
-    out = torch.empty(world * _RECORD, dtype=torch.int64, device=device)
+    out = torch.empty(world * len(record), dtype=torch.int64, device=device)
     with explained("hhook's layout detection (an all-gather of every rank's node)", group):
         all_gather_flat(out, mine, group=group)
-    return out.view(world, _RECORD).tolist()
+    return out.view(world, len(record)).tolist()
 
 
 def _is_world(group) -> bool:
