@@ -4,6 +4,7 @@ first 40)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -35,3 +36,26 @@ def test_the_readme_keeps_its_budget():
     assert len(lines) <= 200, len(lines)
     first = "\n".join(lines[:40])
     assert "bash ci/demo.sh" in first and "bash ci/test.sh" in first and "Set-up" in first
+
+
+BENCH_CITATION = re.compile(r"bench/[A-Za-z0-9_./-]+\.(?:json|png|txt|log|csv)")
+BENCH_LIMIT = 40
+
+
+def bench_citations() -> dict[str, list[str]]:
+    """Every ``bench/...`` result file the README or a page of docs/ names, with where."""
+    found: dict[str, list[str]] = {}
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            for m in BENCH_CITATION.finditer(line):
+                found.setdefault(m.group(0), []).append(f"{page.relative_to(ROOT)}:{number}")
+    return found
+
+
+def test_bench_holds_only_cited_results_and_every_citation_exists():
+    files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "bench").rglob("*") if p.is_file()}
+    files.discard("bench/README.md")
+    cited = bench_citations()
+    assert len(files) + 1 <= BENCH_LIMIT, len(files) + 1  # bench/README.md counts too
+    assert sorted(files - set(cited)) == [], "in bench/ but cited by no page"
+    assert {c: w for c, w in cited.items() if c not in files} == {}, "cited but not in bench/"
