@@ -9,6 +9,7 @@ Links to other sites (``http:``, ``https:``, ``mailto:``) and links inside code 
 blocks and inline backticks) are not checked.
 
     python3 ci/check_doc_links.py        # prints each broken link, exits 1 if any
+    python3 ci/check_doc_links.py ROOT   # the same for another tree (README.md and docs/ under ROOT)
 """
 
 from __future__ import annotations
@@ -96,10 +97,11 @@ def broken_links(root: Path = ROOT) -> list[str]:
 
 
 def main() -> int:
-    problems = broken_links()
+    root = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT
+    problems = broken_links(root)
     for p in problems:
         print(p)
-    print(f"check_doc_links: {len(pages())} pages, {len(problems)} broken link(s)", file=sys.stderr)
+    print(f"check_doc_links: {len(pages(root))} pages, {len(problems)} broken link(s)", file=sys.stderr)
     return 1 if problems else 0
 
 

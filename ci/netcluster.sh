@@ -51,7 +51,7 @@
 #   ci/netcluster.sh delay MS [JITTER_MS]
 #                                    # every packet between nodes is held MS +-
 #                                    # JITTER_MS (uniform, so packets overtake each
-#                                    # other) by a user-space link (ci/delaylink.py,
+#                                    # other) by a user-space link (measure/delaylink.py,
 #                                    # TUN devices; no netem needed); 0 = no delay
 #   ci/netcluster.sh exec I CMD...   # run CMD inside namespace hhI
 #   ci/netcluster.sh hosts [N]       # one address per line (MPI hostfile material)
@@ -242,7 +242,7 @@ cmd_reshape() {  # reshape RATE: the running cluster's links, in place
     log "reshape: every link now ${rate}${burst:+ burst ${burst}b}"
 }
 
-stop_delay() {  # end ci/delaylink.py: its TUN devices, and the routes through them, go with it
+stop_delay() {  # end measure/delaylink.py: its TUN devices, and the routes through them, go with it
     local pid i
     [[ -s $RUN_DIR/delay.pid ]] || return 0
     pid=$(<"$RUN_DIR/delay.pid")
@@ -268,7 +268,7 @@ cmd_delay() {  # delay MS [JITTER_MS]: hold every packet between nodes MS +- JIT
     [[ -r $RUN_DIR/rate ]] && rate=$(<"$RUN_DIR/rate")
     [[ $rate == none ]] || burst=$(burst_for "$rate")
     mkdir -p "$RUN_DIR"
-    setsid "$PYTHON" "$(dirname "$SELF")/delaylink.py" --nodes "$(cluster_size)" --subnet "$SUBNET" \
+    setsid "$PYTHON" "$(dirname "$SELF")/../measure/delaylink.py" --nodes "$(cluster_size)" --subnet "$SUBNET" \
         --delay-ms "$ms" --jitter-ms "$jitter" --rate "$rate" ${burst:+--burst "$burst"} --latency "$LATENCY" \
         --pidfile "$RUN_DIR/delay.pid" </dev/null >"$RUN_DIR/delay.log" 2>&1 &
     pid=$!

@@ -16,7 +16,7 @@ batches depend only on the seed and the step, so a resumed run sees the data the
 uninterrupted one would have.
 
 The fault options (``--kill-at``, ``--stall-at``, ``--truncate-at``) inject faults into this script itself,
-for the fault drill (``ci/fault_drill.sh``, docs/reliability.md) and the tests.
+for the fault drill (``measure/fault_drill.sh``, docs/reliability.md) and the tests.
 """
 
 import argparse

@@ -239,4 +239,4 @@ def test_netcluster_delay_holds_every_packet_and_goes_away():
     finally:
         subprocess.run(["bash", NETCLUSTER, "down"], capture_output=True, timeout=60)
     assert not os.path.exists("/run/hhook-netcluster/delay.pid")
-    assert "ci/delaylink.py" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert "delaylink.py" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

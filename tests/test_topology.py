@@ -394,7 +394,7 @@ def test_scale_model_layouts_and_wire_bits():
 
 
 def test_scale_model_against_the_measured_layouts():
-    """The model, on the inputs ci/measure_topology.sh measured, against the step times
+    """The model, on the inputs measure/measure_topology.sh measured, against the step times
     it recorded in the same run (docs/topology.md): the target, 15% on every row."""
     from hhook.profile.scale_model import inputs_from_json, validation_rows
 

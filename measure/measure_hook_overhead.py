@@ -5,7 +5,7 @@ nothing: :func:`hhook.decision.hook.one_host`), torch's own Python ``allreduce_h
 and the bf16 hook of ``hhook-profile`` (torch's, for Gloo), all in one job on wide-cnn's
 gradients, the kinds taking turns of 20 steps (median ms per step, rank 0 prints).
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 ci/measure_hook_overhead.py [ROUNDS [STEPS]]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 measure/measure_hook_overhead.py [ROUNDS [STEPS]]
 
 ``KINDS="native fp32,hhook.register default"`` times only those (comma-separated; the
 first is the reference). Each kind's figure: its median step, and ``paired``, the median

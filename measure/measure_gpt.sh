@@ -4,10 +4,10 @@
 # emulated cluster (ci/netcluster.sh) at 1 Gbit/s and 100 Mbit/s, 2 and 4 ranks: fp32, the
 # fp16 and bf16 hooks, THC at 2, 3 and 4 bits, and thc:auto (hhook.register's default).
 # Each run writes bench/gpt-RANKSx-RATE.json and .png: validation loss against training time
-# (evals[].val_loss, time_s). Needs root, ip netns and tc. Usage: bash ci/measure_gpt.sh [OUTDIR]
+# (evals[].val_loss, time_s). Needs root, ip netns and tc. Usage: bash measure/measure_gpt.sh [OUTDIR]
 # (default bench); STEPS=N steps per method (default 150), EVAL=K evaluate every K steps (default 15),
 # RATES and RANKS the layouts (default "1gbit 100mbit" and "2 4"), e.g.
-# RATES=100mbit RANKS=2 STEPS=60 bash ci/measure_gpt.sh
+# RATES=100mbit RANKS=2 STEPS=60 bash measure/measure_gpt.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-bench}"

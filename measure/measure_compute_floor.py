@@ -3,7 +3,7 @@
 Times forward, backward and the optimizer step (the task's batch and SGD settings, as
 ``hhook-profile train`` times a step) and prints the median. Against a training run's
 median step on the same host it bounds what any exchange can save: a step cannot drop
-below this. Usage: ``python ci/measure_compute_floor.py [--model gpt] [--steps 40]``.
+below this. Usage: ``python measure/measure_compute_floor.py [--model gpt] [--steps 40]``.
 """
 
 import argparse

@@ -2,13 +2,13 @@
 
 The scale model (``hhook-profile model --layouts``, :mod:`hhook.profile.models`) predicts a
 step from a few measured quantities. This script measures those that do not need the
-emulated links; ``ci/measure_topology.sh`` runs it and merges the results with the
+emulated links; ``measure/measure_topology.sh`` runs it and merges the results with the
 inter-node link fit of ``bench/profile-1gbit-link.json``. Two parts::
 
-    python ci/measure_scale_inputs.py compute OUT.json
+    python measure/measure_scale_inputs.py compute OUT.json
         compute_ms: a wide-cnn DDP step (batch 32, SGD with momentum, one thread) in a world
         of one; calls: the DDP buckets a step hands to its comm hook; model_bytes.
-    torchrun --nproc-per-node 2 ci/measure_scale_inputs.py loopback OUT.json
+    torchrun --nproc-per-node 2 measure/measure_scale_inputs.py loopback OUT.json
         Two ranks of one host (Gloo on loopback, one thread each):
         alpha_intra/beta_intra: plain float32 allreduces of 4 KB..21 MB, fitted as
           t = 2 (n - 1) (alpha + S / (n beta));

@@ -4,7 +4,7 @@ fixed, in one job on wide-cnn's gradients, the kinds taking turns of ``STEPS`` s
 median over rounds of the per-round ratio (``paired``: a host whose speed drifts moves
 both alike), the process's CPU ms, minor page faults and garbage-collection ms per step.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 ci/measure_holding.py [ROUNDS] [METHOD ...]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 measure/measure_holding.py [ROUNDS] [METHOD ...]
 
 ``METHOD``: ``thc:4`` (default), ``thc:3``..., ``fp32`` (fixed: DDP's native allreduce; also
 torch's Python ``allreduce_hook``, the floor of any Python hook), ``bf16`` (fixed: the

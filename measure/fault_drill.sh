@@ -3,8 +3,8 @@
 # hhook.register(model) on the emulated cluster (2 nodes, 1 Gbit/s) and print one row per
 # fault. Needs root (network namespaces, tc). The cluster is torn down at exit.
 #
-#   bash ci/fault_drill.sh                      # the full drill (about 20-30 minutes on 2 cores)
-#   bash ci/fault_drill.sh --steps 200 --every 25 --long-steps 600 --only kill,stall   # a short one
+#   bash measure/fault_drill.sh                      # the full drill (about 20-30 minutes on 2 cores)
+#   bash measure/fault_drill.sh --steps 200 --every 25 --long-steps 600 --only kill,stall   # a short one
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ $(id -u) == 0 ]] || { echo "fault_drill: must run as root (network namespaces and tc)" >&2; exit 1; }
@@ -12,4 +12,4 @@ command -v nft >/dev/null || { apt-get update -qq && apt-get install -y -qq nfta
 trap 'bash ci/netcluster.sh down >/dev/null 2>&1 || true' EXIT
 bash ci/netcluster.sh up 2 1gbit
 PYTHON=${PYTHON:-python3}
-"$PYTHON" ci/fault_drill.py "$@"
+"$PYTHON" measure/fault_drill.py "$@"

@@ -9,7 +9,7 @@ For every parameter with at least two dimensions: the relative L2 error
 and the change of the validation loss when every such weight is quantized at once
 (embeddings included, and left dense). Writes a JSON file and prints tables::
 
-    python3 ci/measure_all_gather_error.py --steps 300 --out bench/fsdp-all-gather-error.json
+    python3 measure/measure_all_gather_error.py --steps 300 --out bench/fsdp-all-gather-error.json
 """
 
 from __future__ import annotations

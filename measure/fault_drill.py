@@ -2,7 +2,7 @@ r"""The fault drill: each fault of docs/reliability.md injected into a training 
 ``hhook.register(model)`` (``examples/resilient_train.py``: checkpoints of the model, the
 optimizer and the hook state every ``--every`` steps), one row per fault.
 
-Run through ``ci/fault_drill.sh`` (root: it brings the emulated cluster up, 2 nodes of one
+Run through ``measure/fault_drill.sh`` (root: it brings the emulated cluster up, 2 nodes of one
 rank at 1 Gbit/s, and down again). Rows: what was injected, what happened, the time to
 detect (from the fault to the first rank's error), the time to recover (from the fault to
 the restarted job's first step), steps lost (redone after the restart), and the final
@@ -309,7 +309,7 @@ def _links(base, ref_acc) -> None:
                 ("1% loss", ["loss", "1"], "nftables: each node drops that share of the packets it receives"),
                 ("5% loss", ["loss", "5"], "nftables: each node drops that share of the packets it receives"),
                 ("5 ms +- 2 ms, reordering", ["delay", "5", "2"],
-                 "user-space link (ci/delaylink.py): each packet held 5 ms +- 2 ms, uniform, so packets overtake")]
+                 "user-space link (measure/delaylink.py): each packet held 5 ms +- 2 ms, uniform, so packets overtake")]
     for name, spec, how in settings:
         subprocess.run([*NETCLUSTER, *spec], check=True)
         cells = []

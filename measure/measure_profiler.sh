@@ -4,10 +4,10 @@
 # fp32/fp16/zlib at 25 MB under Open MPI's default algorithm and the segmented ring
 # (coll_tuned_allreduce_algorithm 5), a size sweep (1 Gbit/s), and the ring model's plot.
 # Needs root, ip netns, tc, Open MPI and mpi4py (bash ci/setup.sh --full).
-# Usage: bash ci/measure_profiler.sh 1gbit|100mbit   (about 3-6 minutes each on 2 cores)
+# Usage: bash measure/measure_profiler.sh 1gbit|100mbit   (about 3-6 minutes each on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RATE="${1:?usage: ci/measure_profiler.sh 1gbit|100mbit}"
+RATE="${1:?usage: measure/measure_profiler.sh 1gbit|100mbit}"
 P="${PYTHON:-python3} -m hhook.profile"
 export HH_MPIRUN_ARGS="${HH_MPIRUN_ARGS:-} -x PYTHONPATH=$PWD"
 trap 'bash ci/netcluster.sh down >/dev/null 2>&1 || true' EXIT

@@ -11,7 +11,7 @@
 # alone, with the links reshaped to 100 Mbit/s DROP_AFTER_S seconds after its launch
 # (ci/netcluster.sh reshape): OUT/decision-drop-METHOD.json.
 # Needs root, ip netns and tc for the cluster parts. Usage:
-#   bash ci/measure_decision.sh [OUTDIR] (default bench)
+#   bash measure/measure_decision.sh [OUTDIR] (default bench)
 # STEPS (default 300), DROP_STEPS (default 600), DROP_AFTER_S (default 40),
 # ONLY="loopback-2 2x1gbit drop" runs a subset.
 set -euo pipefail

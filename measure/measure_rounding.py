@@ -6,7 +6,7 @@ few calls), their ratio, and the largest error relative to the RMS error (how sp
 error is over the coordinates); then what ``bits="auto"`` picks with each mode and the
 wire bits per coordinate that costs. Writes a JSON file and prints a table.
 
-    PYTHONPATH=. python ci/measure_rounding.py --json bench/rounding.json
+    PYTHONPATH=. python measure/measure_rounding.py --json bench/rounding.json
 """
 
 from __future__ import annotations

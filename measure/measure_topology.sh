@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Measure the scale model's inputs (ci/measure_scale_inputs.py: compute per step in a
+# Measure the scale model's inputs (measure/measure_scale_inputs.py: compute per step in a
 # world of one, the intra-node path, codec, casts and copies between two ranks of this
 # host; the inter-node link from bench/profile-1gbit-link.json, which
-# `bash ci/measure_profiler.sh 1gbit` writes), then real DDP training (wide-cnn,
+# `bash measure/measure_profiler.sh 1gbit` writes), then real DDP training (wide-cnn,
 # hhook-profile train) on the emulated cluster at the layouts the model is checked
 # against, and write both into bench/topology-inputs.json (inputs and "measured") and
 # bench/topology-inputs-cluster.json (the same inputs, every rank on its own core).
@@ -14,7 +14,7 @@
 #
 # At 2x2 also the fp16 hook and two-level THC (topology=auto) in both scale modes, and
 # hhook-profile allreduce alone: the figures of docs/topology.md. Needs root, ip netns
-# and tc (as ci/netcluster.sh); takes 7-10 minutes on 2 cores. Usage: bash ci/measure_topology.sh [OUTDIR] (default bench);
+# and tc (as ci/netcluster.sh); takes 7-10 minutes on 2 cores. Usage: bash measure/measure_topology.sh [OUTDIR] (default bench);
 # STEPS=N sets the steps per method (default 35, 5 of them warm-up).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,8 +30,8 @@ run() {  # LAYOUT NODES RANKS_PER_NODE RATE METHODS
         --json "$OUT/topology-train-$1.json"
 }
 
-"$PY" ci/measure_scale_inputs.py compute "$OUT/topology-inputs-compute.json"
-"$PY" -m torch.distributed.run --nproc-per-node 2 --master-port 29653 ci/measure_scale_inputs.py loopback \
+"$PY" measure/measure_scale_inputs.py compute "$OUT/topology-inputs-compute.json"
+"$PY" -m torch.distributed.run --nproc-per-node 2 --master-port 29653 measure/measure_scale_inputs.py loopback \
     "$OUT/topology-inputs-loopback.json"
 
 run 1x2 1 2 none fp32,bf16,thc:4
@@ -68,12 +68,12 @@ for layout in ("1x2", "1x4", "2x1", "2x2"):
     measured[layout] = {names[r["method"]]: round(r["median_ms"], 1) for r in rows if r["status"] == "ok"}
 when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
 notes = ("Inputs of the scale model (hhook-profile model --layouts ... --scale-inputs FILE), measured by "
-         f"bash ci/measure_topology.sh ({when}) on a 2-core VM, Gloo, wide-cnn (21.1 MB of gradients): compute, "
+         f"bash measure/measure_topology.sh ({when}) on a 2-core VM, Gloo, wide-cnn (21.1 MB of gradients): compute, "
          "calls: a DDP step in a world of one; intra, codec, cast, copy: two ranks of this host on loopback "
-         f"(ci/measure_scale_inputs.py; raw figures in {out}/topology-inputs-*.json); inter: the fit of "
+         f"(measure/measure_scale_inputs.py; raw figures in {out}/topology-inputs-*.json); inter: the fit of "
          "bench/profile-1gbit-link.json (emulated 1 Gbit/s).")
 doc = {"notes": notes + " All ranks share the host's cores (host_cores).", **inputs, "measured": measured,
-       "commands": f"bash ci/measure_topology.sh ({when}): hhook-profile train --model wide-cnn, median step after "
+       "commands": f"bash measure/measure_topology.sh ({when}): hhook-profile train --model wide-cnn, median step after "
                    f"5 warm-up steps; per-layout JSON in {out}/topology-train-*.json"}
 pathlib.Path("bench/topology-inputs.json").write_text(json.dumps(doc, indent=2) + "\n")
 cluster = {"notes": notes + " Here every rank has its own core (host_cores null): a cluster of CPU nodes, shared "
