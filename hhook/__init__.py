@@ -4,7 +4,10 @@ Gradients are rotated, quantized onto levels every rank agrees on, and packed in
 integer lanes with headroom, so a stock SUM allreduce adds the compressed buffers
 directly. One line turns it on::
 
-    ddp_model.register_comm_hook(hhook.THCState(process_group=None, bits=4), hhook.thc_hook)
+    state = hhook.register(ddp_model)   # bits="auto": measures, keeps THC or a dense exchange
+
+(``hhook.register(ddp_model, bits=4)`` always compresses at 4 bits; Horovod:
+:mod:`hhook.horovod`; FSDP2: :mod:`hhook.fsdp`; every option: docs/usage.md.)
 """
 
 from .schedule.allreduce import thc_allreduce, thc_allreduce_async

@@ -1,56 +1,26 @@
 r"""``bits="auto"`` in the DDP hook: measure, per job, which exchange is fastest, and use it.
 
-Compression pays only where the wire is the bottleneck, and nobody can tell in advance
-whether it is (a GPU fabric makes the wire free; CPU ranks sharing cores make the codec
-dear). So the hook measures the job itself:
+The contract (the rules, their constants and the measurements behind them:
+docs/decision.md, "How it decides"):
 
-* **Candidates** (:func:`candidates`): THC at :func:`hhook.codec.error_model.auto_bits`'s width for
-  this world (or node count) and every narrower width down to :data:`MIN_WIDTH`, a bf16
-  dense allreduce and DDP's plain fp32 allreduce. The auto width and the one below it
-  always take a turn; each narrower one only while narrowing pays: the width above it
-  was :data:`DESCEND_GAIN` faster than the one above that, or within that of it while the
-  bytes it saves would save as much at the time per byte that fp32 against the width
-  above measured (a 6-step turn does not resolve 3% on a shared host: noise stopped the
-  descent at 100 Mbit/s; fp32 against THC spans 5x the bytes of one width against the
-  next). On a slow wire the descent reaches 2 bits; where the codec or the compute is
-  the cost it stops after one step.
-* **Lockstep probing**: the candidates take turns for :data:`WINDOW` iterations each
-  (the first of a turn is not measured: it pays the switch), switching on DDP's iteration
-  counter, which every rank holds alike.
-* **Measured periods**: each rank times the period between the first hook calls of
-  successive iterations (a whole step: forward, backward, exchange, optimizer). The
-  period that ended at an iteration's first call is MAX-allreduced, with a fingerprint of
-  the decision's state, *asynchronously*, launched behind the iteration's last bucket
-  (off the backward's path: launched at the first bucket, it queued ahead of the buckets
-  and cost a whole round trip a step, 15 ms of 63 on a 10 ms link); the result is read
-  :data:`LAG` iterations later (long completed) and fed to :class:`Decision`. While a
-  choice is held, the periods of :data:`EXPLOIT_BATCH` iterations share one reduction
-  (:class:`~hhook.decision.Prober`).
-  So every rank holds the slowest rank's periods and nothing else: the same numbers, the
-  same decision. A rank whose state differs (another checkpoint, a bug) makes the
-  fingerprint differ and every rank raises :class:`~hhook.errors.ConfigMismatchError`.
-* **Pruning**: DDP's plain iterations before ``start_iter`` are free fp32 samples. A
-  candidate is dropped unrun when its model bound (fp32's sample; bf16 moves half of
-  fp32's bytes, so it takes at least half of fp32's step) exceeds twice
-  :data:`DROP_RATIO` times the best so far (fp32 at 100 Mbit/s, 6x THC's step, never
-  runs), and while running when its first two measured steps both exceed
-  :data:`DROP_RATIO` times it, or the median of three or more does (never on one step:
-  a period spanning an evaluation is 3x and more).
-* **Re-deciding**: every :data:`REDECIDE_EVERY` iterations, and when the median of the
-  chosen method's last :data:`DRIFT_WINDOW` periods moves by more than
-  :data:`DRIFT` (a shared link slowed down or sped up). The running choice's recent
-  periods stand for it in the new round.
+* **Candidates** (:func:`candidates`): THC at :func:`hhook.codec.error_model.auto_bits`'s
+  width and narrower widths down to :data:`MIN_WIDTH` while narrowing pays
+  (:data:`DESCEND_GAIN`), a bf16 dense allreduce and DDP's plain fp32 allreduce.
+* **Lockstep turns** of :data:`WINDOW` iterations, switched on DDP's iteration counter.
+* **One verdict on every rank**: each rank's step period is MAX-allreduced with a
+  fingerprint of the decision's state, asynchronously, and read :data:`LAG` iterations
+  later, so every rank feeds :class:`Decision` the same numbers and takes the same
+  decision; a rank whose state differs makes every rank raise
+  :class:`~hhook.errors.ConfigMismatchError`.
+* **Pruning** (:data:`DROP_RATIO`) and **re-deciding** (:data:`REDECIDE_EVERY`,
+  :data:`DRIFT`, :data:`DRIFT_WINDOW`).
 * **Switching keeps the guarantees**: a THC width that is left hands each key's
-  error-feedback residual to the next exchange of that key (whatever the method) and
-  forgets its predicted scales (they start with an agreed round on return).
+  error-feedback residual to the next exchange of that key and forgets its predicted scales.
 
 :class:`Decision` is plain data (``state_dict``/``load_state_dict``; pickled with the
-:class:`~hhook.state.THCState`); :class:`~hhook.decision.Prober` holds the clock and the in-flight
-reduction and is rebuilt after loading. Saving changes nothing (any rank may save at any
-time: rank 0 alone, every rank, every step): the saved decision holds the reductions in
-flight, read without taking them from the live run, so a resumed run feeds them where an
-uninterrupted one does; it cannot measure the period that spans the save, which it
-leaves unmeasured (with the same clock and steady periods, the same decisions).
+:class:`~hhook.state.THCState`); :class:`~hhook.decision.Prober` holds the clock and the
+in-flight reduction and is rebuilt after loading. Saving, on any rank at any time, changes
+nothing in the running state, and a resumed run takes the decisions of the uninterrupted one.
 """
 
 from __future__ import annotations

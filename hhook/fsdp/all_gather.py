@@ -164,11 +164,10 @@ class AllGatherState:
         self.switch = None  # bits="auto" (hhook.fsdp.auto.Switch): dense while it says so
 
     def workspace(self, n_blocks: int, device: torch.device, slot: int = 0) -> torch.Tensor | None:
-        """A float32 ``(n_blocks, B)`` buffer, from one of three slots. On CPU they are kept
-        and reused (sized for the largest param group's shard): a fresh 10 MB tensor cost
-        more in page faults (about 5 ms here) than the arithmetic on it. Elsewhere slot 0
-        is a fresh tensor (the caching allocator reuses memory) and the others None (the
-        codec then makes its own temporaries)."""
+        """A float32 ``(n_blocks, B)`` buffer, from one of three slots. On CPU the slots
+        are kept and reused (sized for the largest param group's shard; why: docs/fsdp.md).
+        Elsewhere slot 0 is a fresh tensor (the caching allocator reuses memory) and the
+        others None (the codec then makes its own temporaries)."""
         B = self.options.block_size
         if device.type != "cpu":
             return torch.empty(n_blocks, B, dtype=torch.float32, device=device) if slot == 0 else None

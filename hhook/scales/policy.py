@@ -48,14 +48,9 @@ AGREED, PREDICTED, DENSE = 0x41, 0x51, 0x44
 
 
 def default_headroom(bits: int) -> float:
-    """Predicted scales' measured best headroom: 1 up to 4 bits, then +0.25 per bit (2 at 8).
-
-    Few levels make the rounding noise dominate, so the tightest bound on the previous
-    maximum pays; with many levels the clipping of blocks that grew dominates: on the
-    Horovod digits MLP at 8 bits, headroom 2 gave 4.5e-4 vNMSE against 2.0e-3 with 1,
-    and at 4 bits headroom 1.5 gave 6.9e-2 against 3.1e-2 with 1
-    (``examples/horovod_train.py --report-vnmse``, docs/horovod.md).
-    """
+    """The headroom predicted scales multiply the previous maximum by, for ``bits``:
+    1 up to 4 bits, then +0.25 per bit (2 at 8). The measurements that chose it:
+    docs/horovod.md."""
     return 1.0 + max(0, bits - 4) / 4
 
 
@@ -309,14 +304,14 @@ class ScalePolicy:
 
     # -- stage 5 -------------------------------------------------------------------
     def decode(self, sums: torch.Tensor, plan: Plan, out: torch.Tensor, defer=None) -> torch.Tensor:
-        """Write the mean into ``out`` (shaped like the tensor); returns ``out``.
+        """Write the mean into ``out`` (shaped like the tensor); returns ``(out, nonfinite)``.
 
         Raises :class:`~hhook.errors.OpMismatchError`, :class:`~hhook.errors.ConfigMismatchError` or
         :class:`~hhook.errors.RankFailedError` (this rank's own exception on the rank
         that failed). On a GPU an agreed round reads nothing on the host: a bad prefix
         writes NaN and ``defer(bad, nonfinite, what)`` gets the device flags, for the
         caller to raise where a read is free; without ``defer`` it reads them here.
-        Returns ``(out, nonfinite)`` where ``nonfinite`` is a bool, or a 0-d tensor on GPUs.
+        ``nonfinite`` is a bool, or a 0-d tensor on GPUs (``out`` is then NaN everywhere).
         """
         if plan.error is not None:
             raise plan.error

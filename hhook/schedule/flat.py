@@ -117,9 +117,8 @@ def cast_allreduce(state: THCState, tensor: torch.Tensor, dtype: torch.dtype) ->
     inf/NaN on any rank stays non-finite on every rank. Counted as a dense call."""
     if state.world_size == 1:
         return dense_allreduce(state, tensor)
-    # Cast first, then divide the half-size copy in place (as torch's hook): dividing
-    # first allocated a float32 temporary of the bucket, whose fresh pages cost more
-    # than the allreduce on loopback.
+    # Cast first, then divide the half-size copy in place (as torch's hook): no float32
+    # temporary of the bucket (why: docs/decision.md, "What a Python hook costs").
     low = tensor.to(dtype).div_(state.world_size)
     state.counters.add("dense_calls", 4 * tensor.numel(), low.nbytes)
     fut = dist.all_reduce(low, group=state.process_group, async_op=True).get_future()
