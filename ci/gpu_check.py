@@ -26,7 +26,7 @@ of the run's budget, and the JSON file is rewritten after every stage:
                   ratios THC/fp16 and THC's GB/s over the copy's; a table on the console
                   with the device's name, the rows in the JSON (``hhook.profile.codec_bench``'s
                   timers; the dry run on CPU tensors of 1/1000 the size);
-4. ``tests``      tests/test_cuda.py on the GPU (not the CPU emulator's cases): kernels,
+4. ``tests``      tests/codec/test_cuda.py and test_cuda_transport.py on the GPU (not the CPU emulator's cases): kernels,
                   two ranks sharing the GPU over Gloo, side streams, allocator pressure,
                   no host sync from hhook, the default ``bits="auto"`` hook;
 5. ``parity``     the kernels against the reference codec, bit for bit: random and
@@ -73,7 +73,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "tests"):
+for _path in (ROOT, ROOT / "tests" / "support"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
@@ -193,7 +193,7 @@ class RankProc:
 
 
 def fsdp_cases(dry: bool) -> list[dict]:
-    """FSDP2 cases (tests/cuda_support.py's ``fsdp_training``): two ranks over Gloo (sharing
+    """FSDP2 cases (tests/support/cuda_support.py's ``fsdp_training``): two ranks over Gloo (sharing
     the GPU, or on CPU tensors in the dry run) with the default and with bits=4 +
     all_gather=8, both of which must compress both collectives; on a GPU a world of one on
     NCCL too (FSDP2 calls no comm in a shard group of one: it must train, nothing more)."""
@@ -465,7 +465,8 @@ def _junit(path: Path) -> dict:
 
 def stage_tests(ctx: Context) -> dict:
     xml = ctx.work / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py", "-rfEs",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/codec/test_cuda.py",
+           "tests/codec/test_cuda_transport.py", "-rfEs",
            f"--junitxml={xml}", "-o", "junit_family=xunit1"]
     # On a GPU: every test but the CPU emulator's and nvcc's (CI runs those), 8 at a time
     # (pytest-xdist where installed).
@@ -482,7 +483,7 @@ def stage_tests(ctx: Context) -> dict:
     if ctx.dry:
         result["collected"] = int(m.group(1)) if (m := re.search(r"(\d+) tests? collected", done.stdout)) else None
         if done.returncode != 0:
-            raise RuntimeError(f"pytest could not collect tests/test_cuda.py:\n{_tail(done.stdout)}")
+            raise RuntimeError(f"pytest could not collect tests/codec/test_cuda*.py:\n{_tail(done.stdout)}")
         return result
     if xml.exists():
         result.update(_junit(xml))

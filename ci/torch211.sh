@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite under torch 2.11 (the GPU machines' torch, the oldest hhook supports), on the CPU:
-#   bash ci/torch211.sh [pytest args]        e.g. bash ci/torch211.sh tests/test_fsdp.py
+#   bash ci/torch211.sh [pytest args]        e.g. bash ci/torch211.sh tests/integrations/test_fsdp.py
 # Into a virtual environment of its own (.venv-torch211, or $HHOOK_TORCH211_VENV): PyPI's torch 2.11.0
 # (its CUDA build, about 3 GB with its nvidia-* packages; it runs on a CPU), hhook in editable mode and
 # pytest. Tests of packages it does not install (Open MPI, Horovod, the frameworks) skip. Not part of

@@ -163,7 +163,7 @@ def main() -> int:
             _links(base, ref_acc)
         if want("checkpoint"):
             _truncated(base, tmp, args.every, ref_acc)
-            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_checkpoint_faults.py"], cwd=ROOT,
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/state/test_checkpoint_faults.py"], cwd=ROOT,
                                   text=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
             summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-200:]
             row("bad checkpoints", "truncated file; other world size, codec version, rank, bits, scale mode",
@@ -206,14 +206,14 @@ def _truncated(base, tmp, every, ref_acc) -> None:
 
 
 def _exits(runs: int, ddp_runs: int) -> None:
-    """A job that finished exits 0 (loopback, 4 ranks under torchrun, tests/exit_job.py):
+    """A job that finished exits 0 (loopback, 4 ranks under torchrun, tests/support/exit_job.py):
     one thc_allreduce of 1M elements then destroy_process_group, ``runs`` times; and DDP
     with and without hhook.register, ``ddp_runs`` times each, in turns (plain DDP has its
     own abort at exit on torch 2.13)."""
     def run(*argv: str) -> int:
         Job.port += 1
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                               "--master-port", str(Job.port), str(ROOT / "tests" / "exit_job.py"), *argv],
+                               "--master-port", str(Job.port), str(ROOT / "tests" / "support" / "exit_job.py"), *argv],
                               cwd=ROOT, text=True, capture_output=True, timeout=300,
                               env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"))
         return int(proc.returncode == 0 and (proc.stdout + proc.stderr).count(": ok ") == 4)
@@ -326,8 +326,8 @@ def _links(base, ref_acc) -> None:
 
 def _leaks(steps: int) -> None:
     sys.path.insert(0, str(ROOT))
-    from tests.distributed import run_world
-    from tests.test_faults import _long_run_worker
+    from tests.support.distributed import run_world
+    from tests.reliability.test_faults import _long_run_worker
 
     first = steps // 4
     for world, topology in ((2, "flat"), (4, 2)):

@@ -6,7 +6,7 @@
 # hhook-profile train) on the emulated cluster at the layouts the model is checked
 # against, and write both into bench/topology-inputs.json (inputs and "measured") and
 # bench/topology-inputs-cluster.json (the same inputs, every rank on its own core).
-# tests/test_topology.py compares the model with the measured steps;
+# tests/schedule/test_topology.py compares the model with the measured steps;
 # `hhook-profile model --layouts ... --scale-inputs` prints both:
 #
 #   1x2, 1x4  one node (one network namespace, its ranks on its loopback, unshaped)

@@ -20,11 +20,11 @@ REQUIRE_ENV = "HHOOK_REQUIRE"
 
 # The suite runs 2-4 ranks on this one host, where hhook.register's bits="auto" installs
 # nothing (hhook.decision.hook.one_host): the tests of its measuring measure, as on
-# several hosts. Every rank and launched job inherits it; tests/test_one_host.py unsets it.
+# several hosts. Every rank and launched job inherits it; tests/decision/test_one_host.py unsets it.
 os.environ.setdefault("HHOOK_AUTO_ONE_HOST", "measure")
 #: How a skip's reason names each dependency ("Open MPI", "mpirun", "mpi4py" for mpi).
 MENTIONS = {"horovod": re.compile(r"horovod", re.I), "mpi": re.compile(r"\bmpi", re.I),
-            # the frameworks of tests/test_frameworks.py (hhook's adapters; pyproject's extras)
+            # the frameworks of tests/integrations/test_frameworks.py (hhook's adapters; pyproject's extras)
             "lightning": re.compile(r"\blightning", re.I), "accelerate": re.compile(r"\baccelerate", re.I),
             "transformers": re.compile(r"\btransformers", re.I), "ray": re.compile(r"\bray\b", re.I)}
 _REQUIRED = pytest.StashKey[frozenset]()

@@ -1,0 +1,47 @@
+"""The DDP example runs under torchrun and mpirun and learns with every hook."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "ddp_train.py"
+
+
+def _run(launcher, hook, tmp_path, *extra):
+    out = tmp_path / f"{hook}.json"
+    cmd = [*launcher, str(EXAMPLE), "--hook", hook, "--epochs", "8", "--json", str(out), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531"]
+
+
+def test_thc_matches_fp32_accuracy_with_fewer_bytes(tmp_path):
+    fp32 = _run(TORCHRUN, "none", tmp_path)
+    thc = _run(TORCHRUN, "thc", tmp_path, "--bits", "4")
+    assert fp32["test_accuracy"] > 0.9
+    assert thc["test_accuracy"] > fp32["test_accuracy"] - 0.03
+    assert thc["wire_bytes"] == thc["thc_stats"]["wire_bytes"]
+    assert thc["ratio"] > 4.5  # 2 ranks at 4 bits: 5-bit lanes, 6 per int32, minus 2 dense steps
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed (ci/setup.sh --full)")
+def test_example_runs_under_mpirun(tmp_path):
+    launcher = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_PORT=29532", sys.executable]
+    result = _run(launcher, "thc", tmp_path)
+    assert result["launcher"] == "openmpi" and result["world_size"] == 2 and result["test_accuracy"] > 0.9
+
+
+def test_result_header_names_every_field_of_the_result_line():
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--result-header"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    for field in ("hook", "ranks", "launcher", "steps", "test_accuracy", "final_loss", "wire", "dense", "ratio", "time"):
+        assert f"  {field} " in proc.stdout or f"; {field}:" in proc.stdout, field

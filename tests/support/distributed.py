@@ -1,0 +1,143 @@
+"""Run a function on N local processes joined by a Gloo process group."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import pickle
+import queue
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    from hhook.launch import free_port as free
+
+    return free("127.0.0.1")
+
+
+def subprocess_env(**extra) -> dict:
+    """The environment for a launched job that imports this checkout's hhook."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    # Ranks share two cores: yield instead of busy-polling while waiting.
+    env["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    env.update(extra)
+    return env
+
+
+# Ranks start from a fork server that has imported torch and hhook once, not each from a
+# fresh interpreter (spawn) that imports them again: about 1.8 s a process here, a few
+# hundred worlds in the suite. The server is an interpreter of its own (no thread of this
+# one is forked); each rank takes the test's environment and working directory as they are
+# at the call (the server keeps those of its start), imports the test's function only
+# then, and ends as an interpreter does: a forked child leaves by os._exit, which skips
+# the atexit handlers (hhook's release of node shared memory among them), so _worker
+# runs them.
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "hhook"])
+
+
+def _worker(rank, world_size, port, backend, cuda, job, environ, cwd, results):
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    torch.set_num_threads(1)  # N ranks share two cores
+    try:
+        fn, args = pickle.loads(job)
+        if cuda:
+            # Gloo ranks share GPU 0; NCCL refuses two ranks on one GPU, so rank r takes GPU r.
+            torch.cuda.set_device(rank if backend == "nccl" else 0)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        # Plain pickle copies tensors by value. The queue's own pickler would send a tensor
+        # as a shared-memory handle, which dies with this process: under load the parent
+        # read it after the exit and failed at random (issue 11, item 6).
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        # The answer is on the pipe before teardown: Gloo's teardown sometimes aborts the
+        # process (torch 2.13, with or without hhook), and a put still in the queue's
+        # feeder thread died with it (a CI run lost a rank's answer that way).
+        results.close()
+        results.join_thread()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        atexit._run_exitfuncs()
+
+
+def run_world(fn, world_size: int, *args, timeout: float = 180.0, backend: str = "gloo", cuda: bool = False,
+              fresh: bool = False) -> list:
+    """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process.
+
+    ``backend`` is the process group's; ``cuda`` puts every rank on GPU 0 (NCCL: rank r
+    on GPU r); ``fresh`` starts each rank in a new interpreter (spawn), not from the fork
+    server: for what a process measures of itself (a forked rank's resident memory counts
+    the server's pages only as it touches them, so it grows where a user's would not).
+
+    ``fn`` must be a module-level function; it should return plain Python data (results
+    are copied by value, so tensors work, but lists and numbers keep the test's intent
+    obvious). A rank's exception fails the call with
+    every rank's traceback; a hang fails it after ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn") if fresh else _CONTEXT
+    results = ctx.Queue()
+    port = free_port()
+    job = pickle.dumps((fn, args))
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, cuda, job, dict(os.environ), os.getcwd(),
+                                          results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout)
+            if ok:
+                out[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+    except queue.Empty:
+        errors.append(f"timed out after {timeout}s; ranks that answered: {sorted(out)}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [out[r] for r in range(world_size)]
+
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+@contextlib.contextmanager
+def logged(name: str, level: int = logging.WARNING):
+    """Collect the messages of logger ``name`` (and its children) at ``level`` or above."""
+    lines: list = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler = _Keep(level)
+    log = logging.getLogger(name)
+    log.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
