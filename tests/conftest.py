@@ -69,3 +69,15 @@ def pytest_make_collect_report(collector):
     report = yield
     _fail_required_skip(report, collector.config.stash[_REQUIRED])
     return report
+
+
+@pytest.fixture
+def no_tf32():
+    """TF32 off for the test (the CUDA tests: TF32 switched on by the environment would make
+    the reference's matmul inexact)."""
+    import torch
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -43,13 +43,7 @@ NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if
 SMALLEST_NORMAL = float(torch.finfo(torch.float32).tiny)
 
 
-@pytest.fixture(autouse=True)
-def no_tf32():
-    """TF32 switched on by the environment would make the reference's matmul inexact."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+pytestmark = pytest.mark.usefixtures("no_tf32")  # tests/conftest.py
 
 
 # -- compile checks (any machine with nvcc / libnvrtc) ------------------------------------

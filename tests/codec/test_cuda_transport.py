@@ -25,13 +25,7 @@ from tests.support.distributed import run_world
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def no_tf32():
-    """TF32 switched on by the environment would make the reference's matmul inexact."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+pytestmark = pytest.mark.usefixtures("no_tf32")  # tests/conftest.py
 
 
 def _cuda_ready() -> bool:
