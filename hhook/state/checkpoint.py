@@ -11,7 +11,6 @@ hhooks load (tests/test_fixtures.py).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -21,16 +20,13 @@ from .keys import KeyStore, start_afresh
 from .options import NAMES, Options
 from .runtime import adopt_layout
 
-if TYPE_CHECKING:
-    from .thc_state import THCState
-
 logger = logging.getLogger(__name__)
 
 #: Version of the layout below (pickles of older hhooks have none).
 STATE_FORMAT = 1
 
 
-def state_dict(state: THCState) -> dict:
+def state_dict(state) -> dict:
     """:meth:`THCState.state_dict`. The decision is saved with its reductions in flight
     read in (:meth:`hhook.decision.Prober.checkpoint`): saving changes nothing."""
     runtime = state.runtime
@@ -52,7 +48,7 @@ def state_dict(state: THCState) -> dict:
     return saved
 
 
-def load(state: THCState, saved: dict, announce: bool) -> None:
+def load(state, saved: dict, announce: bool) -> None:
     """:meth:`THCState.load_state_dict` (``announce``: log the options that change). A
     component missing from ``saved`` (saved before it existed) keeps its value."""
     if not isinstance(saved, dict) or "bits" not in saved:
@@ -80,7 +76,7 @@ def load(state: THCState, saved: dict, announce: bool) -> None:
         adopt_layout(state, topo)
 
 
-def _load_components(state: THCState, saved: dict) -> None:
+def _load_components(state, saved: dict) -> None:
     if "policies" in saved:
         state.keys = KeyStore.from_saved(saved["policies"])
     for name in ("iter", "calls"):
@@ -106,7 +102,7 @@ def _load_components(state: THCState, saved: dict) -> None:
                           for bits, width in saved["variants"].items()}
 
 
-def load_pickled(state: THCState, saved: dict) -> None:
+def load_pickled(state, saved: dict) -> None:
     """``pickle.load`` of a state: :func:`load` of what ``__getstate__`` returned, or of
     the dict an hhook before ``state_dict()`` pickled (its live objects included)."""
     if "format" not in saved:
@@ -130,7 +126,7 @@ def loaded(cls, saved: dict):
     return state
 
 
-def merge_call_counters(state: THCState) -> None:
+def merge_call_counters(state) -> None:
     """After loading: a checkpoint of an hhook before the shared counter holds one counter
     per width. The parent's (and its ``inter`` state's) then continues above all of them,
     so no stream already drawn is drawn again; the widths' own counters are unused."""

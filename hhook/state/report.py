@@ -6,20 +6,16 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from typing import TYPE_CHECKING
 
 from ..stats import two_level_stats
 from .advice import idle_state
-
-if TYPE_CHECKING:
-    from .thc_state import THCState
 
 logger = logging.getLogger(__name__)
 
 #: The states a program built, weakly held: at exit each one that no tensor went through
 #: says so (:func:`warn_if_idle`), e.g. a state handed to a framework that never
 #: registered its hook. States hhook builds for itself leave the set.
-LIVE: "weakref.WeakSet[THCState]" = weakref.WeakSet()
+LIVE: "weakref.WeakSet" = weakref.WeakSet()
 
 
 @atexit.register
@@ -31,7 +27,7 @@ def _report_idle_states() -> None:
             pass
 
 
-def stats(state: THCState) -> dict:
+def stats(state) -> dict:
     """:meth:`THCState.stats`: bytes since creation (or ``reset_stats()``) on this rank.
 
     ``dense_bytes``: what the same calls would have sent as float32.
@@ -59,7 +55,7 @@ def stats(state: THCState) -> dict:
     return s
 
 
-def warn_if_idle(state: THCState, where: str) -> bool:
+def warn_if_idle(state, where: str) -> bool:
     """Log a warning when no tensor went through ``state`` by the end of ``where`` (a
     training run, the program): its hook was never called, so that run trained
     uncompressed, or not data-parallel. Returns True when it warned; either way the

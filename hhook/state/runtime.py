@@ -9,7 +9,6 @@ inter-node state of a two-level layout has its own, over the nodes' ring.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,9 +20,6 @@ from ..schedule.groups import SecondGroup, agrees, explain
 from ..schedule.sequencer import Sequencer
 from ..schedule.topology import Topology, TopologyError, detect_topology
 from .keys import drop_residuals, start_afresh
-
-if TYPE_CHECKING:
-    from .thc_state import THCState
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +87,7 @@ class GroupRuntime:
         return first
 
 
-def check_deferred(state: THCState, wait: bool = False) -> None:
+def check_deferred(state, wait: bool = False) -> None:
     """:meth:`THCState.check_deferred`: count and raise what earlier decodes flagged on
     the device, for every copy that has arrived (all of them with ``wait``), in the
     state, its inter-node state and its widths: a bad prefix (different options, a wrong
@@ -109,7 +105,7 @@ def check_deferred(state: THCState, wait: bool = False) -> None:
         )
 
 
-def node_layout(state: THCState) -> Topology:
+def node_layout(state) -> Topology:
     """:meth:`THCState.node_layout`: the node layout of ``process_group`` under the
     ``topology`` option, found once.
 
@@ -131,7 +127,7 @@ def node_layout(state: THCState) -> Topology:
     return runtime.topo
 
 
-def adopt_layout(state: THCState, topo: Topology) -> None:
+def adopt_layout(state, topo: Topology) -> None:
     """Use ``topo``: compare it with a checkpoint's layout and rank, build or reattach
     ``state.inter``.
 
@@ -166,7 +162,7 @@ def adopt_layout(state: THCState, topo: Topology) -> None:
     runtime.topo = topo
 
 
-def check_options(state: THCState, group, device: torch.device) -> None:
+def check_options(state, group, device: torch.device) -> None:
     """:meth:`THCState.check_options`: a blocking MAX allreduce over ``group`` of the
     state's options fingerprint (codec and schedule): differing options raise
     :class:`ConfigMismatchError` on every rank before the first message. Also builds the
@@ -186,7 +182,7 @@ def check_options(state: THCState, group, device: torch.device) -> None:
         )
 
 
-def handshake(state: THCState, device: torch.device) -> None:
+def handshake(state, device: torch.device) -> None:
     """:meth:`THCState.handshake`: once per state and device type, blocking, in the same
     place on every rank: :func:`check_options` on the state's group, then the second
     communicator of ``device``'s type that agreed rounds use (predicted keys take one at
@@ -199,7 +195,7 @@ def handshake(state: THCState, device: torch.device) -> None:
     runtime.verified.add(device.type)
 
 
-def ensure_checked(state: THCState, device: torch.device) -> None:
+def ensure_checked(state, device: torch.device) -> None:
     """:meth:`THCState.ensure_checked`: once per device type, blocking, on every rank,
     before the first collective of the DDP hook or :func:`hhook.thc_allreduce`: the node
     layout, then the options handshake over the whole group. Two-level states check the
