@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ..codec.layout import SUPPORTED_DTYPES, constant
 from ..scales.message import RANK_FAILED
+from ..schedule.context import check_options
 from ..state import THCState
 
 try:  # torch >= 2.6
@@ -72,7 +73,7 @@ class THCReduceScatter(ReduceScatter):
     def _handshake(self, group, device: torch.device) -> None:
         key = (id(group), device.type)
         if key not in self._verified:
-            self.state.check_options(group, device)  # raises ConfigMismatchError on every rank
+            check_options(self.state.context(), group, device)  # raises ConfigMismatchError on every rank
             self._verified.add(key)
 
     def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
@@ -87,7 +88,7 @@ class THCReduceScatter(ReduceScatter):
         device = input_tensor.device
         self._handshake(group, device)
         policy = state.policy("agreed", world)  # bits="auto": sized for this group, not the state's
-        config = state.config_id()
+        config = state.options.config_id(state.decision)
         chunks = input_tensor.view(world, n)
         # 1. Scale vectors of every chunk; only this rank's chunk keeps its rotated blocks.
         plans = []

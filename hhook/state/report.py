@@ -1,5 +1,6 @@
-r"""What a :class:`~hhook.state.THCState` reports: its statistics, and at the end of a
-run or of the program whether any tensor went through it at all."""
+r"""What a :class:`~hhook.state.THCState` reports: its statistics, what earlier decodes
+flagged on the device, and at the end of a run or of the program whether any tensor went
+through it at all."""
 
 from __future__ import annotations
 
@@ -25,6 +26,19 @@ def _report_idle_states() -> None:
             state.warn_if_idle("the program")
         except Exception:  # noqa: BLE001 - at exit, a deferred error has had its chance to raise
             pass
+
+
+def check_deferred(state, wait: bool = False) -> None:
+    """:meth:`THCState.check_deferred`: count and raise what earlier decodes flagged on
+    the device, in the state, its inter-node state and its widths
+    (:meth:`hhook.schedule.context.CallContext.check_deferred`)."""
+    state.context().check_deferred(wait)
+
+
+def covered_by_parent(state) -> None:
+    """A state another one holds (a width, the inter-node state) is not reported idle at
+    exit on its own: its parent's report covers it."""
+    LIVE.discard(state)
 
 
 def stats(state) -> dict:
@@ -65,5 +79,5 @@ def warn_if_idle(state, where: str) -> bool:
     if s["compressed_calls"] + s["dense_calls"] + s["local_calls"]:
         return False
     logger.warning("hhook: %s ended but no tensor went through this THCState (%s): nothing was compressed. %s",
-                   where, state.describe(), idle_state(state.registration is not None, where))
+                   where, state.options.describe(), idle_state(state.registration is not None, where))
     return True
