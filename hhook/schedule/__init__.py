@@ -8,7 +8,8 @@ second communicators, launch order, handshakes): the flat schedule
 (:mod:`~hhook.schedule.flat`: one SUM, or a MAX then a SUM on a second communicator in
 hook order) or, where the node layout
 (:mod:`~hhook.schedule.topology`) found several nodes, the two-level one
-(:mod:`~hhook.schedule.two_level`: dense inside a node, flat between nodes). Below them:
+(:mod:`~hhook.schedule.two_level`: dense inside a node, flat between nodes). FSDP2's
+gradient reduce-scatter runs :mod:`~hhook.schedule.reduce_scatter` with the same stages. Below them:
 futures and continuations that never wait (:mod:`~hhook.schedule.futures`), the second
 communicator and explained failures (:mod:`~hhook.schedule.groups`), launch order
 (:mod:`~hhook.schedule.sequencer`), node shared memory (:mod:`~hhook.schedule.node_memory`),
