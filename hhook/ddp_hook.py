@@ -12,6 +12,7 @@ from .codec import warm_up
 from .decision import live_decision, reduce_bucket_as_decided
 from .decision.hook import one_host, skip_measuring
 from .schedule.allreduce import thc_allreduce_async
+from .schedule.context import ensure_checked
 from .schedule.flat import dense_allreduce
 from .schedule.futures import completed, then
 from .state import THCState, checkpoint
@@ -63,7 +64,8 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     # Before anything else, so that ranks with different options (start_iter above all:
     # its plain iterations would pair one rank's SUM with another's MAX) fail on every
     # rank rather than mis-pair collectives.
-    state.ensure_checked(buffer.device)
+    ctx = state.context()  # what the schedule is given of this state, for this bucket
+    ensure_checked(ctx, buffer.device)
     # The key's state is checked against the bucket's parameter layout: when DDP rebuilds
     # its buckets an index may name other parameters, whose residual and scales must
     # start afresh.
@@ -75,11 +77,11 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
         fut = reduce_bucket_as_decided(state, bucket, layout,
                                        (lambda reduce: _before_rebuild(state, bucket, layout, reduce)) if first else None)
     elif state.iter < state.start_iter or buffer.is_sparse:
-        fut = dense_allreduce(state, buffer)
+        fut = dense_allreduce(ctx, buffer)
     else:
-        fut = _before_rebuild(state, bucket, layout, _fixed_width(state)) if first else None
+        fut = _before_rebuild(state, bucket, layout, _fixed_width(ctx)) if first else None
         if fut is None:
-            fut = thc_allreduce_async(buffer, state, key=bucket.index(), layout=layout)
+            fut = thc_allreduce_async(buffer, ctx, key=bucket.index(), layout=layout)
     if bucket.is_last():  # one iteration per backward pass
         state.iter += 1
         if registration is not None:
@@ -98,8 +100,8 @@ def _from_state_dict(saved: dict, process_group) -> THCState:
     return state
 
 
-def _fixed_width(state: THCState):
-    return lambda key, tensor, layout: thc_allreduce_async(tensor, state, key=key, layout=layout)
+def _fixed_width(ctx):
+    return lambda key, tensor, layout: thc_allreduce_async(tensor, ctx, key=key, layout=layout)
 
 
 def _value_or_raise(fut: torch.futures.Future) -> torch.Tensor:

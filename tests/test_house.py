@@ -1,6 +1,7 @@
 """The house's size limits, measured with ``ast`` over hhook/: no module over 450 lines,
 no class over 250, no function over 80 outside hhook/profile/ (whose command bodies
-are exempt, as examples are)."""
+are exempt, as examples are); ``THCState``, the user's options and checkpoint, under 150
+lines and without methods that only hand ``self`` to another module's function."""
 
 import ast
 import pathlib
@@ -38,6 +39,38 @@ def test_no_function_over_80_lines_outside_profile():
     long = [(rel, name, n) for rel, kind, name, n in _sizes()
             if kind == "function" and n > MAX_FUNCTION and not rel.startswith("profile/")]
     assert long == []
+
+
+def _thc_state():
+    tree = ast.parse((ROOT / "state" / "thc_state.py").read_text())
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "THCState")
+
+
+def test_thc_state_under_150_lines():
+    node = _thc_state()
+    assert node.end_lineno - node.lineno + 1 < 150
+
+
+def _forwards(function) -> bool:
+    """A method whose body (past its docstring) is one call that hands ``self`` on to
+    another object's function: ``return runtime.handshake(self, device)``."""
+    body = [s for s in function.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], (ast.Return, ast.Expr)):
+        return False
+    call = body[0].value
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            and any(isinstance(a, ast.Name) and a.id == "self" for a in call.args))
+
+
+def test_the_forwarder_check_finds_forwarders():
+    forwarder = "def f(self, d):\n    'doc'\n    return runtime.handshake(self, d)\n"
+    assert _forwards(ast.parse(forwarder).body[0])
+    assert not _forwards(ast.parse("def g(self):\n    return self.options.bits + 1\n").body[0])
+
+
+def test_thc_state_has_no_one_line_forwarders():
+    methods = [n for n in _thc_state().body if isinstance(n, ast.FunctionDef)]
+    assert methods and [m.name for m in methods if _forwards(m)] == []
 
 
 def test_every_hhook_import_names_a_module_of_this_checkout():

@@ -1,5 +1,6 @@
 """The package's layering, by folder: every module imports only its own layer and the
-ones below (imports under ``if TYPE_CHECKING:`` never run and do not count), no module
+ones below (imports under ``if TYPE_CHECKING:`` count too: a type names what a module
+knows), no module
 imports one that (through others) imports it back, the codec's kernels read its layout,
 never the codec object, and hhook-profile's dispatcher sits above its subcommands, which
 sit above what they share."""
@@ -11,8 +12,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "hhook"
 
 
 def _graph() -> dict:
-    """module -> the hhook modules it imports (relative or absolute, inside functions too),
-    leaving out its own ancestor packages (Python initialises them before it, whatever it imports)."""
+    """module -> the hhook modules it imports (relative or absolute, inside functions and
+    under ``if TYPE_CHECKING:`` too), leaving out its own ancestor packages (Python
+    initialises them before it, whatever it imports)."""
     graph = {}
     for path in ROOT.rglob("*.py"):
         parts = path.relative_to(ROOT.parent).with_suffix("").parts
@@ -20,11 +22,7 @@ def _graph() -> dict:
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         deps = set()
         tree = ast.parse(path.read_text())
-        typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block) for stmt in block.body
-                       for n in ast.walk(stmt)}
         for node in ast.walk(tree):
-            if id(node) in typing_only:  # `if TYPE_CHECKING:` imports never run
-                continue
             if isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
@@ -40,14 +38,6 @@ def _graph() -> dict:
         graph[name] = deps
     return {name: {d for d in deps if d in graph and not (name + ".").startswith(d + ".")}
             for name, deps in graph.items()}
-
-
-def _is_type_checking(node) -> bool:
-    if not isinstance(node, ast.If):
-        return False
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _cycles(graph: dict) -> list[list[str]]:
@@ -72,6 +62,15 @@ def _cycles(graph: dict) -> list[list[str]]:
 def test_the_cycle_finder_finds_cycles():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_type_checking_imports_count():
+    """A module that names another only in its annotations still depends on it: the
+    decision's prober names THCState and Decision that way; the schedule names no state."""
+    graph = _graph()
+    assert {"hhook.state", "hhook.decision.decision"} <= graph["hhook.decision.prober"], graph["hhook.decision.prober"]
+    for module in ("hhook.schedule.flat", "hhook.schedule.allreduce", "hhook.schedule.two_level"):
+        assert not {d for d in graph[module] if d.startswith("hhook.state")}, (module, graph[module])
 
 
 def test_no_import_cycles():

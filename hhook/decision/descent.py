@@ -6,12 +6,8 @@ samples."""
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
 
 from .methods import DENSE_WIRE_BITS, FP32, thc_bits
-
-if TYPE_CHECKING:
-    from .decision import Decision
 
 #: A width below auto - 1 takes a turn only if the width above it was at least this
 #: fraction faster than the one above that: fewer bytes must still be buying time.
@@ -22,14 +18,14 @@ def median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
-def fp32_estimate(d: Decision) -> float | None:
+def fp32_estimate(d) -> float | None:
     """fp32's period: its samples, or at the job's start its plain iterations'."""
     if d.samples.get(FP32):
         return median(d.samples[FP32])
     return median(d.plain) if not d.decisions else None  # plain iterations: the job's start only
 
 
-def bound(d: Decision, method: str) -> float | None:
+def bound(d, method: str) -> float | None:
     """A lower bound on ``method``'s period before it runs: fp32's own sample; bf16
     sends half the bytes of fp32, so it takes at least half its step."""
     fp32 = fp32_estimate(d)
@@ -38,7 +34,7 @@ def bound(d: Decision, method: str) -> float | None:
     return fp32 * DENSE_WIRE_BITS[method] / DENSE_WIRE_BITS[FP32]
 
 
-def narrowing_pays(d: Decision, method: str) -> bool:
+def narrowing_pays(d, method: str) -> bool:
     """Whether THC ``method`` should take its turn: always for dense candidates, the
     auto width and the one below it; a narrower width only while the width above it
     ran :data:`DESCEND_GAIN` faster than the one above that, or ran within that of it
@@ -64,7 +60,7 @@ def narrowing_pays(d: Decision, method: str) -> bool:
             and byte_gain(d, wider, est[wider], method) >= DESCEND_GAIN * est[wider])
 
 
-def byte_gain(d: Decision, wider: str, period: float, method: str) -> float:
+def byte_gain(d, wider: str, period: float, method: str) -> float:
     """The time ``method`` would save on THC ``wider`` (its median ``period``) by its
     fewer bytes alone, at the time per wire bit that fp32 against ``wider`` measured
     (0 where fp32 was not slower, or unknown). fp32 against THC spans five times the bytes of one width
@@ -77,7 +73,7 @@ def byte_gain(d: Decision, wider: str, period: float, method: str) -> float:
     return max(per_bit, 0.0) * (wire[wider] - wire[method])
 
 
-def awaits_wider_turn(d: Decision, method: str) -> bool:
+def awaits_wider_turn(d, method: str) -> bool:
     """Whether a narrower THC ``method``'s turn must wait for periods of the turn of
     the width above it (:func:`narrowing_pays` judges that width on its whole turn,
     not on the first periods back: with two of five, one slow step stopped the
@@ -90,7 +86,7 @@ def awaits_wider_turn(d: Decision, method: str) -> bool:
         entry[0] == wider and int(it) <= d.last_probe for it, entry in d.history.items())
 
 
-def best(d: Decision, exclude: str | None = None) -> float | None:
+def best(d, exclude: str | None = None) -> float | None:
     """The shortest period measured this exploration but ``exclude``'s (fp32's plain
     iterations count for fp32 until it runs)."""
     values = [v for m, v in d.estimates().items() if m != exclude]

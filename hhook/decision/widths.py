@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..state.runtime import GroupRuntime
+from ..schedule.context import GroupRuntime
+from ..state import report
 
 if TYPE_CHECKING:
     from ..state import THCState
@@ -34,7 +35,7 @@ def variant(state: THCState, bits: int) -> THCState:
         width = state.variants[bits] = type(state)(None, bits, state.block_size, state.seed, state.error_feedback,
                                                    state.start_iter, state.scales, state.chunk_mb, state.topology,
                                                    rounding=state.rounding)
-        width.reported_through_parent()
+        report.covered_by_parent(width)
     if width.runtime is not state.runtime:
         topo = state.node_layout()
         width.process_group, width.runtime, width.calls_from = state.process_group, state.runtime, state
@@ -43,7 +44,7 @@ def variant(state: THCState, bits: int) -> THCState:
             if width.inter is None:
                 width.inter = type(state)(topo.inter_group, bits, state.block_size, state.seed, state.error_feedback,
                                           state.start_iter, state.scales, state.chunk_mb, rounding=state.rounding)
-                width.inter.reported_through_parent()
+                report.covered_by_parent(width.inter)
             inter = width.inter
             inter.process_group, inter.counters, inter.calls_from = topo.inter_group, state.inter.counters, state.inter
             inter.runtime = GroupRuntime()

@@ -8,7 +8,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ..state import THCState
+from ..state import THCState, report
 from .modules import fsdp_modules, mesh_sizes, param_group
 from .register import _register, _state_of
 
@@ -114,7 +114,7 @@ def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | No
     if replica_state is None:
         replica_state = THCState(process_group=replica_group, bits=state.bits, block_size=state.block_size,
                                  seed=state.seed, start_iter=0)
-        replica_state.reported_through_parent()  # idle in a single replica; reported through the returned pair
+        report.covered_by_parent(replica_state)  # idle in a single replica; reported through the returned pair
     for name, m, factor in modules:
         def hook(output: torch.Tensor, key=f"hsdp:{name}", factor=factor) -> None:
             if replicas > 1:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..codec.layout import SUPPORTED_DTYPES, constant
-from ..scales.message import RANK_FAILED
+from ..codec.layout import SUPPORTED_DTYPES
+from ..schedule.context import check_options
+from ..schedule.reduce_scatter import reduce_scatter
 from ..state import THCState
 
 try:  # torch >= 2.6
@@ -37,22 +38,9 @@ class THCReduceScatter(ReduceScatter):
         returns_sum: return the sum over the shard group instead of the mean (a user
             factor, or native HSDP, where FSDP divides after its replica all-reduce).
 
-    One call, on every rank of the shard group:
-
-    1. ``policy.begin`` on each destination chunk (rotation blocks inside the chunk) gives
-       its scale vector; only this rank's chunk keeps its rotated blocks.
-    2. One MAX all-reduce of all chunks' scale vectors (agreed scales).
-    3. ``policy.finish`` of each chunk (rotated again: at most two chunks' rotated float32
-       blocks are alive at once) into one buffer of ``world_size`` messages. A rank whose
-       buffer holds inf/NaN anywhere, or that failed to encode any chunk, says so in the
-       status word of *every* chunk's message.
-    4. ``reduce_scatter_tensor`` (SUM) of the messages: this rank receives the summed
-       message of its chunk.
-    5. ``policy.decode``: raises :class:`~hhook.errors.ConfigMismatchError`,
-       :class:`~hhook.errors.RankFailedError` (the failed rank: its own exception) or
-       :class:`~hhook.errors.OpMismatchError` on every rank; writes NaN over the whole
-       shard on every rank if any rank's buffer was non-finite; the input itself if every
-       rank's chunk had the same bits.
+    One call, on every rank of the shard group, blocking: the options handshake once
+    per group and device, then :func:`hhook.schedule.reduce_scatter.reduce_scatter`
+    (dense, exact, where the dtype is not the codec's or ``bits="auto"`` says so).
     """
 
     def __init__(self, state: THCState, name: str, factor: float | None, returns_sum: bool | None = None,
@@ -72,71 +60,21 @@ class THCReduceScatter(ReduceScatter):
     def _handshake(self, group, device: torch.device) -> None:
         key = (id(group), device.type)
         if key not in self._verified:
-            self.state.check_options(group, device)  # raises ConfigMismatchError on every rank
+            check_options(self.state.context(), group, device)  # raises ConfigMismatchError on every rank
             self._verified.add(key)
 
     def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
-        world = group.size()
-        rank = group.rank()
-        n = output_tensor.numel()
         state = self.state
         if self.switch is not None:
             self.switch.reduced = True  # the next training forward starts a step
         if input_tensor.dtype not in SUPPORTED_DTYPES or (self.switch is not None and self.switch.reduce_scatter_dense):
             return self._dense(output_tensor, input_tensor, group)  # exact, counted
-        device = input_tensor.device
-        self._handshake(group, device)
-        policy = state.policy("agreed", world)  # bits="auto": sized for this group, not the state's
-        config = state.config_id()
-        chunks = input_tensor.view(world, n)
-        # 1. Scale vectors of every chunk; only this rank's chunk keeps its rotated blocks.
-        plans = []
-        for j in range(world):
-            plan = policy.begin(chunks[j], (self.name, j), rank, world, state.next_call(), config)
-            if j != rank:
-                plan.prepared = None  # recomputed in step 3: no full-size float copy
-            plans.append(plan)
-        S = plans[0].max_vector.numel()
-        scales = torch.cat([p.max_vector for p in plans])
-        # 2. Agreed scales.
-        dist.all_reduce(scales, dist.ReduceOp.MAX, group=group)
-        # 3. One message per chunk.
-        codec = plans[0].codec
-        L = policy.message_numel(codec, n, predicted=False)
-        words = torch.empty(world, L, dtype=codec.layout.word_dtype, device=device)
-        for j, plan in enumerate(plans):
-            if plan.prepared is None and plan.error is None:
-                try:
-                    plan.prepared = codec.prepare(chunks[j].detach())
-                except Exception as exc:  # noqa: BLE001 - sent as filler, raised on every rank
-                    plan.error = exc
-            words[j] = policy.finish(plan, scales[j * S:(j + 1) * S])
-            if j != rank:
-                plan.prepared = None
-        failure = next((p.error for p in plans if p.error is not None), None)
-        ok = constant([p.error is None for p in plans], torch.bool, device)
-        # The status word of every chunk's message tells about this rank's whole buffer:
-        # one rank's inf/NaN anywhere turns every shard NaN on every rank (GradScaler and
-        # clip_grad_norm_ see it whichever shard they read), and one failed chunk makes
-        # every rank raise rather than only the chunk's owner.
-        headers = [p.header[0] for p in plans if p.header is not None]
-        flag = torch.stack(headers).gt(0).any().to(words.dtype) if headers else words.new_zeros(())
-        status = flag + (RANK_FAILED if failure is not None else 0)
-        words[:, 1] = torch.where(ok, status, words[:, 1])
-        # 4. Each rank receives the lane sums of its own chunk's message.
-        summed = torch.empty(L, dtype=words.dtype, device=device)
-        dist.reduce_scatter_tensor(summed, words.view(-1), op=dist.ReduceOp.SUM, group=group)
-        state.counters.add("compressed_calls", 4 * input_tensor.numel(), scales.nbytes + words.nbytes)
-        if failure is not None:
-            raise failure  # this rank's own exception; the others raise RankFailedError
-        # 5. Decode this rank's chunk: the mean over the shard group.
-        _, nonfinite = policy.decode(summed, plans[rank], output_tensor)
-        if nonfinite:
-            state.counters.add("nonfinite_calls", 0, 0)
-        elif self.returns_sum:
-            output_tensor.mul_(world)
+        self._handshake(group, input_tensor.device)
+        # bits="auto": the policy is sized for this group, not the state's
+        ctx = state.context("agreed", group.size())
+        if not reduce_scatter(ctx, output_tensor, input_tensor, group, self.name) and self.returns_sum:
+            output_tensor.mul_(group.size())
         return None
-
 
     def _dense(self, output_tensor, input_tensor, group) -> None:
         """Plain FSDP2's reduce-scatter of the same buffer (FSDP's division is off: the mean here)."""

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from typing import TYPE_CHECKING
-
+from .context import context_of, ensure_checked
 from .flat import check_tensor, flat_allreduce_async
 from .two_level import two_level_allreduce_async
 
-if TYPE_CHECKING:
-    from ..state import THCState
 
-
-def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=None) -> torch.futures.Future:
+def thc_allreduce_async(tensor: torch.Tensor, state, key=None, layout=None) -> torch.futures.Future:
     r"""Start averaging ``tensor`` in place over ``state.process_group`` through the codec.
+    ``state``: a :class:`~hhook.state.THCState` (or the
+    :class:`~hhook.schedule.context.CallContext` one gives).
 
     Returns at once a future holding ``tensor`` once it holds the mean. ``key`` names the
     tensor for error feedback and predicted scales (a DDP bucket index, a parameter name)
@@ -32,15 +30,16 @@ def thc_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=
     averaged two-level (:mod:`hhook.schedule.two_level`), with the same guarantees.
     """
     check_tensor(tensor)
-    state.ensure_checked(tensor.device)
-    topo = state.node_layout()
+    ctx = context_of(state)
+    ensure_checked(ctx, tensor.device)
+    topo = ctx.node_layout()
     if not topo.two_level:
-        return flat_allreduce_async(tensor, state, key, layout)
-    state.check_deferred()
-    return two_level_allreduce_async(tensor, topo, state.inter, key, state.intra_counters, layout)
+        return flat_allreduce_async(tensor, ctx, key, layout)
+    ctx.check_deferred()
+    return two_level_allreduce_async(tensor, topo, ctx.inter(), key, ctx.intra_counters, layout)
 
 
-def thc_allreduce(tensor: torch.Tensor, state: THCState, key=None) -> torch.Tensor:
+def thc_allreduce(tensor: torch.Tensor, state, key=None) -> torch.Tensor:
     r"""Average ``tensor`` in place across ``state.process_group`` (None = WORLD).
 
     The blocking form of :func:`thc_allreduce_async`.
@@ -49,6 +48,7 @@ def thc_allreduce(tensor: torch.Tensor, state: THCState, key=None) -> torch.Tens
         >>> state = hhook.THCState(bits=4)
         >>> hhook.thc_allreduce(grad, state, key="layer1.weight")
     """
-    out = thc_allreduce_async(tensor, state, key).wait()
-    state.check_deferred(wait=True)
+    ctx = context_of(state)
+    out = thc_allreduce_async(tensor, ctx, key).wait()
+    ctx.check_deferred(wait=True)
     return out

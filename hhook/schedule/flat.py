@@ -34,19 +34,15 @@ rank's result NaN (no exception), so ``GradScaler`` skips the step everywhere.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from ..codec.layout import SUPPORTED_DTYPES
+from .context import CallContext, context_of, handshake
 from .futures import completed, new_future, settle, then, value_of
 from .groups import explain
 from .sequencer import stream_of
 from .teardown import attach
-
-if TYPE_CHECKING:
-    from ..state import THCState
 
 
 def _all(futures: list, value: torch.Tensor, starts: list[int]) -> torch.futures.Future:
@@ -97,62 +93,69 @@ def check_tensor(tensor: torch.Tensor) -> None:
         )
 
 
-def dense_allreduce(state: THCState, tensor: torch.Tensor) -> torch.futures.Future:
+def dense_allreduce(caller, tensor: torch.Tensor) -> torch.futures.Future:
     """What DDP does without a hook: divide by the world size, then SUM-allreduce.
 
     Exact; used before ``start_iter`` and for tensors the codec does not take
-    (float64, sparse gradients).
+    (float64, sparse gradients). ``caller``: a :class:`~hhook.schedule.context.CallContext`
+    or what gives one (a :class:`~hhook.state.THCState`); its counters count the call.
     """
-    if state.world_size == 1:
-        state.counters.add("local_calls", 0, 0)
+    ctx = context_of(caller)
+    world_size = ctx.world_size
+    if world_size == 1:
+        ctx.counters.add("local_calls", 0, 0)
         return completed(tensor)
     size = payload_bytes(tensor)
-    state.counters.add("dense_calls", size if tensor.is_sparse or tensor.dtype == torch.float64 else 4 * tensor.numel(), size)
-    return plain_allreduce(tensor, state.process_group, state.world_size)
+    ctx.counters.add("dense_calls", size if tensor.is_sparse or tensor.dtype == torch.float64 else 4 * tensor.numel(), size)
+    return plain_allreduce(tensor, ctx.group, world_size)
 
 
-def cast_allreduce(state: THCState, tensor: torch.Tensor, dtype: torch.dtype) -> torch.futures.Future:
+def cast_allreduce(caller, tensor: torch.Tensor, dtype: torch.dtype) -> torch.futures.Future:
     """A dense allreduce in ``dtype`` (``bits="auto"``'s bf16 candidate, as PyTorch's
     bf16 hook): cast, divide, SUM-allreduce, copy back. Round-to-nearest, not exact;
     inf/NaN on any rank stays non-finite on every rank. Counted as a dense call."""
-    if state.world_size == 1:
-        return dense_allreduce(state, tensor)
+    ctx = context_of(caller)
+    world_size = ctx.world_size
+    if world_size == 1:
+        return dense_allreduce(ctx, tensor)
     # Cast first, then divide the half-size copy in place (as torch's hook): no float32
     # temporary of the bucket (why: docs/decision.md, "What a Python hook costs").
-    low = tensor.to(dtype).div_(state.world_size)
-    state.counters.add("dense_calls", 4 * tensor.numel(), low.nbytes)
-    fut = dist.all_reduce(low, group=state.process_group, async_op=True).get_future()
+    low = tensor.to(dtype).div_(world_size)
+    ctx.counters.add("dense_calls", 4 * tensor.numel(), low.nbytes)
+    fut = dist.all_reduce(low, group=ctx.group, async_op=True).get_future()
     return then(fut, lambda value: tensor.copy_(value[0]), tensor, f"the {dtype} allreduce of {tensor.numel()} elements",
-                state.process_group)
+                ctx.group)
 
 
-def flat_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout=None,
+def flat_allreduce_async(tensor: torch.Tensor, caller, key=None, layout=None,
                          failed: BaseException | None = None) -> torch.futures.Future:
     r""":func:`hhook.thc_allreduce_async` over one process group, every rank a peer (its
-    contract, documented there). Pieces of a tensor above ``state.chunk_mb`` travel under
-    the keys ``(key, 0)``, ``(key, 1)``, ... ``failed``: this rank failed before the
+    contract, documented there). ``caller``: a :class:`~hhook.schedule.context.CallContext`
+    or what gives one. Pieces of a tensor above the caller's ``chunk_mb`` travel under the
+    keys ``(key, 0)``, ``(key, 1)``, ... ``failed``: this rank failed before the
     tensor could be encoded; it takes part with filler, every other rank's future raises
     :class:`~hhook.errors.RankFailedError` and this rank's raises ``failed``.
     """
     check_tensor(tensor)
-    state.check_deferred()
+    ctx = context_of(caller)
+    ctx.check_deferred()
     if tensor.numel() == 0:
         return completed(tensor)
-    if state.world_size == 1 or tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES:
-        return dense_allreduce(state, tensor)
-    if tensor.device.type not in state.runtime.verified:
-        state.handshake(tensor.device)
+    if ctx.world_size == 1 or tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES:
+        return dense_allreduce(ctx, tensor)
+    if tensor.device.type not in ctx.runtime.verified:
+        handshake(ctx, tensor.device)
     if layout is None:
         layout = (tuple(tensor.shape), str(tensor.dtype))
-    policy = state.policy(state.scales)
+    policy = ctx.policy()
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
-    pieces = state.options.chunks(target.numel(), target.device)
+    pieces = ctx.chunks(target.numel(), target.device)
     if len(pieces) == 1:
-        fut = _reduce(state, policy, target, key, layout, failed)
+        fut = _reduce(ctx, policy, target, key, layout, failed)
     else:
         flat = target.view(-1)
         futures = [
-            _reduce(state, policy, flat[start:stop], None if key is None else (key, i), layout, failed)
+            _reduce(ctx, policy, flat[start:stop], None if key is None else (key, i), layout, failed)
             for i, (start, stop) in enumerate(pieces)
         ]
         fut = _all(futures, target, [start for start, _ in pieces])
@@ -161,45 +164,45 @@ def flat_allreduce_async(tensor: torch.Tensor, state: THCState, key=None, layout
     return then(fut, tensor.copy_, tensor)
 
 
-def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=None) -> torch.futures.Future:
+def _reduce(ctx: CallContext, policy, target: torch.Tensor, key, layout, failed=None) -> torch.futures.Future:
     """One tensor (or piece) through the policy: one SUM round when its scales are
     predicted, else a MAX round whose continuation launches the SUM on the second
     communicator, in hook order. Nothing waits; the returned future completes in the
     SUM's continuation."""
-    plan = policy.begin(target, key, state.rank, state.world_size, state.next_call(), state.config_id(), layout,
-                        failed)
-    defer = state.runtime.defer if target.is_cuda or state.runtime.defer_on_cpu else None
+    runtime, group = ctx.runtime, ctx.group
+    plan = policy.begin(target, key, ctx.rank, ctx.world_size, ctx.next_call(), ctx.config_id(), layout, failed)
+    defer = runtime.defer if target.is_cuda or runtime.defer_on_cpu else None
     what = f"the THC allreduce of {target.numel()} elements (key {key!r})"
 
     def decode(sums: torch.Tensor) -> torch.Tensor:
         _, nonfinite = policy.decode(sums, plan, target, defer)
         if nonfinite is True:
-            state.counters.add("nonfinite_calls", 0, 0)
+            ctx.counters.add("nonfinite_calls", 0, 0)
         return target
 
     if plan.max_vector is None:  # predicted scales: one round
         words = policy.finish(plan)
-        state.counters.add("compressed_calls", 4 * target.numel(), words.nbytes)
-        fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=state.process_group, async_op=True).get_future()
-        return then(fut, lambda value: decode(value[0]), target, f"the SUM of the codes of {what}", state.process_group)
+        ctx.counters.add("compressed_calls", 4 * target.numel(), words.nbytes)
+        fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=group, async_op=True).get_future()
+        return then(fut, lambda value: decode(value[0]), target, f"the SUM of the codes of {what}", group)
 
-    ticket = state.runtime.sequencer.ticket()
-    second = state.runtime.second_group(target.device)
+    ticket = runtime.sequencer.ticket()
+    second = runtime.second_group(target.device)
     length = policy.message_numel(plan.codec, target.numel(), predicted=False)
-    state.counters.add("compressed_calls", 4 * target.numel(), plan.max_vector.nbytes + length * plan.codec.layout.word_bits // 8)
+    ctx.counters.add("compressed_calls", 4 * target.numel(), plan.max_vector.nbytes + length * plan.codec.layout.word_bits // 8)
     result = new_future(target)
 
     def finish_and_sum(f: torch.futures.Future) -> None:
         try:
             agreed = f.value()[0]
         except BaseException as exc:  # the MAX itself failed: no rank can go on with this ticket
-            state.runtime.sequencer.launch(ticket, None)
-            result.set_exception(explain(exc, f"the MAX of the block scales of {what}", state.process_group))
+            runtime.sequencer.launch(ticket, None)
+            result.set_exception(explain(exc, f"the MAX of the block scales of {what}", group))
             return
         try:
             words = policy.finish(plan, agreed)  # by contract never raises: a local failure sends filler
         except BaseException as exc:  # noqa: BLE001 - a bug: the waiter must learn of it, not hang
-            state.runtime.sequencer.launch(ticket, None)
+            runtime.sequencer.launch(ticket, None)
             result.set_exception(exc)
             return
 
@@ -207,17 +210,17 @@ def _reduce(state: THCState, policy, target: torch.Tensor, key, layout, failed=N
             try:
                 attach(second.all_reduce(words).get_future(),
                        lambda g: settle(result, lambda: decode(value_of(g, f"the SUM of the codes of {what}", second)[0])),
-                       state.process_group)
+                       group)
             except BaseException as exc:
                 result.set_exception(exc)
 
-        state.runtime.sequencer.launch(ticket, launch, stream_of(words))
+        runtime.sequencer.launch(ticket, launch, stream_of(words))
 
     try:
-        fut = dist.all_reduce(plan.max_vector, dist.ReduceOp.MAX, group=state.process_group, async_op=True)
+        fut = dist.all_reduce(plan.max_vector, dist.ReduceOp.MAX, group=group, async_op=True)
     except BaseException:
-        state.runtime.sequencer.launch(ticket, None)  # later tickets must not wait for this one
+        runtime.sequencer.launch(ticket, None)  # later tickets must not wait for this one
         raise
-    attach(fut.get_future(), finish_and_sum, state.process_group)
+    attach(fut.get_future(), finish_and_sum, group)
     return result
 

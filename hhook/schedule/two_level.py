@@ -50,6 +50,7 @@ import torch.distributed as dist
 from ..codec.layout import SUPPORTED_DTYPES
 from ..errors import PeerTimeoutError, RankFailedError
 from ..stats import Counters
+from .context import context_of, handshake
 from .flat import check_tensor, flat_allreduce_async, payload_bytes, plain_allreduce
 from .futures import completed, new_future, value_of
 from .groups import all_gather_flat, explain, timeout_of
@@ -62,24 +63,24 @@ def shard_numel(numel: int, ranks_per_node: int) -> int:
     return -(-numel // ranks_per_node)
 
 
-def ensure_handshake(state, device: torch.device, sequencer) -> None:
-    """The state's blocking handshake, once, on the caller's thread (a continuation must
+def ensure_handshake(ctx, device: torch.device, sequencer) -> None:
+    """The blocking handshake of ``ctx`` (a :class:`~hhook.schedule.context.CallContext`), once, on the caller's thread (a continuation must
     not block), ordered after every collective that earlier calls launch on the
     inter-node group: it takes a ticket of that group's ``sequencer`` and waits (here,
     not in a continuation) until the earlier tickets have launched. Every rank then
     issues the handshake at the same place among that group's collectives."""
-    if device.type in state.runtime.verified:
+    if device.type in ctx.runtime.verified:
         return
     turn = threading.Event()
     sequencer.launch(sequencer.ticket(), turn.set)
     # Earlier tickets launch from continuations, which never wait for this thread; they
     # run once collectives complete or fail, so within the group's timeout.
-    timeout = timeout_of(state.process_group).total_seconds()
+    timeout = timeout_of(ctx.group).total_seconds()
     if not turn.wait(timeout + 5.0):
         raise PeerTimeoutError(
             f"hhook: the two-level handshake waited {timeout + 5:g} s for the earlier collectives between nodes "
             "(the group's timeout and 5 s): a peer stalled")
-    state.handshake(device)
+    handshake(ctx, device)
 
 
 def _dense_world(tensor: torch.Tensor, topo: Topology, inter_state, intra_stats) -> torch.futures.Future:
@@ -152,7 +153,8 @@ def two_level_allreduce_async(
     r"""Start averaging ``tensor`` in place over ``topo``'s parent group, two-level.
 
     Returns at once a future holding ``tensor`` once it holds the mean over every rank.
-    ``inter_state`` is a :class:`~hhook.THCState` whose ``process_group`` is
+    ``inter_state`` is a :class:`~hhook.THCState` (or the
+    :class:`~hhook.schedule.context.CallContext` one gives) whose group is
     ``topo.inter_group`` (its codec, scales, error feedback and counters apply to this
     rank's shard); ``key`` names the tensor across steps as for
     :func:`hhook.thc_allreduce_async` (the shard travels under the same key, and
@@ -162,9 +164,10 @@ def two_level_allreduce_async(
     thread.
     """
     check_tensor(tensor)
+    inter_state = context_of(inter_state)
     if not isinstance(topo, Topology) or not topo.two_level:
         raise ValueError("two_level_allreduce_async needs a two-level Topology (detect_topology found a flat layout)")
-    if inter_state.process_group is not topo.inter_group:
+    if inter_state.group is not topo.inter_group:
         raise ValueError("inter_state.process_group must be topo.inter_group (the THC ring of this local rank)")
     if tensor.numel() == 0:
         return completed(tensor)
@@ -379,6 +382,7 @@ class _TwoLevelCall:
 def two_level_allreduce(tensor: torch.Tensor, topo: Topology, inter_state, key=None,
                         intra_stats: Counters | None = None, layout=None) -> torch.Tensor:
     """The blocking form of :func:`two_level_allreduce_async`."""
+    inter_state = context_of(inter_state)
     out = two_level_allreduce_async(tensor, topo, inter_state, key, intra_stats, layout).wait()
     inter_state.check_deferred(wait=True)
     return out

@@ -1,4 +1,5 @@
-r"""THCState's checkpoint: one plain representation for ``state_dict()`` and pickling.
+r"""THCState's checkpoint: one plain representation for ``state_dict()`` and pickling,
+and the node layout a state runs on, compared with the one its checkpoint was saved with.
 
 Everything a resumed run needs, as tensors, numbers, strings, tuples, lists and dicts, so
 ``torch.load(..., weights_only=True)`` reads it: the options, the counters, every key's
@@ -11,18 +12,16 @@ hhooks load (tests/test_fixtures.py).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from ..codec import CODEC_VERSION
+from ..codec.error_model import auto_bits
+from ..schedule.topology import Topology, TopologyError, detect_topology
 from ..stats import Counters
-from .keys import KeyStore, start_afresh
+from . import report
+from .keys import KeyStore, drop_residuals, start_afresh
 from .options import NAMES, Options
-from .runtime import adopt_layout
-
-if TYPE_CHECKING:
-    from .thc_state import THCState
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +29,22 @@ logger = logging.getLogger(__name__)
 STATE_FORMAT = 1
 
 
-def state_dict(state: THCState) -> dict:
-    """:meth:`THCState.state_dict`. The decision is saved with its reductions in flight
-    read in (:meth:`hhook.decision.Prober.checkpoint`): saving changes nothing."""
+def state_dict(state) -> dict:
+    """:meth:`THCState.state_dict`: everything a resumed run needs, as plain data
+    (tensors, numbers, strings, tuples, lists, dicts), so ``torch.load(...,
+    weights_only=True)`` loads it: the options, counters, every key's residual and
+    predicted scales (per scale policy), the two-level ``inter`` state, the node layout
+    and ``bits="auto"``'s decision (with its reductions in flight read in: saving changes
+    nothing) and widths. ``torch.save(state)`` pickles this same dict. The process group
+    is not saved.
+
+    Example::
+        >>> ckpt = {"model": model.state_dict(), "hhook": state.state_dict()}
+        >>> state.load_state_dict(torch.load(path, weights_only=True)["hhook"])
+    """
     runtime = state.runtime
     saved = {"format": STATE_FORMAT, "codec_version": CODEC_VERSION,
-             "layout": runtime.topo.record() if runtime.topo is not None else runtime.saved_layout,
+             "layout": runtime.topo.record() if runtime.topo is not None else state.restored[0],
              "origin": None if not dist.is_initialized() else {"rank": state.rank, "world_size": state.world_size}}
     saved.update(state.options.as_dict())
     decision = state.decision
@@ -52,9 +61,20 @@ def state_dict(state: THCState) -> dict:
     return saved
 
 
-def load(state: THCState, saved: dict, announce: bool) -> None:
-    """:meth:`THCState.load_state_dict` (``announce``: log the options that change). A
-    component missing from ``saved`` (saved before it existed) keeps its value."""
+def load_state_dict(state, saved: dict) -> None:
+    """:meth:`THCState.load_state_dict`: continue from :func:`state_dict` (or an older
+    hhook's pickled state): options, counters and per-key state are replaced (one log
+    line names the options that change); the state's process group and the model
+    :func:`hhook.register` gave it stay. Per-key state that cannot describe this run
+    starts afresh with one log line: a checkpoint of another node layout or world size
+    (compared when the layout is found, or now if it is known) or of another codec
+    version; another rank's residuals."""
+    load(state, saved, announce=True)
+
+
+def load(state, saved: dict, announce: bool) -> None:
+    """:func:`load_state_dict` (``announce``: log the options that change). A component
+    missing from ``saved`` (saved before it existed) keeps its value."""
     if not isinstance(saved, dict) or "bits" not in saved:
         raise ValueError(f"hhook: not a THCState.state_dict(): {type(saved).__name__} "
                          f"with keys {sorted(saved) if isinstance(saved, dict) else '-'}")
@@ -68,7 +88,7 @@ def load(state: THCState, saved: dict, announce: bool) -> None:
         logger.warning("hhook: the checkpoint's THC options replace this state's: %s", ", ".join(changed))
     topo = state.runtime.topo
     state.reset_runtime()
-    state.runtime.saved_layout, state.runtime.saved_origin = saved.get("layout"), saved.get("origin")
+    state.restored = (saved.get("layout"), saved.get("origin"))
     state.options = options
     _load_components(state, saved)
     if state.variants:
@@ -80,7 +100,7 @@ def load(state: THCState, saved: dict, announce: bool) -> None:
         adopt_layout(state, topo)
 
 
-def _load_components(state: THCState, saved: dict) -> None:
+def _load_components(state, saved: dict) -> None:
     if "policies" in saved:
         state.keys = KeyStore.from_saved(saved["policies"])
     for name in ("iter", "calls"):
@@ -106,9 +126,11 @@ def _load_components(state: THCState, saved: dict) -> None:
                           for bits, width in saved["variants"].items()}
 
 
-def load_pickled(state: THCState, saved: dict) -> None:
-    """``pickle.load`` of a state: :func:`load` of what ``__getstate__`` returned, or of
-    the dict an hhook before ``state_dict()`` pickled (its live objects included)."""
+def load_pickled(state, saved: dict) -> None:
+    """``THCState.__setstate__``: every slot at its default, then :func:`load` of what
+    ``__getstate__`` returned, or of the dict an hhook before ``state_dict()`` pickled
+    (its live objects included)."""
+    type(state).__init__(state)
     if "format" not in saved:
         if saved.get("scales", "auto") == "auto":  # saved before there was a choice, or with "auto"
             saved["scales"] = "agreed"
@@ -125,12 +147,12 @@ def load_pickled(state: THCState, saved: dict) -> None:
 def loaded(cls, saved: dict):
     """A state built from a :func:`state_dict` (a component: not reported idle)."""
     state = cls()
-    state.reported_through_parent()
+    report.covered_by_parent(state)
     load(state, saved, announce=False)
     return state
 
 
-def merge_call_counters(state: THCState) -> None:
+def merge_call_counters(state) -> None:
     """After loading: a checkpoint of an hhook before the shared counter holds one counter
     per width. The parent's (and its ``inter`` state's) then continues above all of them,
     so no stream already drawn is drawn again; the widths' own counters are unused."""
@@ -141,3 +163,51 @@ def merge_call_counters(state: THCState) -> None:
         parent.calls = max([parent.calls] + [w.calls for w in widths])
         for w in widths:
             w.calls = 0
+
+
+def adopt_layout(state, topo: Topology) -> None:
+    """Use ``topo`` as ``state``'s node layout (:meth:`THCState.node_layout` finds it):
+    compare it with a checkpoint's layout and rank, build or reattach ``state.inter``.
+
+    A checkpoint of another layout (another world size: an elastic restart with fewer
+    or more ranks; other nodes) starts its per-key state afresh with one log line; one
+    saved by another rank of the same layout keeps its scales (the same on every rank)
+    but not its residuals (that rank's own rounding errors)."""
+    saved_layout, saved_origin = state.restored
+    try:
+        topo.check_record(saved_layout)
+    except TopologyError as exc:
+        start_afresh(state, str(exc).split(". Per-shard", 1)[0].replace("hhook: the checkpoint", "the checkpoint"))
+    else:
+        if saved_origin is not None and saved_origin.get("rank") != topo.rank and drop_residuals(state):
+            logger.warning("hhook: this rank (%d) loaded the THC state of rank %s: its error-feedback residuals "
+                           "start afresh (save every rank's state to keep them)", topo.rank, saved_origin.get("rank"))
+    state.restored = (None, None)
+    if topo.two_level:
+        if state.inter is None:
+            bits = (auto_bits(topo.n_nodes, topo.ranks_per_node, rounding=state.rounding) if state.bits == "auto"
+                    else state.bits)
+            state.inter = type(state)(
+                topo.inter_group, bits, state.block_size, state.seed, state.error_feedback, state.start_iter,
+                state.scales, state.chunk_mb, rounding=state.rounding,
+            )
+            report.covered_by_parent(state.inter)
+        else:  # restored from a checkpoint of the same layout
+            state.inter.process_group = topo.inter_group
+    elif state.inter is not None:
+        raise TopologyError("hhook: this THCState holds two-level state but the layout found is flat")
+    state.runtime.topo = topo
+
+
+def node_layout(state) -> Topology:
+    """:meth:`THCState.node_layout`: the node layout of ``process_group`` under the
+    ``topology`` option, found once. The first call (on every rank, at the same point of
+    the program: it may create process groups) runs
+    :func:`~hhook.schedule.topology.detect_topology` (one small all-gather, also for
+    ``"flat"``, so ranks that disagree fail together) and :func:`adopt_layout`. Raises
+    :class:`~hhook.schedule.topology.TopologyError` on every rank alike."""
+    if state.runtime.topo is None:
+        if not dist.is_initialized():
+            raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")
+        adopt_layout(state, detect_topology(state.process_group, ranks_per_node=state.topology))
+    return state.runtime.topo

@@ -1,25 +1,22 @@
-r"""What a :class:`~hhook.state.THCState` reports: its statistics, and at the end of a
-run or of the program whether any tensor went through it at all."""
+r"""What a :class:`~hhook.state.THCState` reports: its statistics, what earlier decodes
+flagged on the device, and at the end of a run or of the program whether any tensor went
+through it at all."""
 
 from __future__ import annotations
 
 import atexit
 import logging
 import weakref
-from typing import TYPE_CHECKING
 
 from ..stats import two_level_stats
 from .advice import idle_state
-
-if TYPE_CHECKING:
-    from .thc_state import THCState
 
 logger = logging.getLogger(__name__)
 
 #: The states a program built, weakly held: at exit each one that no tensor went through
 #: says so (:func:`warn_if_idle`), e.g. a state handed to a framework that never
 #: registered its hook. States hhook builds for itself leave the set.
-LIVE: "weakref.WeakSet[THCState]" = weakref.WeakSet()
+LIVE: "weakref.WeakSet" = weakref.WeakSet()
 
 
 @atexit.register
@@ -31,7 +28,20 @@ def _report_idle_states() -> None:
             pass
 
 
-def stats(state: THCState) -> dict:
+def check_deferred(state, wait: bool = False) -> None:
+    """:meth:`THCState.check_deferred`: count and raise what earlier decodes flagged on
+    the device, in the state, its inter-node state and its widths
+    (:meth:`hhook.schedule.context.CallContext.check_deferred`)."""
+    state.context().check_deferred(wait)
+
+
+def covered_by_parent(state) -> None:
+    """A state another one holds (a width, the inter-node state) is not reported idle at
+    exit on its own: its parent's report covers it."""
+    LIVE.discard(state)
+
+
+def stats(state) -> dict:
     """:meth:`THCState.stats`: bytes since creation (or ``reset_stats()``) on this rank.
 
     ``dense_bytes``: what the same calls would have sent as float32.
@@ -59,7 +69,7 @@ def stats(state: THCState) -> dict:
     return s
 
 
-def warn_if_idle(state: THCState, where: str) -> bool:
+def warn_if_idle(state, where: str) -> bool:
     """Log a warning when no tensor went through ``state`` by the end of ``where`` (a
     training run, the program): its hook was never called, so that run trained
     uncompressed, or not data-parallel. Returns True when it warned; either way the
@@ -69,5 +79,5 @@ def warn_if_idle(state: THCState, where: str) -> bool:
     if s["compressed_calls"] + s["dense_calls"] + s["local_calls"]:
         return False
     logger.warning("hhook: %s ended but no tensor went through this THCState (%s): nothing was compressed. %s",
-                   where, state.describe(), idle_state(state.registration is not None, where))
+                   where, state.options.describe(), idle_state(state.registration is not None, where))
     return True

@@ -1,23 +1,35 @@
 r"""THCState: what users construct, hand to the DDP hook or :func:`hhook.thc_allreduce`,
-and checkpoint. It holds its parts, each with one job: the options
-(:mod:`~hhook.state.options`), the per-key state (:mod:`~hhook.state.keys`), the group
-runtime (:mod:`~hhook.state.runtime`), the byte counters (:mod:`hhook.stats`) and the
-checkpoint format (:mod:`~hhook.state.checkpoint`)."""
+and checkpoint: the options (:mod:`~hhook.state.options`), the per-key state
+(:mod:`~hhook.state.keys`), the byte counters (:mod:`hhook.stats`), the checkpoint format
+and node layout (:mod:`~hhook.state.checkpoint`) and the reports
+(:mod:`~hhook.state.report`). A schedule never sees it: it gets the narrow
+:class:`~hhook.schedule.context.CallContext` that :meth:`THCState.context` builds, and the
+:class:`~hhook.schedule.context.GroupRuntime` the state keeps for it."""
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
+from ..schedule.context import CallContext, GroupRuntime
 from ..stats import Counters
-from . import checkpoint, report, runtime
+from . import checkpoint, report
 from .keys import KeyStore
 from .options import Options
-from .runtime import GroupRuntime
+
 
 def _check_group(process_group) -> None:
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {process_group!r}")
+
+
+def _deferred_sources(state) -> list:
+    """The (runtime, counters) pairs whose device flags ``state``'s checks read: its
+    inter-node state's, each width's (theirs first, recursively), then its own."""
+    sources = []
+    for held in (state.inter, *state.variants.values()):
+        if held is not None:
+            sources += _deferred_sources(held)
+    return sources + [(state.runtime, state.counters)]
 
 
 class THCState:
@@ -26,59 +38,34 @@ class THCState:
     Args:
         process_group: the group to reduce over; ``None`` means the default group.
         bits: bits per coordinate before headroom; ``2**bits`` quantization levels (1..8).
-            ``"auto"``: the fewest bits whose predicted error of the mean, at this
-            world size (or node count, two-level), is no worse than 4 bits at 4 ranks
-            rounding independently (:func:`hhook.codec.error_model.auto_bits`; correlated
-            rounding: 5 at 2 ranks, 4 at 3-8, 3 at 16, 2 at 64-128, 1 at 1024; 3 for
-            8 nodes of 8): large jobs average rounding noise away and get narrower lanes.
-            In the DDP hook ``"auto"`` (:func:`hhook.register`'s default) goes further:
-            it measures this job's step with THC at that width and narrower ones, a
-            bf16 and the fp32 allreduce, and keeps the fastest (:mod:`hhook.decision`).
-        block_size: rotation and scale block, a power of two (at most 65536). 1024 costs
-            0.03 bits per coordinate for the scales.
+            ``"auto"``: the fewest bits whose predicted error of the mean at this world
+            size (or node count, two-level) is no worse than 4 bits at 4 ranks rounding
+            independently (:func:`hhook.codec.error_model.auto_bits`). In the DDP hook
+            ``"auto"`` (:func:`hhook.register`'s default) also measures narrower widths,
+            bf16 and fp32 and keeps the fastest (:mod:`hhook.decision`).
+        block_size: rotation and scale block, a power of two (at most 65536).
         seed: shared seed of the rotation's random signs; must match on every rank.
-        error_feedback: carry each rank's rounding error into its next call (costs one
-            float32 copy of every compressed tensor). The rounding is unbiased, so this
-            is optional. Needs ``start_iter >= 2`` (refused otherwise, as PowerSGD does).
+        error_feedback: carry each rank's rounding error into its next call (one float32
+            copy of every compressed tensor); needs ``start_iter >= 2``.
         start_iter: the DDP hook runs a plain allreduce for the iterations before this
-            one. DDP rebuilds its buckets after the first iteration, so per-bucket
-            residuals are stable only from iteration 2.
-        scales: ``"predicted"``: one SUM allreduce per bucket once the bucket has
-            history, with scales bounding the previous step's maximum over ranks of
-            the block maxima, which travel in-band as thermometer counts
-            (:mod:`hhook.scales`); a bucket's first compressed call takes one agreed
-            round. Clips only blocks that grew since the previous step.
-            ``"agreed"`` (default): a MAX allreduce of this step's block maxima first,
-            then the SUM; two rounds, but scales that never clip (unbiased), about 1.5x
-            (2-4 bits) to 6x (8 bits) less error than predicted ones, and no host read
-            anywhere. Predicted scales saved about 10% of the step time on the emulated
-            1 Gbit/s cluster (README).
-        chunk_mb: split a tensor larger than this many MB of float32 into pieces of at
-            most this size, each compressed and reduced on its own, so one piece is on
-            the wire while the next is encoded and the previous decoded: part of the
-            codec's time hides behind the wire's. Each piece costs a collective and the
-            codec's fixed overhead, so pieces are large. ``"auto"`` (default): 12 MB for
-            CPU tensors, whole tensors on GPUs (whose codec takes about a millisecond
-            per bucket); ``0``: never split.
-        topology: ``"flat"`` (default): every rank of the group is a peer of one THC
-            allreduce. ``"auto"`` or an integer number of ranks per node: two-level THC
-            (:mod:`hhook.schedule.two_level`) when the group spans several nodes of equal size:
-            dense inside each node, THC between nodes with lanes sized for the number
-            of nodes, each rank encoding ``1 / ranks_per_node`` of the tensor. Nodes
-            come from the launcher's variables or the hostnames (:mod:`hhook.schedule.topology`);
-            one node, one rank per node or uneven nodes fall back to flat with one log
-            line. The layout is found once, blocking, on every rank (it creates process
-            groups): at :func:`hhook.register`, else at the first call; a request that
-            cannot hold raises :class:`~hhook.schedule.topology.TopologyError` on every rank.
+            one (DDP rebuilds its buckets after the first).
+        scales: ``"agreed"`` (default): a MAX allreduce of this step's block maxima, then
+            the SUM; never clips. ``"predicted"``: one SUM once a key has history, with
+            scales from the previous step's maxima (:mod:`hhook.scales`); clips blocks that grew.
+        chunk_mb: split a tensor above this many MB of float32 into pieces, each reduced
+            on its own, so one is on the wire while the next is encoded. ``"auto"``
+            (default): 12 MB for CPU tensors, whole tensors on GPUs; ``0``: never split.
+        topology: ``"flat"`` (default): every rank a peer. ``"auto"`` or a number of ranks
+            per node: two-level THC (:mod:`hhook.schedule.two_level`) where the group spans
+            several equal nodes, else flat with one log line; found once, blocking, on every
+            rank (:meth:`node_layout`).
         rounding: ``"correlated"`` (default): the ranks' rounding thresholds for each
-            coordinate are spread over the unit interval (:class:`hhook.codec.rng.Stream`),
-            each still uniform, so the rounding stays unbiased and the codes add exactly
-            as before, but the errors largely cancel in the sum: about half the error of
-            the mean at 3-8 bits, a quarter or less at 1-2 bits or where ranks' gradients
-            are alike (docs/codec.md). ``"independent"``: each rank rounds on its own
-            (hhook before version 3 of the codec). The index is the rank in the group
-            that sums (the nodes' ring, two-level). Part of the fingerprint: ranks that
-            disagree raise :class:`~hhook.errors.ConfigMismatchError`.
+            coordinate are spread over the unit interval (:class:`hhook.codec.rng.Stream`):
+            unbiased, and the errors largely cancel in the sum (docs/codec.md).
+            ``"independent"``: each rank rounds on its own.
+
+    Options are part of the handshake's fingerprint: ranks that disagree raise
+    :class:`~hhook.errors.ConfigMismatchError`.
 
     Example::
         >>> state = THCState(process_group=None, bits=4)
@@ -88,50 +75,27 @@ class THCState:
     # Pickles name this class hhook.state.THCState, as every hhook wrote them.
     __module__ = "hhook.state"
 
-    __slots__ = (
-        "process_group",
-        "options",  # Options: immutable, replaced by load_state_dict
-        "keys",  # KeyStore: residuals and predicted scales, one policy per mode and width
-        "runtime",  # GroupRuntime: built on first use, never saved
-        "counters",  # this state's calls and bytes (two-level: the calls over the whole group)
-        "intra_counters",  # two-level: what stayed inside the node
-        "iter",  # DDP iterations, counted on each backward pass's last bucket
-        "calls",  # the call counter that selects rounding streams
-        "inter",  # two-level: the THCState of this rank's shard between nodes
-        # bits="auto" in the DDP hook (hhook.decision): the decision (plain data until the
-        # hook restores it), its clock (never saved), and the THC state of each width it
-        # tried, which shares this state's counters and runtime and draws from ``calls``
-        "decision",
-        "prober",
-        "variants",
-        "calls_from",  # a width: the state whose call counter it draws from
-        "registration",  # what hhook.register learnt of the DDP model (hhook.ddp_hook)
-        "__weakref__",
-    )
+    # options: immutable, replaced by load_state_dict; keys: residuals and predicted scales (KeyStore);
+    # runtime: the schedule's GroupRuntime, never saved; restored: the (layout, origin) a loaded checkpoint
+    # was saved with, until the layout is found; counters (two-level: over the whole group) and
+    # intra_counters (inside the node); iter: DDP iterations; calls: the counter of rounding streams;
+    # inter: two-level, the state of this rank's shard between nodes; bits="auto" (hhook.decision): the
+    # decision (plain data until the hook restores it), its clock (prober, never saved), the widths'
+    # states (variants, sharing counters and runtime; calls_from: the state whose calls they draw);
+    # registration: what hhook.register learnt of the DDP model (hhook.ddp_hook).
+    __slots__ = ("process_group", "options", "keys", "runtime", "restored", "counters", "intra_counters", "iter",
+                 "calls", "inter", "decision", "prober", "variants", "calls_from", "registration", "__weakref__")
 
-    def __init__(
-        self,
-        process_group: dist.ProcessGroup | None = None,
-        bits: int = 4,
-        block_size: int = 1024,
-        seed: int = 0,
-        error_feedback: bool = False,
-        start_iter: int = 2,
-        scales: str = "agreed",
-        chunk_mb: float | str = "auto",
-        topology: str | int = "flat",
-        rounding: str = "correlated",
-    ):
+    def __init__(self, process_group: dist.ProcessGroup | None = None, bits: int = 4, block_size: int = 1024,
+                 seed: int = 0, error_feedback: bool = False, start_iter: int = 2, scales: str = "agreed",
+                 chunk_mb: float | str = "auto", topology: str | int = "flat", rounding: str = "correlated"):
         self.options = Options(bits, block_size, seed, error_feedback, start_iter, scales, chunk_mb, topology, rounding)
         _check_group(process_group)
         self.process_group = process_group
-        self.keys = KeyStore()
+        self.keys, self.variants = KeyStore(), {}
         self.counters, self.intra_counters = Counters(), Counters()
         self.iter = self.calls = 0
-        self.inter: THCState | None = None
-        self.decision = None
-        self.variants: dict[int, THCState] = {}
-        self.registration = None
+        self.inter = self.decision = self.registration = None
         self.reset_runtime()
         report.LIVE.add(self)
 
@@ -155,49 +119,29 @@ class THCState:
         """Forget the transport pieces (a new group, or a loaded checkpoint): they are
         built again on first use."""
         self.runtime = GroupRuntime()
+        self.restored = (None, None)
         self.prober = None  # hhook.decision.Prober: the clock and the reductions in flight
         self.calls_from = None
 
-    # -- checkpoints (hhook.state.checkpoint) ------------------------------------------
-    def state_dict(self) -> dict:
-        """Everything a resumed run needs, as plain data (tensors, numbers, strings, tuples,
-        lists, dicts), so ``torch.load(..., weights_only=True)`` loads it: the options,
-        counters, every key's residual and predicted scales (per scale policy), the
-        two-level ``inter`` state, the node layout and ``bits="auto"``'s decision and
-        widths. ``torch.save(state)`` pickles this same dict. The process group is not saved.
+    # -- checkpoints, node layout and statistics: one implementation each, in checkpoint and report
+    state_dict = checkpoint.state_dict
+    load_state_dict = checkpoint.load_state_dict
+    __getstate__ = checkpoint.state_dict  # as PowerSGDState: the process group is not pickled
+    __setstate__ = checkpoint.load_pickled
+    stats = report.stats
+    warn_if_idle = report.warn_if_idle
+    check_deferred = report.check_deferred
+    node_layout = checkpoint.node_layout
 
-        Example::
-            >>> ckpt = {"model": model.state_dict(), "hhook": state.state_dict()}
-            >>> state.load_state_dict(torch.load(path, weights_only=True)["hhook"])
-        """
-        return checkpoint.state_dict(self)
+    def reset_stats(self) -> None:
+        self.counters.reset()
+        self.intra_counters.reset()
+        if self.inter is not None:
+            self.inter.reset_stats()
 
-    def load_state_dict(self, saved: dict) -> None:
-        """Continue from :meth:`state_dict` (or an older hhook's pickled state): options,
-        counters and per-key state are replaced (one log line names the options that
-        change); this state's process group and the model :func:`hhook.register` gave it
-        stay. Per-key state that cannot describe this run starts afresh with one log line:
-        a checkpoint of another node layout or world size (compared when the layout is
-        found, or now if it is known) or of another codec version; another rank's
-        residuals."""
-        checkpoint.load(self, saved, announce=True)
-
-    def __getstate__(self):
-        # Like PowerSGDState: a process group cannot be pickled; the default one is used after loading.
-        return self.state_dict()
-
-    def __setstate__(self, saved):
-        THCState.__init__(self)  # every slot at its default; saved values replace them
-        checkpoint.load_pickled(self, saved)
-
-    # -- what the schedules ask of a state ---------------------------------------------
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.process_group)
-
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size(self.process_group)
+    # -- what the schedules are given -------------------------------------------------
+    rank = property(lambda self: dist.get_rank(self.process_group))
+    world_size = property(lambda self: dist.get_world_size(self.process_group))
 
     def codec_bits(self, world_size: int | None = None) -> int:
         """The bits the codec uses over ``world_size`` ranks (default: this group's; a
@@ -212,13 +156,6 @@ class THCState:
         reduce-scatter passes its own group's, which ``bits="auto"`` sizes for)."""
         return self.keys.policy(self.options, mode, self.codec_bits(world_size), self.codec_bits())
 
-    def config_id(self) -> int:
-        """The schedule's options hash in every message's fingerprint (:meth:`Options.config_id`)."""
-        return self.options.config_id(self.decision)
-
-    def describe(self) -> str:
-        return self.options.describe()
-
     def next_call(self) -> int:
         """A number no earlier call of this rank had (it selects the rounding stream); a
         ``bits="auto"`` width takes it from its parent's counter (:mod:`hhook.decision.widths`)."""
@@ -226,45 +163,19 @@ class THCState:
         owner.calls += 1
         return owner.calls - 1
 
-    def node_layout(self):
-        """The node layout, found once on every rank (:func:`hhook.state.runtime.node_layout`)."""
-        return runtime.node_layout(self)
+    def context(self, mode: str | None = None, world_size: int | None = None) -> CallContext:
+        """What a schedule may use of this state for one call (a :class:`CallContext`): its
+        group and runtime, counters, the policy of ``mode`` (default: ``scales``) sized for
+        ``world_size`` ranks (default: the group's), call counter, options hash and
+        fingerprint, deferred checks, node layout and its ``inter`` state's context."""
+        options = self.options
 
-    def check_options(self, group, device: torch.device) -> None:
-        """The blocking options check over ``group`` (:func:`hhook.state.runtime.check_options`)."""
-        runtime.check_options(self, group, device)
+        def fingerprint(world: int):
+            f, codec = options.fingerprint(world, self.decision)
+            return f, f"{options.describe()} (codec {codec.describe()})"
 
-    def handshake(self, device: torch.device) -> None:
-        """The options check and second communicator of ``device`` (:func:`hhook.state.runtime.handshake`)."""
-        runtime.handshake(self, device)
-
-    def ensure_checked(self, device: torch.device) -> None:
-        """Layout and options checked over the whole group, once per device type
-        (:func:`hhook.state.runtime.ensure_checked`)."""
-        runtime.ensure_checked(self, device)
-
-    def check_deferred(self, wait: bool = False) -> None:
-        """Raise what earlier decodes flagged on the device (:func:`hhook.state.runtime.check_deferred`)."""
-        runtime.check_deferred(self, wait)
-
-    # -- statistics (hhook.state.report) -------------------------------------------------
-    def stats(self) -> dict:
-        """Bytes since creation (or :meth:`reset_stats`) on this rank: the fields of
-        :func:`hhook.state.report.stats`."""
-        return report.stats(self)
-
-    def reset_stats(self) -> None:
-        self.counters.reset()
-        self.intra_counters.reset()
-        if self.inter is not None:
-            self.inter.reset_stats()
-
-    def reported_through_parent(self) -> None:
-        """A state another one holds (a width, the inter-node state) is not reported idle
-        at exit on its own: its parent's report covers it."""
-        report.LIVE.discard(self)
-
-    def warn_if_idle(self, where: str) -> bool:
-        """Warn when no tensor went through this state by the end of ``where``
-        (:func:`hhook.state.report.warn_if_idle`); True when it warned."""
-        return report.warn_if_idle(self, where)
+        return CallContext(
+            self.process_group, self.runtime, self.counters, self.intra_counters,
+            lambda: self.policy(options.scales if mode is None else mode, world_size), options.chunks,
+            self.next_call, lambda: options.config_id(self.decision), fingerprint, _deferred_sources(self),
+            self.node_layout, lambda: self.inter.context())
