@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from tests.distributed import run_world  # noqa: E402
+from tests.support.distributed import run_world  # noqa: E402
 
 
 def _module_of(filename: str, package: str) -> str | None:

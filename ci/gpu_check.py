@@ -774,7 +774,9 @@ def _nccl_world_of_one() -> dict:
     try:
         state = hhook.THCState(bits=4)
         device = torch.device("cuda", 0)
-        state.handshake(device)
+        from hhook.schedule.context import handshake
+
+        handshake(state.context(), device)
         policy = state.policy(state.scales)
         out = {"second_communicator": type(state.runtime.second_group(device).backend).__name__}
         hhook_dir = os.path.dirname(hhook.__file__)
@@ -787,7 +789,7 @@ def _nccl_world_of_one() -> dict:
                     with torch.cuda.stream(stream):
                         xs = [torch.randn(300_007 * (k + 1), device=device) for k in range(2)]
                         pairs.extend((x, x.clone()) for x in xs)
-                        _wait([_reduce(state, policy, x, f"k{k}", (tuple(x.shape), str(x.dtype))) for k, x in enumerate(xs)])
+                        _wait([_reduce(state.context(), policy, x, f"k{k}", (tuple(x.shape), str(x.dtype))) for k, x in enumerate(xs)])
 
         rounds(1)
         torch.cuda.synchronize()

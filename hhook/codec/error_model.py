@@ -3,7 +3,7 @@ r"""How many bits THC needs: the predicted error of the mean over ``N`` particip
 that match 4 bits over 4 ranks; and the bits per coordinate each width puts on the wire.
 
 The model is fitted to :func:`hhook.simulation.heavy_tailed` gradients and checked against
-simulated allreduces up to 1024 ranks (tests/test_topology.py, docs/topology.md).
+simulated allreduces up to 1024 ranks (tests/schedule/test_topology.py, docs/topology.md).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ _REFERENCE_VNMSE = 9e-3
 # Correlated rounding's error relative to independent rounding's: a + c / N by bits
 # (``b >= 3`` share one row) and whether N is a power of two (N ranks then fill the
 # 2**L strata, :class:`hhook.codec.rng.Stream`). Upper envelope of heavy_tailed simulations
-# over 2-1024 flat ranks (tests/test_topology.py checks it): 0.50-0.53
+# over 2-1024 flat ranks (tests/schedule/test_topology.py checks it): 0.50-0.53
 # from 4 ranks at 3-8 bits, 0.63 at 2, 0.68 at 3; 0.38-0.66 at 2 bits; 0.12-0.48 at 1.
 # Node means (two-level) measured lower still (0.44 at 8 x 8, 3 bits).
 _CORRELATED_GAIN = {  # bits: ((a, c) for powers of two, (a, c) otherwise)
@@ -63,7 +63,7 @@ def predicted_vnmse(bits: int, n_nodes: int, ranks_per_node: int = 1, block_size
     ``g(1) = 1.4``, ``g(2) = 1.08``, else 1. ``rounding="correlated"`` multiplies it by
     :func:`correlated_gain` (about 1/2 from 8 participants at 3 bits and more). Checked
     against :func:`hhook.simulation.simulate_allreduce` up to 1024 simulated ranks
-    (tests/test_topology.py).
+    (tests/schedule/test_topology.py).
     """
     if not 0.0 <= noise_fraction <= 1.0:
         raise ValueError(f"noise_fraction must lie in [0, 1], got {noise_fraction!r}")

@@ -13,5 +13,5 @@ from .policy import KeyState, Plan, ScalePolicy, default_headroom
 from .thermometer import THRESHOLDS
 
 # Pickles written before ``THCState.state_dict()`` name ``hhook.scales.ScalePolicy`` and
-# ``hhook.scales.KeyState`` (tests/test_fixtures.py loads one).
+# ``hhook.scales.KeyState`` (tests/state/test_fixtures.py loads one).
 __all__ = ["KeyState", "Plan", "PredictedScales", "ScalePolicy", "THRESHOLDS", "default_headroom"]

@@ -9,5 +9,5 @@ from .checkpoint import STATE_FORMAT
 from .options import DEFAULT_CHUNK_MB, SCALE_MODES, TOPOLOGIES, Options
 from .thc_state import THCState
 
-# Pickles of every hhook name ``hhook.state.THCState`` (tests/test_fixtures.py).
+# Pickles of every hhook name ``hhook.state.THCState`` (tests/state/test_fixtures.py).
 __all__ = ["DEFAULT_CHUNK_MB", "Options", "SCALE_MODES", "STATE_FORMAT", "THCState", "TOPOLOGIES"]

@@ -6,7 +6,7 @@ Everything a resumed run needs, as tensors, numbers, strings, tuples, lists and 
 residual and predicted scales (per scale policy), the two-level ``inter`` state, the
 node layout and rank it was saved with, and ``bits="auto"``'s decision and widths. The
 keys and their meaning are :data:`STATE_FORMAT` 1; files and pickles written by earlier
-hhooks load (tests/test_fixtures.py).
+hhooks load (tests/state/test_fixtures.py).
 """
 
 from __future__ import annotations

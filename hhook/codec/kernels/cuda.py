@@ -48,7 +48,7 @@ and length. Per bucket in steady state: three launches, no other torch op, and t
 allocations, the scale vector that ``prepare`` returns and the words that ``quantize``
 returns (none when the caller passes ``out``); both escape to the caller, who may hold
 several buckets of one length in flight, so they are not reused here
-(``tests/test_cuda.py::test_steady_state_host_work_per_bucket_through_thccodec``).
+(``tests/codec/test_cuda.py::test_steady_state_host_work_per_bucket_through_thccodec``).
 
 **Availability.** :func:`warm_up` compiles the kernels for a device (NVRTC, seconds, once;
 CuPy also caches the binary on disk, ``~/.cupy/kernel_cache``, or a private temporary
@@ -75,7 +75,7 @@ import torch
 
 from .. import rng
 from . import backend
-from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by tests/test_cuda.py
+from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by tests/codec/test_cuda.py
 from ..layout import HEADER as _HEADER
 from ..layout import Prepared
 # The launches' geometry and arguments (named here too: tests read them from this module).

@@ -23,7 +23,7 @@
 // fp16/bf16 are handled as raw 16-bit patterns (PTX cvt for fp16, bit arithmetic for bf16).
 // Every float operation that must match torch bit for bit is an __f*_rn intrinsic: never
 // contracted into an FMA, and (CuPy appends -ftz=true) flushing subnormal inputs and
-// outputs to zero, which the CPU emulator in tests/test_cuda.py models.
+// outputs to zero, which the CPU emulator in tests/codec/test_cuda.py models.
 //
 // The Walsh-Hadamard transform works on whole blocks of B = 2^log2B floats in shared memory,
 // in passes of up to HH_LOG2R index bits from the highest bit down; within a pass, bits in
