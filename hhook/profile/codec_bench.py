@@ -247,7 +247,7 @@ def host_time_per_bucket(codec: THCCodec, x: torch.Tensor, iters: int) -> float:
 
 def weight_codec_times(codec, x: torch.Tensor, iters: int) -> dict:
     """Median seconds of FSDP2's all-gather codec (:class:`hhook.codec.weights.WeightCodec`)
-    on the flat float32 shard ``x``, as :mod:`hhook.fsdp_all_gather` runs it: encode (the
+    on the flat float32 shard ``x``, as :mod:`hhook.fsdp.all_gather` runs it: encode (the
     shard copied into the block workspace, which encode overwrites, then quantized into
     the payload with two work buffers) and decode (the payload into float32 blocks), and
     a copy of the same bytes. ``x.numel()`` must be a multiple of the block size."""
