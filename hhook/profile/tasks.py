@@ -14,6 +14,11 @@ Models of ``hhook-profile train`` (``--model``):
     0.12M parameters (0.5 MB of gradients) for about as many FLOPs as ``wide-cnn``:
     a hundred times more compute per gradient byte.
     Communication is a small part of a step: compression has little to gain.
+``resnet18``
+    ResNet-18 as for CIFAR (a 3x3 stem without pooling, four stages of two basic blocks,
+    64 to 512 channels, batch norm), on the digits as 1x8x8 images: 11.2M parameters
+    (45 MB of float32 gradients), torchvision's resnet18 size, built here without it.
+    A real CNN's buckets: ``ci/gpu_check.sh``'s step stage trains it on a GPU.
 ``mlp``
     The examples' 64-256-256-10 MLP (85k parameters): a step takes about a millisecond,
     for quick checks and tests.
@@ -93,6 +98,36 @@ def deep_cnn(channels: int = 64, layers: int = 4) -> nn.Module:
     return nn.Sequential(*body)
 
 
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with batch norm and a shortcut (a 1x1 convolution when the
+    stride or the width changes), as in torchvision's resnet18."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+        self.shortcut = nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+def resnet18(width: int = 64, classes: int = 10) -> nn.Module:
+    """ResNet-18 for small images (the CIFAR variant: 3x3 stem, no max pool) on the
+    digits' flat 64 pixels; ``width`` channels in the first stage, doubling per stage."""
+    layers: list[nn.Module] = [nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, width, 3, 1, 1, bias=False),
+                               nn.BatchNorm2d(width), nn.ReLU()]
+    cin = width
+    for stage in range(4):
+        cout = width << stage
+        layers += [BasicBlock(cin, cout, 1 if stage == 0 else 2), BasicBlock(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return nn.Sequential(*layers)
+
+
 #: The gpt task's context (bytes per training window) and its held-out share of the text.
 CONTEXT, VALIDATION_SHARE, VALIDATION_WINDOWS = 64, 0.1, 256
 
@@ -155,6 +190,8 @@ TASKS = {
     for t in (
         Task("wide-cnn", wide_cnn, 0.02, 32, "communication-bound CNN, 5.3M parameters"),
         Task("deep-cnn", deep_cnn, 0.05, 32, "compute-heavier CNN, 0.12M parameters"),
+        Task("resnet18", resnet18, 0.05, 32, "ResNet-18 (CIFAR variant) on the digits as 8x8 images, 11.2M "
+             "parameters"),
         Task("mlp", lambda: make_model(256), 0.05, 32, "the examples' MLP, 85k parameters"),
         Task("gpt", TinyGPT, 0.1, 16, "decoder-only transformer on the Python help topics (bytes), 3.3M parameters",
              load_text),

@@ -381,3 +381,25 @@ def test_gpt_task_is_a_causal_transformer_on_bundled_text():
         la, lb = model(a), model(b)
     assert la.shape == (2, CONTEXT, 256)
     assert torch.allclose(la[:, :40], lb[:, :40], atol=1e-5) and not torch.allclose(la[:, 40:], lb[:, 40:])
+
+
+def test_resnet18_task_has_resnet18s_size_and_learns_the_digits():
+    """`--model resnet18` (ci/gpu_check.sh's step stage): torchvision's resnet18 size
+    (11.2M parameters in the CIFAR variant) on 8x8 digits; a narrow copy of the same
+    architecture fits a batch in a few steps (its batch norm and shortcuts work)."""
+    from hhook.profile.tasks import TASKS, resnet18
+
+    task = TASKS["resnet18"]
+    assert 11_000_000 < sum(p.numel() for p in task.build().parameters()) < 11_700_000
+    x, y = task.load()[:2]
+    torch.manual_seed(0)
+    model = resnet18(width=8)
+    opt = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[:32]), y[:32])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert model(x[:3]).shape == (3, 10) and losses[-1] < 0.7 * losses[0], losses
