@@ -24,7 +24,7 @@ def _split_bytes(state) -> tuple[int, int] | None:
     return stats.get("intra_wire_bytes", 0), stats.get("inter_wire_bytes", 0)
 
 
-def _watch_parent() -> None:
+def watch_parent() -> None:
     """End this child if its parent dies (a killed launcher must not leave a hung child)."""
     parent = os.getppid()
 
@@ -234,7 +234,7 @@ def child_main(spec_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     with open(spec_path) as f:
         spec = json.load(f)
-    _watch_parent()
+    watch_parent()
     try:
         result = worker(spec)
         code = 0

@@ -59,12 +59,19 @@ def add_parser(sub) -> None:
                     "uses --model-bytes, --bucket-bytes, --alpha-us (default 10 here), --bits, --block-size")
     md.add_argument("--bucket-bytes", type=size, default=parse_size("25MB"), metavar="SIZE",
                     help="--gpu-cluster: float32 bytes per bucket (default 25MB, DDP's)")
+    md.add_argument("--from", dest="from_json", metavar="PATH",
+                    help="--gpu-cluster: the per-bucket times measured by ci/gpu_check.sh on a GPU, from its JSON "
+                    "(the speed stage's float32 row nearest --bucket-bytes: THC's encode + decode, the fp16 hook's "
+                    "casts, the host's time to issue a bucket; else the throughput stage's, with --cast-ms)")
     md.add_argument("--thc-ms", type=number(0, strict=False), metavar="MS",
-                    help="--gpu-cluster: THC encode + decode per bucket, ms (default: measured on this GPU; "
-                    "required without one)")
+                    help="--gpu-cluster: THC encode + decode per bucket, ms (default: from --from, else measured on "
+                    "this GPU; required without either)")
     md.add_argument("--cast-ms", type=number(0, strict=False), metavar="MS",
-                    help="--gpu-cluster: the half-precision hook's casts per bucket, ms (default: measured on "
-                    "this GPU; required without one)")
+                    help="--gpu-cluster: the half-precision hook's casts per bucket, ms (default: from --from, else "
+                    "measured on this GPU; required without either)")
+    md.add_argument("--host-us", type=number(0, strict=False), metavar="US",
+                    help="--gpu-cluster: the host's time to issue THC's bucket, us (default: from --from, else "
+                    "measured on this GPU, else 0)")
     add_output_options(md)
 
 
@@ -77,12 +84,7 @@ def check(args, env) -> dict:
         THCCodec(args.bits, args.block_size)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
-    if args.gpu_cluster and (args.thc_ms is None or args.cast_ms is None):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("model --gpu-cluster: no GPU here to measure the codec on: give --thc-ms and --cast-ms "
-                             "(e.g. from `hhook-profile codec --device cuda` or ci/gpu_check.sh --only speed)")
+    gpu_times = _gpu_times(args) if args.gpu_cluster else None
     W = float(args.model_bytes)
     alpha, beta, link_doc, ar_doc = 50e-6, 1e9 / 8, None, None
     try:
@@ -136,37 +138,67 @@ def check(args, env) -> dict:
         except ValueError as e:
             raise UsageError(f"--baselines: {e}") from None
     return {"alpha": alpha, "beta": beta, "W": W, "C": args.compute_ms * 1e-3, "methods": list(methods.values()),
-            "link_doc": link_doc, "ar_doc": ar_doc, "rank0": env.rank == 0, "baselines": baselines}
+            "link_doc": link_doc, "ar_doc": ar_doc, "rank0": env.rank == 0, "baselines": baselines,
+            "gpu_times": gpu_times}
+
+
+def _gpu_times(args) -> dict | None:
+    """``--gpu-cluster``'s per-bucket times as far as the options and ``--from`` give them
+    (the options win); None for each one left to measure on this GPU. UsageError where
+    one is missing and there is no GPU."""
+    from .. import gpu_model
+
+    times = {"codec_s": None, "cast_s": None, "host_s": None, "source": "given"}
+    if args.from_json:
+        try:
+            times = gpu_model.from_check(args.from_json, int(args.bucket_bytes))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"model --from {args.from_json}: {e}") from None
+    for key, value, scale in (("codec_s", args.thc_ms, 1e-3), ("cast_s", args.cast_ms, 1e-3),
+                              ("host_s", args.host_us, 1e-6)):
+        if value is not None:
+            times[key] = value * scale
+            times["source"] += f"; {key[:-2]} given" if args.from_json else ""
+    if times["codec_s"] is None or times["cast_s"] is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("model --gpu-cluster: no GPU here to measure the codec on: give --from (a "
+                             "ci/gpu_check.sh JSON), or --thc-ms and --cast-ms (e.g. from ci/gpu_check.sh --only speed)"
+                             + (" (the file has no fp16 casts: its speed stage did not run)" if args.from_json else ""))
+    return times
 
 
 def run(args, cfg) -> int:
     if args.gpu_cluster:
-        return run_local(args, lambda args: _gpu_cluster(args), cfg["rank0"])
+        return run_local(args, lambda args: _gpu_cluster(args, cfg["gpu_times"]), cfg["rank0"])
     return run_local(args, lambda args: _scale(args, cfg) if args.layouts else _predict(args, cfg), cfg["rank0"])
 
 
-def _gpu_cluster(args) -> tuple[dict, list[dict]]:
-    """``model --gpu-cluster`` (:mod:`hhook.profile.gpu_model`): codec and cast times given
-    or measured on this GPU, then the modelled exchange per step."""
-    import torch
-
+def _gpu_cluster(args, times: dict) -> tuple[dict, list[dict]]:
+    """``model --gpu-cluster`` (:mod:`hhook.profile.gpu_model`): per-bucket times from
+    ``--from``, given, or measured on this GPU, then the modelled exchange per step."""
     from .. import gpu_model
 
     W, bucket = int(args.model_bytes), int(args.bucket_bytes)
-    thc_s = None if args.thc_ms is None else args.thc_ms * 1e-3
-    cast_s = None if args.cast_ms is None else args.cast_ms * 1e-3
-    source = "given"
-    if thc_s is None or cast_s is None:  # check() made sure a GPU is here
+    times = dict(times)
+    if times["codec_s"] is None or times["cast_s"] is None:  # _gpu_times made sure a GPU is here
+        import torch
+
         measured = gpu_model.measured_seconds(bucket, args.bits, args.block_size)
-        thc_s = measured[0] if thc_s is None else thc_s
-        cast_s = measured[1] if cast_s is None else cast_s
-        source = f"measured on {torch.cuda.get_device_name()}" if args.thc_ms is None else "given"
+        for key in ("codec_s", "cast_s", "host_s"):
+            times[key] = measured[key] if times[key] is None else times[key]
+        times["source"] = f"measured on {torch.cuda.get_device_name()}" + (
+            "" if times["source"] == "given" else f" ({times['source']})")
+    host_s = times["host_s"] or 0.0
     alpha = (args.alpha_us if args.alpha_us is not None else 10.0) * 1e-6
-    rows = gpu_model.exchange_rows(thc_s, cast_s, bucket, W, alpha, bits=args.bits, block_size=args.block_size)
-    say(gpu_model.assumptions(thc_s, cast_s, bucket, W, alpha, args.bits, source))
+    rows = gpu_model.exchange_rows(times["codec_s"], times["cast_s"], bucket, W, alpha, bits=args.bits,
+                                   block_size=args.block_size, host_s=host_s)
+    say(gpu_model.assumptions(times["codec_s"], times["cast_s"], bucket, W, alpha, args.bits, times["source"], host_s))
     say(gpu_model.table(rows))
-    return {"model": "gpu_cluster", "thc_ms_per_bucket": thc_s * 1e3, "cast_ms_per_bucket": cast_s * 1e3,
-            "codec_source": source, "alpha_us": alpha * 1e6, "bucket_bytes": bucket, "model_bytes": W}, rows
+    return {"model": "gpu_cluster", "thc_ms_per_bucket": times["codec_s"] * 1e3, "cast_ms_per_bucket": times["cast_s"] * 1e3,
+            "host_us_per_bucket": host_s * 1e6, "codec_source": times["source"], "alpha_us": alpha * 1e6,
+            "bucket_bytes": bucket, "model_bytes": W}, rows
 
 
 def _predict(args, cfg) -> tuple[dict, list[dict]]:
