@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# hhook's CUDA path on one GPU in one prepared run, under 8 minutes (docs/gpu.md):
+# hhook's CUDA path on one GPU in one prepared run of 270 s: one call of about five minutes
+# on a lent GPU (docs/gpu.md):
 #   bash ci/gpu_check.sh             on a machine with a GPU, torch and CuPy (nothing is installed)
-#   bash ci/gpu_check.sh --dry-run   anywhere: every stage that needs no GPU (CI runs it)
-# Writes gpu-check.json and gpu-check.log to $OUT when set, else to bench/. Other options:
-# --budget SECONDS (default 450), --only STAGE,... (python3 ci/gpu_check.py --help); --only speed
-# prints issue 44's table (THC against the fp16 hook's casts and a copy) in under 2 minutes.
+#   bash ci/gpu_check.sh --dry-run   anywhere: every stage's machinery without a GPU (CI runs it)
+# Writes gpu-check.json (after every stage) and gpu-check.log to $OUT when set, else to bench/.
+# Other options (python3 ci/gpu_check.py --help): --budget SECONDS (default 270), --only
+# STAGE|PRESET,... (presets: kernels, train; env always runs first), --step-runs 10gbit,1gbit,nccl1.
+# The step stage emulates links with ci/netcluster.sh (its namespaces hh0, hh1, hhnet) where
+# network namespaces work; it needs root there, and takes them down when it ends.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

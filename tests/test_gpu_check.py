@@ -84,6 +84,9 @@ def test_rerun_hint_names_what_did_not_end_well():
                          "nccl": {"status": "skipped"}}}
     assert gpu_check.rerun_hint(report) == "bash ci/gpu_check.sh --only step,nccl --budget 270"
     assert gpu_check.rerun_hint({"stages": {"env": {"status": "ok"}}}) is None
+    short = {"stages": {"env": {"status": "ok"}, "parity": {"status": "ok", "result": {"incomplete": True}},
+                        "step": {"status": "ok", "result": {"incomplete": ["1gbit", "nccl1"]}}}}
+    assert gpu_check.rerun_hint(short) == "bash ci/gpu_check.sh --only parity,step --budget 270 --step-runs 1gbit,nccl1"
 
 
 def test_step_stage_verdict_wants_every_model_at_both_links_or_loopback():
