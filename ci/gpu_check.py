@@ -908,6 +908,9 @@ def _emulated_runs(ctx, links, cases, common, deadline, result) -> None:
                      f"ms/step = median of the last {common['steps'] - common['steps'] // 2}")
             result["runs"][link] = {"link": measured, **step_run(dataclasses.replace(run, name=link), cases, common,
                                                                  ctx.work, deadline, title)}
+            statuses = {row["status"] for row in result["runs"][link]["rows"]}
+            if "ok" not in statuses and statuses - {"not run"}:
+                break  # nothing trained through the namespaces: the time goes to loopback
     finally:
         take_network_down(ctx.scratch)
 
@@ -943,12 +946,13 @@ def stage_step(ctx: Context) -> dict:
     if links and net["mode"] == "netns":
         try:
             _emulated_runs(ctx, links, cases, common, deadline, result)
-        except RuntimeError as err:  # netcluster.sh failed: loopback, said
-            net.update(mode="loopback", why=f"the emulated links failed: {_tail(str(err), 1000)}")
-        ran = [r for r in result["runs"].values() if r.get("rows")]
-        if net["mode"] == "netns" and ran and not any(row["status"] == "ok" for r in ran for row in r["rows"]):
-            net.update(mode="loopback", why="every case failed on the emulated links: " + "; ".join(
-                f"{k}: {list(v.get('failures', {}).values())[:1]}" for k, v in result["runs"].items())[:1500])
+        except RuntimeError as err:  # netcluster.sh failed
+            net["error"] = _tail(str(err), 1000)
+        rows = [row for r in result["runs"].values() for row in r.get("rows", [])]
+        if not any(row["status"] == "ok" for row in rows) and (net.get("error") or any(
+                row["status"] != "not run" for row in rows)):  # nothing trained on the emulated links: loopback, said
+            net.update(mode="loopback", why="the emulated links failed: " + (net.get("error") or "; ".join(
+                f"{k}: {list(v.get('failures', {}).values())[:1]}" for k, v in result["runs"].items()))[:1500])
     if links and net["mode"] == "loopback":
         title = (f"# step: 2 ranks sharing {gpu} over Gloo on LOOPBACK ({net['why']}): no link is emulated, so "
                  f"the figures say what the codec and the hooks cost, not what they save; {steps} steps, ms/step = "
@@ -958,7 +962,7 @@ def stage_step(ctx: Context) -> dict:
         if ctx.dry:
             result["runs"]["nccl1"] = {"would": f"{', '.join(STEP_MODELS)} x {', '.join(STEP_METHODS)} in a world "
                                                 f"of one on NCCL, {STEP_STEPS} steps each"}
-        elif deadline - time.monotonic() < STEP_MIN_S:
+        elif ctx.left(3) < STEP_MIN_S:
             result["runs"]["nccl1"] = {"status": "skipped: out of time"}
         else:
             title = (f"# step: a world of one on NCCL on {gpu} (no wire: what each method adds to a step); "
@@ -1165,12 +1169,17 @@ def stage_throughput(ctx: Context) -> dict:
 # -- 8. sanitizer -------------------------------------------------------------------------------
 def kernel_smoke(device: str) -> list[str]:
     """Every kernel once on small inputs (for compute-sanitizer): each input dtype, int32
-    and int64 words, blocks of 64/1024/4096, residual in place and into another buffer,
-    decode into each output dtype. Returns the kernels launched."""
+    and int64 words, blocks of 64/1024/4096 and, with int32 words, of 8/128/2048 (odd log2 B:
+    where a butterfly pass could reach past its block), residual in place and into another
+    buffer, decode into each output dtype; then FSDP2's all-gather codec through the
+    throughput stage's timer (whatever kernels its CUDA path launches). Returns the
+    kernels launched."""
     import torch
 
-    from hhook.codec.kernels import cuda as cuda_kernels
     from hhook.codec import THCCodec
+    from hhook.codec.kernels import cuda as cuda_kernels
+    from hhook.codec.weights import WeightCodec
+    from hhook.profile import codec_bench
 
     launched = set()
     run = cuda_kernels._launch
@@ -1182,7 +1191,7 @@ def kernel_smoke(device: str) -> list[str]:
     cuda_kernels._launch = counting
     try:
         for bits, world in ((2, 4), (8, 16)):  # int32 and int64 words
-            for block in (64, 1024, 4096):
+            for block in (64, 1024, 4096) + ((8, 128, 2048) if bits == 2 else ()):
                 codec = THCCodec(bits=bits, block_size=block, seed=3, world_size=world)
                 for dtype in (torch.float32, torch.bfloat16, torch.float16):
                     x = torch.randn(5003, device=device).to(dtype)
@@ -1194,6 +1203,8 @@ def kernel_smoke(device: str) -> list[str]:
                     words = codec.quantize(p, agreed, 2, residual, torch.empty_like(residual))
                     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
                         codec.decode(p, agreed, words, torch.empty(5003, dtype=out_dtype, device=device))
+        codec_bench.weight_codec_times(WeightCodec(bits=8, block_size=256, seed=3), torch.randn(256 * 19, device=device),
+                                       iters=1)
         if device != "cpu":
             torch.cuda.synchronize()
     finally:
@@ -1384,7 +1395,7 @@ STAGES = {  # name: (function, seconds it needs on an H200, seconds at most), mo
     "step": (stage_step, 70, 240),  # spends what the others leave it, runs first to last in value
     "fsdp": (stage_fsdp, 25, 50),
     "throughput": (stage_throughput, 10, 30),
-    "sanitizer": (stage_sanitizer, 22, 40),
+    "sanitizer": (stage_sanitizer, 25, 45),
     "nccl": (stage_nccl, 12, 30),
     "ncu": (stage_ncu, 20, 60),  # not run by default: --only ncu
 }
@@ -1437,10 +1448,10 @@ def _step_reported(step: dict) -> bool | None:
     """The step stage's target: THC 4 bits and the default beside the fp16 hook, on every
     model, at 10 and 1 Gbit/s (or on loopback, said): each of those rows trained."""
     runs = step.get("runs") or {}
-    names = [n for n in (*STEP_LINKS, "loopback") if n in runs]
+    names = ["loopback"] if "loopback" in runs else [n for n in STEP_LINKS if n in runs]
     if not names:
         return None
-    if "loopback" not in names and names != list(STEP_LINKS):
+    if names != ["loopback"] and names != list(STEP_LINKS):
         return False
 
     def trained(run):

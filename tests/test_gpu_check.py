@@ -100,6 +100,8 @@ def test_step_stage_verdict_wants_every_model_at_both_links_or_loopback():
     assert gpu_check.verdicts({"step": {"result": {"runs": {"10gbit": run(["gpt"])}}}})[key] is False  # 1 Gbit/s?
     late = {**both, "1gbit": run(["gpt"], ("fp16", "thc:4"))}  # the default not reached at 1 Gbit/s
     assert gpu_check.verdicts({"step": {"result": {"runs": late}}})[key] is False
+    fell_back = {"10gbit": run(["gpt"], status="failed"), "loopback": run(["gpt", "resnet18"])}  # said, and trained
+    assert gpu_check.verdicts({"step": {"result": {"runs": fell_back}}})[key] is True
     assert gpu_check.verdicts({})[key] is None
 
 
@@ -358,6 +360,9 @@ def test_gpu_cluster_model_takes_its_times_from_a_check_json(tmp_path):
     (tmp_path / "empty.json").write_text(json.dumps({"stages": {"env": {"result": {}}}}))
     with pytest.raises(ValueError, match="no float32 rows"):
         gpu_model.from_check(str(tmp_path / "empty.json"), 25_000_000)
+    (tmp_path / "dry.json").write_text(json.dumps({**H200, "dry_run": True}))
+    with pytest.raises(ValueError, match="dry run"):
+        gpu_model.from_check(str(tmp_path / "dry.json"), 25_000_000)
     slow_host = gpu_model.exchange_rows(0.1e-3, 0.06e-3, 25_000_000, 100_000_000, 10e-6, host_s=0.3e-3)
     fast_host = gpu_model.exchange_rows(0.3e-3, 0.06e-3, 25_000_000, 100_000_000, 10e-6)
     assert [r["thc_ms"] for r in slow_host] == [r["thc_ms"] for r in fast_host]  # the larger of the two bounds

@@ -116,9 +116,12 @@ def from_check(path: str, bucket_bytes: int) -> dict:
     the host bounds it): its speed stage's THC encode + decode (``thc_ms``), fp16 hook's
     casts and host time; else its throughput stage's encode + decode and host time (no
     casts there: ``cast_s`` None). ``codec_s``, ``cast_s``, ``host_s`` and ``source`` (the
-    file, the GPU, the row); ValueError if the file holds neither."""
+    file, the GPU, the row); ValueError if the file holds neither, or is a dry run's."""
     with open(path) as f:
-        stages = json.load(f).get("stages", {})
+        doc = json.load(f)
+    if doc.get("dry_run"):
+        raise ValueError("the JSON of a dry run: its times are the CPU's on small tensors, not a GPU's")
+    stages = doc.get("stages", {})
 
     def result(name):
         return (stages.get(name) or {}).get("result") or {}
