@@ -208,6 +208,9 @@ def stage_env(ctx: Context) -> dict:
             # what later stages lean on: the digits (step), pytest-xdist (tests, 8 at a time)
             "packages": {m: _version(m) for m in ("numpy", "sklearn", "xdist", "cupy")},
             "network_namespaces": netns_probe()}
+    from hhook.profile.codec_bench import fused_available
+
+    info["cpu_codec"] = "fused C" if fused_available("cpu") else "reference (no C compiler?)"  # parity's CPU side
     print(f"env: network namespaces {'usable' if info['network_namespaces']['usable'] else 'not usable: ' + info['network_namespaces']['why']}",
           flush=True)
     nvcc = shutil.which("nvcc")
@@ -657,7 +660,7 @@ STEP_MODELS = ("gpt", "resnet18")  # in each method's turn the cheaper first
 STEP_METHODS = ("fp16", "thc:4", "thc:auto", "fp32")  # the issue's comparison first; fp32 (slowest on a slow link) last
 STEP_LINKS = ("10gbit", "1gbit")  # emulated (ci/netcluster.sh) where network namespaces work, else one loopback run
 STEP_RUNS = (*STEP_LINKS, "nccl1")  # nccl1: a world of one on NCCL, no wire: what each method adds to a step
-STEP_DRY = {"models": ("mlp", "deep-cnn"), "steps": 6}  # the dry run: CPU tensors over loopback, small models
+STEP_DRY = {"models": ("mlp", "deep-cnn"), "steps": 6, "batch_size": 8}  # the dry run: CPU tensors over loopback
 STEP_ATTEMPTS = 3  # process pairs per run: a case that fails costs its own pair, not the cases after it
 STEP_MIN_S = 15.0  # no pair starts with less time left
 STEP_PG_TIMEOUT_S = 20  # a collective that never completes raises after this
@@ -741,14 +744,15 @@ def task_data(models, work: Path) -> tuple[dict, dict]:
     return paths, sources
 
 
-def step_cases(models, methods, data: dict) -> list[dict]:
-    """One case per (method, model), method by method (the order in which time is spent)."""
+def step_cases(models, methods, data: dict, batch_size: int | None = None) -> list[dict]:
+    """One case per (method, model), method by method (the order in which time is spent);
+    each model's batch size unless ``batch_size`` is given."""
     from hhook.profile import train
     from hhook.profile.tasks import TASKS
 
     return [{"name": f"{model}/{method.name}", "model": model, "method": method.name,
              "spec": {"method": dataclasses.asdict(method), "task": model, "lr": TASKS[model].lr,
-                      "batch_size": TASKS[model].batch_size, "data_path": data[model]}}
+                      "batch_size": batch_size or TASKS[model].batch_size, "data_path": data[model]}}
             for method in train.parse_methods(",".join(methods)) for model in models]
 
 
@@ -939,7 +943,7 @@ def stage_step(ctx: Context) -> dict:
     result.update(models=sources, steps=steps, methods=list(STEP_METHODS), runs={})
     common = dict(world_size=2, backend="gloo", device=device, threads=threads, seed=0, steps=steps, eval_every=steps,
                   pg_timeout_s=STEP_PG_TIMEOUT_S, parallel="ddp", ranks_per_node=None, gpu=gpu)
-    cases = step_cases(models, STEP_METHODS, data)
+    cases = step_cases(models, STEP_METHODS, data, STEP_DRY["batch_size"] if ctx.dry else None)
     deadline = time.monotonic() + ctx.left(10)  # time to take the network down and to summarise
     links = [link for link in STEP_LINKS if link in wanted]
     net = result["network"] = plan_network(ctx) if links else {"mode": "none"}
@@ -1167,10 +1171,11 @@ def stage_throughput(ctx: Context) -> dict:
 
 
 # -- 8. sanitizer -------------------------------------------------------------------------------
-def kernel_smoke(device: str) -> list[str]:
+def kernel_smoke(device: str, odd_blocks: bool = True) -> list[str]:
     """Every kernel once on small inputs (for compute-sanitizer): each input dtype, int32
     and int64 words, blocks of 64/1024/4096 and, with int32 words, of 8/128/2048 (odd log2 B:
-    where a butterfly pass could reach past its block), residual in place and into another
+    where a butterfly pass could reach past its block; not in the dry run, whose parity
+    stage runs them on the emulator), residual in place and into another
     buffer, decode into each output dtype; then FSDP2's all-gather codec through the
     throughput stage's timer (whatever kernels its CUDA path launches). Returns the
     kernels launched."""
@@ -1191,7 +1196,7 @@ def kernel_smoke(device: str) -> list[str]:
     cuda_kernels._launch = counting
     try:
         for bits, world in ((2, 4), (8, 16)):  # int32 and int64 words
-            for block in (64, 1024, 4096) + ((8, 128, 2048) if bits == 2 else ()):
+            for block in (64, 1024, 4096) + ((8, 128, 2048) if bits == 2 and odd_blocks else ()):
                 codec = THCCodec(bits=bits, block_size=block, seed=3, world_size=world)
                 for dtype in (torch.float32, torch.bfloat16, torch.float16):
                     x = torch.randn(5003, device=device).to(dtype)
@@ -1219,7 +1224,7 @@ def stage_sanitizer(ctx: Context) -> dict:
         from cuda_support import emulated
 
         with emulated(emulator(ctx)):
-            launched = kernel_smoke("cpu")
+            launched = kernel_smoke("cpu", odd_blocks=False)  # the emulator ran them in the parity stage
         missing = sorted(set(cuda_kernels.KERNEL_NAMES) - set(launched))
         if missing:
             raise RuntimeError(f"the smoke run misses kernels: {missing}")
