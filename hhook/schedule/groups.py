@@ -109,7 +109,16 @@ def explain(exc: BaseException, what: str, group) -> BaseException:
     :func:`hhook.schedule.blame.blame` to name the rank that stalled."""
     timeout = timeout_of(group).total_seconds()
     others = others_of(group)
-    return errors.explain(exc, what, timeout, peers_of(group), lambda kind: blame(kind, others, timeout))
+    where = f"{what} on {_label(group)}"
+    return errors.explain(exc, what, timeout, peers_of(group), lambda kind: blame(kind, others, timeout, where))
+
+
+def _label(group) -> str:
+    """``group`` as the stall report names it to other ranks (the same on every member)."""
+    if isinstance(group, SecondGroup):
+        return f"hhook's second communicator of group {group.parent_name!r}"
+    group = group if group is not None else dist.group.WORLD
+    return f"group {getattr(group, 'group_name', '?')!r}"
 
 
 @contextlib.contextmanager
