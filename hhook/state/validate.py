@@ -169,10 +169,9 @@ def _parts(saved: dict, at: str, options: Options, live_decision) -> None:
 
 
 def _nested(value, path: str) -> None:
-    """A state held by another: its own checkpoint, or (older pickles) the state itself."""
-    from .thc_state import THCState  # (thc_state imports checkpoint, which imports this module)
-
-    if isinstance(value, THCState):
+    """A state held by another: its own checkpoint, or (older pickles) the state itself,
+    which its own unpickling checked."""
+    if hasattr(value, "options") and callable(getattr(value, "state_dict", None)):
         return
     if not isinstance(value, dict) or "bits" not in value:
         _fail(path, "a THCState.state_dict()", value)
