@@ -60,14 +60,15 @@ class Blame:
         return tuple((rank, where) for rank, where in self.elsewhere if where != self.collective)
 
 
-def _ranks(ranks) -> str:
+def ranks_text(ranks) -> str:
+    """``(2,)`` -> "rank 2"; ``(1, 2)`` -> "one of ranks [1, 2]"."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"one of ranks {list(ranks)}"
 
 
 def _stalled(blame: Blame | None, peers: str) -> str:
     """The subject of "... stalled or is far behind"."""
     if blame is not None and blame.culprits:
-        return f"a peer ({_ranks(blame.culprits)})"
+        return f"a peer ({ranks_text(blame.culprits)})"
     if blame is not None and blame.this_rank:
         return "this rank"
     return f"a peer ({peers})" if peers else "a peer of the group"
@@ -99,7 +100,7 @@ def explain(exc: BaseException, what: str, timeout_s: float | None = None, peers
     if found:
         who = blame("timeout") if blame is not None else None
         waited = f"{int(found.group(1)) / 1000:g} s; the group's is {limit}" if found.group(1) else limit
-        through = f"; {_ranks(who.waiting)}, which this rank waits for, waits for it too" if who and who.waiting \
+        through = f"; {ranks_text(who.waiting)}, which this rank waits for, waits for it too" if who and who.waiting \
             and who.culprits else ""
         crossed = who.crossed() if who is not None else ()
         if crossed:
@@ -122,12 +123,12 @@ def explain(exc: BaseException, what: str, timeout_s: float | None = None, peers
         if who is not None and who.waiting:  # it gave up waiting: a stall, not a death
             err = PeerTimeoutError(
                 f"hhook: {what} failed: {_stalled(who, peers)} stalled or is far behind (stopped, swapping, or "
-                f"stuck): {_ranks(who.waiting)} waited the timeout ({limit}) for it and closed its connection. "
+                f"stuck): {ranks_text(who.waiting)} waited the timeout ({limit}) for it and closed its connection. "
                 f"{_SET_TIMEOUT}. Transport: {_first_line(text)}")
         else:
             # The rank the reports lead to (a peer that only exited after losing it names it), else the peers.
-            dead = _ranks(who.culprits) if who is not None and who.culprits else peers
-            after = f"; {_ranks(who.lost)}, which this rank was in a collective with, lost it first and exited" \
+            dead = ranks_text(who.culprits) if who is not None and who.culprits else peers
+            after = f"; {ranks_text(who.lost)}, which this rank was in a collective with, lost it first and exited" \
                 if who is not None and who.lost and who.culprits else ""
             at = f"at {found.group(1)}:{found.group(2)}" if found.group(1) and not after else ""
             said = ", ".join(filter(None, (dead, at)))

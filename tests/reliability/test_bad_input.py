@@ -15,7 +15,6 @@ and test_faults.py. The rows about ranks that disagree on options are issue 48's
 from __future__ import annotations
 
 import copy
-import io
 import os
 import subprocess
 import sys
@@ -23,30 +22,16 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.support.distributed import ROOT, free_port, run_world, subprocess_env
+from tests.support.plain_data import round_trip, same
 
 #: A generous bound (s) on the time from a bad call to its error, far below any timeout.
 RAISE_BOUND_S = 5.0
 
 
-def _round_trip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
-def _same(a, b) -> bool:
-    """``a`` and ``b`` (plain data with tensors) equal, tensors bit for bit."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _first_key(saved: dict) -> dict:
@@ -94,8 +79,8 @@ def _try_rows(state, kind: str) -> tuple[list, bool]:
     """Load every row of ``kind`` spoilt from ``state``'s own checkpoint; ``(results,
     unchanged)``: per row (row, error type, message, seconds), and whether the state's
     checkpoint after all of them is its checkpoint before, bit for bit."""
-    saved = _round_trip(state.state_dict())
-    before = _round_trip(state.state_dict())
+    saved = round_trip(state.state_dict())
+    before = round_trip(state.state_dict())
     results = []
     for row, spoil, _, _, kinds in ROWS:
         if kind not in kinds.split():
@@ -108,7 +93,7 @@ def _try_rows(state, kind: str) -> tuple[list, bool]:
             results.append((row, None, "loaded", time.perf_counter() - start))
         except Exception as exc:  # noqa: BLE001 - what the user reads
             results.append((row, type(exc).__name__, str(exc), time.perf_counter() - start))
-    return results, _same(_round_trip(state.state_dict()), before)
+    return results, same(round_trip(state.state_dict()), before)
 
 
 def _check_rows(per_rank: list, kind: str, label: str) -> None:
@@ -145,7 +130,7 @@ def _ddp_train(rank: int, scales: str, spoil: bool):
         torch.nn.functional.mse_loss(ddp(x), torch.randn(16, 8, generator=g)).backward()
         opt.step()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return params, _round_trip(state.state_dict()), rows, unchanged
+    return params, round_trip(state.state_dict()), rows, unchanged
 
 
 def _ddp_rows(rank, world, scales):
@@ -161,7 +146,7 @@ def test_malformed_checkpoints_raise_on_every_rank_and_change_nothing(scales):
     for spoilt, never in out:
         assert spoilt[3], "a refused load changed the state"
         assert torch.equal(spoilt[0], never[0]), "after refused loads the model trained otherwise"
-        assert _same(spoilt[1], never[1]), "after refused loads the state went on otherwise"
+        assert same(spoilt[1], never[1]), "after refused loads the state went on otherwise"
         assert any(ks["residual"] is not None for p in never[1]["policies"].values() for ks in p["keys"].values())
 
 
@@ -188,7 +173,7 @@ def _fsdp_train(rank: int, bits, spoil: bool):
     params = [p.full_tensor().detach().clone() for p in model.parameters()]
     saved = state.state_dict()
     saved.pop("decision", None)  # bits="auto": timed turns (their periods differ run to run)
-    return params, _round_trip(saved), rows, unchanged
+    return params, round_trip(saved), rows, unchanged
 
 
 def _fsdp_rows(rank, world):
@@ -204,7 +189,7 @@ def test_malformed_fsdp2_checkpoints_raise_on_every_rank_and_change_nothing():
             assert spoilt[3], f"bits={bits}: a refused load changed the state"
             if bits == 4:  # bits="auto" measures times: its steps may choose otherwise run to run
                 assert all(torch.equal(a, b) for a, b in zip(spoilt[0], never[0]))
-                assert _same(spoilt[1], never[1])
+                assert same(spoilt[1], never[1])
 
 
 # -- bits="auto": one host and several -------------------------------------------------
@@ -229,7 +214,7 @@ def _auto_job(rank: int, nodes: int, load=None) -> dict:
         for step in range(4):
             ddp.zero_grad()
             ddp(torch.full((2, 8), float(rank + step))).sum().backward()
-        out.update(stats=state.stats()["decision"], saved=_round_trip(state.state_dict()))
+        out.update(stats=state.stats()["decision"], saved=round_trip(state.state_dict()))
         return out
     finally:
         for name in env:

@@ -130,6 +130,21 @@ def test_a_survivor_names_the_rank_that_died_not_the_peer_that_left_after_it(mon
     assert blame._read(store, 1)[:2] == (blame.LOST, [2])  # and rank 1 says so to its own peers
 
 
+def test_a_rank_told_that_its_node_mate_failed_names_the_rank_that_died(monkeypatch):
+    """Two-level: rank 1's node mate (rank 0) lost rank 2 between nodes and sent its node
+    a failure; rank 1's RankFailedError names rank 2 from rank 0's report."""
+    from hhook.schedule import groups
+
+    store = _store()
+    _as_rank(monkeypatch, store, 1, 4)
+    _peer_reports(store, 0, [2], kind=blame.LOST)
+    monkeypatch.setattr(groups, "others_of", lambda group: [0])
+    monkeypatch.setattr(groups, "timeout_of", lambda group: datetime.timedelta(seconds=6))
+    monkeypatch.setattr(groups, "_label", lambda group: "group '3'")
+    assert groups.failure_cause(None) == ("; by the job's reports, rank 2 died (killed, out of memory, preempted) "
+                                          "and rank 0 lost it")
+
+
 def test_a_peer_s_report_is_read_whatever_its_clock_says(monkeypatch):
     store = _store()
     _as_rank(monkeypatch, store, 0, 3)

@@ -15,6 +15,7 @@ import torch
 import hhook
 from hhook.decision import Decision
 from hhook.state import validate
+from tests.support.plain_data import round_trip, same
 
 LAYOUT = (("w", (4, 25), "torch.float32"),)
 
@@ -40,11 +41,6 @@ def _auto_state() -> hhook.THCState:
     return state
 
 
-def _round_trip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def _set(path: str, value):
@@ -115,19 +111,11 @@ CASES = [
 ]
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 @pytest.mark.parametrize("what,make,mutate,words", CASES, ids=[c[0] for c in CASES])
 def test_a_malformed_checkpoint_is_refused_whole_and_changes_nothing(what, make, mutate, words):
-    saved = _round_trip(make().state_dict())
+    saved = round_trip(make().state_dict())
     mutate(saved)
     state = _trained_like() if make is _trained_like else _auto_state()
     before = copy.deepcopy(state.state_dict())
@@ -135,7 +123,7 @@ def test_a_malformed_checkpoint_is_refused_whole_and_changes_nothing(what, make,
     with pytest.raises(ValueError) as info:
         state.load_state_dict(saved)
     assert words in str(info.value), str(info.value)
-    assert _same(state.state_dict(), before), what
+    assert same(state.state_dict(), before), what
     assert state.keys is keys and state.counters is counters and state.decision is decision
 
 
