@@ -66,7 +66,8 @@ def load_state_dict(state, saved: dict) -> None:
     :func:`hhook.register` gave it stay. Per-key state that cannot describe this run
     starts afresh with one log line: a checkpoint of another node layout or world size
     (compared when the layout is found, or now if it is known) or of another codec
-    version; another rank's residuals."""
+    version; another rank's residuals. A malformed ``saved`` (a field of the wrong type,
+    range or shape) raises ``ValueError`` naming the field and changes nothing."""
     load(state, saved, announce=True)
 
 
