@@ -40,21 +40,35 @@ class Blame:
     """Who is at fault for a failed collective, as the job's store tells
     (:mod:`hhook.schedule.blame`): ``culprits``, the ranks reached that report no wait of their own
     (stalled, or died); ``waiting``, this rank's peers that reported waiting for them (and
-    gave up at their timeout); ``this_rank``, whether a report waits for this rank."""
+    gave up at their timeout); ``this_rank``, whether a report waits for this rank;
+    ``lost``, this rank's peers that reported losing a rank (they exited after it died);
+    ``elsewhere``, ``(rank, collective)`` of each report that waits for this rank, and
+    ``collective``, this rank's own (its description and group)."""
 
     culprits: tuple = ()
     waiting: tuple = ()
     this_rank: bool = False
+    lost: tuple = ()
+    elsewhere: tuple = ()
+    collective: str = ""
+
+    def crossed(self) -> tuple:
+        """``(rank, collective)`` of the ranks that wait for this one in another
+        collective while this one waits for them (a deadlock of order, not a stall)."""
+        if self.culprits:
+            return ()
+        return tuple((rank, where) for rank, where in self.elsewhere if where != self.collective)
 
 
-def _ranks(ranks) -> str:
+def ranks_text(ranks) -> str:
+    """``(2,)`` -> "rank 2"; ``(1, 2)`` -> "one of ranks [1, 2]"."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"one of ranks {list(ranks)}"
 
 
 def _stalled(blame: Blame | None, peers: str) -> str:
     """The subject of "... stalled or is far behind"."""
     if blame is not None and blame.culprits:
-        return f"a peer ({_ranks(blame.culprits)})"
+        return f"a peer ({ranks_text(blame.culprits)})"
     if blame is not None and blame.this_rank:
         return "this rank"
     return f"a peer ({peers})" if peers else "a peer of the group"
@@ -86,11 +100,21 @@ def explain(exc: BaseException, what: str, timeout_s: float | None = None, peers
     if found:
         who = blame("timeout") if blame is not None else None
         waited = f"{int(found.group(1)) / 1000:g} s; the group's is {limit}" if found.group(1) else limit
-        through = f"; {_ranks(who.waiting)}, which this rank waits for, waits for it too" if who and who.waiting \
+        through = f"; {ranks_text(who.waiting)}, which this rank waits for, waits for it too" if who and who.waiting \
             and who.culprits else ""
-        err = PeerTimeoutError(
-            f"hhook: {what} did not complete within the timeout ({waited}): {_stalled(who, peers)} stalled or is far "
-            f"behind (stopped, swapping, or stuck){through}. {_SET_TIMEOUT}. Transport: {_first_line(text)}")
+        crossed = who.crossed() if who is not None else ()
+        if crossed:
+            theirs = "; ".join(f"rank {rank} in {where}" for rank, where in crossed)
+            err = PeerTimeoutError(
+                f"hhook: {what} did not complete within the timeout ({waited}): the ranks wait in different "
+                f"collectives, each for the other: this rank in {who.collective}; {theirs}. No rank stalled: the "
+                "program launched these collectives in a different order on these ranks (look for a collective, "
+                f"a barrier or an hhook call that only some ranks make, or make in another order). Transport: "
+                f"{_first_line(text)}")
+        else:
+            err = PeerTimeoutError(
+                f"hhook: {what} did not complete within the timeout ({waited}): {_stalled(who, peers)} stalled or is "
+                f"far behind (stopped, swapping, or stuck){through}. {_SET_TIMEOUT}. Transport: {_first_line(text)}")
     else:
         found = _CLOSED.search(text)
         if not found:
@@ -99,14 +123,18 @@ def explain(exc: BaseException, what: str, timeout_s: float | None = None, peers
         if who is not None and who.waiting:  # it gave up waiting: a stall, not a death
             err = PeerTimeoutError(
                 f"hhook: {what} failed: {_stalled(who, peers)} stalled or is far behind (stopped, swapping, or "
-                f"stuck): {_ranks(who.waiting)} waited the timeout ({limit}) for it and closed its connection. "
+                f"stuck): {ranks_text(who.waiting)} waited the timeout ({limit}) for it and closed its connection. "
                 f"{_SET_TIMEOUT}. Transport: {_first_line(text)}")
         else:
-            at = f"at {found.group(1)}:{found.group(2)}" if found.group(1) else ""
-            who = ", ".join(filter(None, (peers, at)))
+            # The rank the reports lead to (a peer that only exited after losing it names it), else the peers.
+            dead = ranks_text(who.culprits) if who is not None and who.culprits else peers
+            after = f"; {ranks_text(who.lost)}, which this rank was in a collective with, lost it first and exited" \
+                if who is not None and who.lost and who.culprits else ""
+            at = f"at {found.group(1)}:{found.group(2)}" if found.group(1) and not after else ""
+            said = ", ".join(filter(None, (dead, at)))
             err = PeerLostError(
-                f"hhook: {what} failed: a peer{f' ({who})' if who else ' of the group'} closed its connection, so "
-                f"that rank died (killed, out of memory, preempted). Restart the job from its last checkpoint "
+                f"hhook: {what} failed: a peer{f' ({said})' if said else ' of the group'} closed its connection, so "
+                f"that rank died (killed, out of memory, preempted){after}. Restart the job from its last checkpoint "
                 f"(torchrun --max-restarts does it for you). Transport: {_first_line(text)}")
     err.__cause__ = exc
     return err

@@ -50,6 +50,7 @@ except ImportError as exc:  # pragma: no cover - exercised through a subprocess 
     ) from exc
 
 from .codec import THCCodec
+from .codec.error_model import auto_bits
 from .errors import OpMismatchError
 from .scales import PredictedScales
 from .stats import Counters
@@ -72,7 +73,12 @@ class THCCompressor:
     defaults; build your own for other options.
 
     Args:
-        bits: bits per coordinate before headroom (``2**bits`` levels, 1..8).
+        bits: bits per coordinate before headroom (``2**bits`` levels, 1..8), or
+            ``"auto"``: the width of the error rule for the process set's size
+            (:func:`hhook.codec.error_model.auto_bits`, as ``THCState(bits="auto")``
+            in :func:`hhook.thc_allreduce`: 5 bits at 2 ranks, 4 at 4-16, 3 at 64).
+            Nothing is measured: a compressor cannot time steps or agree on a choice
+            without communicating.
         block_size: rotation and scale block, a power of two.
         seed: shared seed of the rotation's signs; must match on every rank.
         error_feedback: carry each rank's rounding and clipping error into its next step
@@ -112,14 +118,16 @@ class THCCompressor:
         process_set=None,
         rounding: str = "correlated",
     ):
-        self._predicted = PredictedScales(bits, block_size, seed, error_feedback, warmup_steps, headroom, rounding)
+        self._options = (block_size, seed, error_feedback, warmup_steps, headroom, rounding)
+        self._widths: dict[int, PredictedScales] = {}  # bits -> its policy: one, or per size with "auto"
+        self._policy(4 if bits == "auto" else bits)  # checks the options now
         self.bits = bits
         self.block_size = block_size
         self.seed = seed
         self.error_feedback = bool(error_feedback)
         self.warmup_steps = warmup_steps
         self.rounding = rounding
-        self.headroom = self._predicted.headroom
+        self.headroom = self._policy(bits).headroom if bits != "auto" else headroom  # "auto", None: each width's
         self.process_set = process_set
         self._calls = itertools.count()
         self._tokens = itertools.count()
@@ -148,19 +156,31 @@ class THCCompressor:
     def reset_stats(self) -> None:
         self._stats.reset()
 
+    def _policy(self, bits: int) -> PredictedScales:
+        policy = self._widths.get(bits)
+        if policy is None:
+            policy = self._widths[bits] = PredictedScales(bits, *self._options)
+        return policy
+
+    def width(self, world_size: int) -> int:
+        """The bits of THC over ``world_size`` ranks: ``bits``, or the error rule's for ``"auto"``."""
+        return self.bits if self.bits != "auto" else auto_bits(world_size, rounding=self.rounding)
+
     def predicted_scales(self, optimizer, name: str) -> torch.Tensor | None:
         """The block scales the next compressed step of ``name`` will use (None: warm-up)."""
-        return self._predicted.predicted((optimizer.__dict__.get("_hhook_thc_token"), name))
+        key = (optimizer.__dict__.get("_hhook_thc_token"), name)
+        return next((s for p in self._widths.values() if (s := p.predicted(key)) is not None), None)
 
     def reset(self) -> None:
         """Forget every tensor's predicted scales and residual (the next step warms up).
 
         Call it on every rank or on none: the ranks' states must stay identical.
         """
-        self._predicted.keys.clear()
+        for policy in self._widths.values():
+            policy.keys.clear()
 
     def codec(self, world_size: int) -> THCCodec:
-        return self._predicted.codec(world_size)
+        return self._policy(self.width(world_size)).codec(world_size)
 
     def _identify(self, tensor: torch.Tensor, frame):
         """``(optimizer, name)`` of the parameter whose gradient ``tensor`` is, or Nones."""
@@ -204,9 +224,10 @@ class THCCompressor:
                 "hhook: THC compress() could not tell which parameter a gradient belongs to (it is "
                 "called outside a Horovod DistributedOptimizer?): such tensors are sent uncompressed"
             )
-        words, msg = self._predicted.encode(tensor, key, ps.rank(), ps.size(), next(self._calls), label=name)
+        policy = self._policy(self.width(ps.size()))
+        words, msg = policy.encode(tensor, key, ps.rank(), ps.size(), next(self._calls), label=name)
         self._stats.add("dense_calls" if msg.dense else "compressed_calls", 4 * tensor.numel(), words.nbytes)
-        return words, msg
+        return words, (policy, msg)
 
     # -- decompress ---------------------------------------------------------------
     def decompress(self, words: torch.Tensor, ctx) -> torch.Tensor:
@@ -215,8 +236,9 @@ class THCCompressor:
         Raises :class:`OpMismatchError` if ``words`` was not summed over the ranks and
         :class:`~hhook.codec.ConfigMismatchError` if the ranks' configurations differ.
         """
+        policy, plan = ctx
         try:
-            out = self._predicted.decode(words, ctx)
+            out = policy.decode(words, plan)
         except OpMismatchError as e:
             raise OpMismatchError(f"{_OP_HELP} {e}") from None
         if words[1].item():  # the summed non-finite flag

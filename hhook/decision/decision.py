@@ -120,6 +120,12 @@ class Decision:
         return json.loads(json.dumps(self._fields()))
 
     def load_state_dict(self, saved: dict) -> None:
+        """Continue from :meth:`state_dict`, or from what a job that installed no hook saved
+        (every rank on one host: ``{"not_measured": ..., "kept": ...}``,
+        :class:`hhook.decision.hook.NotMeasured`): the decision it kept, else a new one
+        with this decision's options."""
+        if "not_measured" in saved:
+            saved = saved["kept"] if saved["kept"] is not None else type(self)(**self.options).state_dict()
         missing = [name for name in self._FIELDS if name not in saved and name not in self._SINCE]
         if missing:
             raise ValueError(f"not a Decision state (missing {missing})")

@@ -94,15 +94,21 @@ def one_host(state: THCState, ddp_model) -> str | None:
             "measures anyway; bits=N always compresses")
 
 
+_said_one_host: list = []  # whether this process said it at WARNING already
+
+
 def skip_measuring(state: THCState, reason: str) -> None:
     """Leave ``state`` as :func:`hhook.register` returns it when it installs nothing:
-    ``state.decision`` says so (:class:`NotMeasured`), one log line on rank 0, and no
-    idle warning at exit (no tensor goes through it, by design)."""
+    ``state.decision`` says so (:class:`NotMeasured`), one log line on rank 0 (WARNING
+    the first time in the process: the user asked for compression and gets none, so it
+    must show at the default log level; INFO after), and no idle warning at exit (no
+    tensor goes through it, by design)."""
     state.decision = NotMeasured(reason, state.decision)
     state.prober = None
     report.LIVE.discard(state)
     if dist.get_rank(state.process_group) == 0:
-        logger.info("hhook: %s", reason)
+        logger.log(logging.INFO if _said_one_host else logging.WARNING, "hhook: %s", reason)
+        _said_one_host.append(True)
 
 
 def live_decision(state: THCState) -> Decision:

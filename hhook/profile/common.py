@@ -225,14 +225,31 @@ def check_backend(backend: str, device: str = "cpu") -> None:
 def check_outputs(args) -> str | None:
     """Rank 0's own checks of where it will write; a message, or None."""
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:
-            parent = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(parent):
-                return f"{flag} {path}: directory {parent} does not exist"
-            if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-                return f"{flag} {path}: not writable"
+        problem = path and _unwritable(path)
+        if problem:
+            return f"{flag} {path}: {problem}"
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         return '--plot needs matplotlib (pip install "hhook[profile]")'
+    return None
+
+
+def _unwritable(path: str) -> str | None:
+    """Why the run's results could not be written to ``path`` at its end, or None: the
+    file is opened for appending now (as root too, where permission bits say nothing),
+    and removed again if this made it."""
+    if os.path.isdir(path):
+        return "is a directory (name a file)"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"directory {parent} does not exist"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return f"not writable ({e.strerror})"
+    if not existed:
+        os.unlink(path)
     return None
 
 

@@ -109,7 +109,30 @@ def explain(exc: BaseException, what: str, group) -> BaseException:
     :func:`hhook.schedule.blame.blame` to name the rank that stalled."""
     timeout = timeout_of(group).total_seconds()
     others = others_of(group)
-    return errors.explain(exc, what, timeout, peers_of(group), lambda kind: blame(kind, others, timeout))
+    where = f"{what} on {_label(group)}"
+    return errors.explain(exc, what, timeout, peers_of(group), lambda kind: blame(kind, others, timeout, where))
+
+
+def failure_cause(group) -> str:
+    """For a rank told by a peer of ``group`` that the peer failed: what the stall reports
+    say made it fail (", by the job's reports: rank 2 died ..."), or "" where they do not
+    tell. :func:`hhook.schedule.blame.blame` of the peers, as where a peer closed its
+    connection."""
+    others = others_of(group)
+    timeout = timeout_of(group).total_seconds()
+    who = blame("lost", others, timeout, f"a collective that a peer failed on {_label(group)}")
+    if who is None or not who.culprits or not who.lost:
+        return ""
+    return (f"; by the job's reports, {errors.ranks_text(who.culprits)} died (killed, out of memory, preempted) "
+            f"and {errors.ranks_text(who.lost)} lost it")
+
+
+def _label(group) -> str:
+    """``group`` as the stall report names it to other ranks (the same on every member)."""
+    if isinstance(group, SecondGroup):
+        return f"hhook's second communicator of group {group.parent_name!r}"
+    group = group if group is not None else dist.group.WORLD
+    return f"group {getattr(group, 'group_name', '?')!r}"
 
 
 @contextlib.contextmanager

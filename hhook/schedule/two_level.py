@@ -53,7 +53,7 @@ from ..stats import Counters
 from .context import context_of, handshake
 from .flat import check_tensor, flat_allreduce_async, payload_bytes, plain_allreduce
 from .futures import completed, new_future, value_of
-from .groups import all_gather_flat, explain, timeout_of
+from .groups import all_gather_flat, explain, failure_cause, timeout_of
 from .sequencer import stream_of
 from .teardown import attach
 from .topology import Topology
@@ -350,7 +350,7 @@ class _TwoLevelCall:
             elif failed_peer:
                 raise RankFailedError(
                     "hhook: another rank of this node failed while reducing this tensor (two-level THC); "
-                    "that rank raises its own exception"
+                    "that rank raises its own exception" + failure_cause(self.topo.intra_group)
                 )
             elif bad:
                 tensor.fill_(float("nan"))

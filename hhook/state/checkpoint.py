@@ -22,11 +22,9 @@ from ..stats import Counters
 from . import report
 from .keys import KeyStore, drop_residuals, start_afresh
 from .options import NAMES, Options
+from .validate import STATE_FORMAT, checked
 
 logger = logging.getLogger(__name__)
-
-#: Version of the layout below (pickles of older hhooks have none).
-STATE_FORMAT = 1
 
 
 def state_dict(state) -> dict:
@@ -68,19 +66,17 @@ def load_state_dict(state, saved: dict) -> None:
     :func:`hhook.register` gave it stay. Per-key state that cannot describe this run
     starts afresh with one log line: a checkpoint of another node layout or world size
     (compared when the layout is found, or now if it is known) or of another codec
-    version; another rank's residuals."""
+    version; another rank's residuals. A malformed ``saved`` (a field of the wrong type,
+    range or shape) raises ``ValueError`` naming the field and changes nothing."""
     load(state, saved, announce=True)
 
 
 def load(state, saved: dict, announce: bool) -> None:
     """:func:`load_state_dict` (``announce``: log the options that change). A component
-    missing from ``saved`` (saved before it existed) keeps its value."""
-    if not isinstance(saved, dict) or "bits" not in saved:
-        raise ValueError(f"hhook: not a THCState.state_dict(): {type(saved).__name__} "
-                         f"with keys {sorted(saved) if isinstance(saved, dict) else '-'}")
-    if saved.get("format", STATE_FORMAT) > STATE_FORMAT:
-        raise ValueError(f"hhook: this THCState was saved by a newer hhook (format {saved['format']}, "
-                         f"this one reads up to {STATE_FORMAT})")
+    missing from ``saved`` (saved before it existed) keeps its value. The whole of
+    ``saved`` is checked first (:mod:`~hhook.state.validate`): a bad one raises
+    ``ValueError`` and changes nothing."""
+    checked(saved, state.options, state.decision)
     options = Options(**{name: saved.get(name, getattr(state.options, name)) for name in NAMES})  # before any change
     changed = [f"{name} {getattr(state.options, name)!r} -> {getattr(options, name)!r}" for name in NAMES
                if getattr(options, name) != getattr(state.options, name)]

@@ -433,3 +433,45 @@ def test_force_reference_env_is_honoured(monkeypatch):
     assert THCCodec().prepare(torch.ones(10)).backend is None
     monkeypatch.setenv("HHOOK_FORCE_REFERENCE", "0")
     assert THCCodec().prepare(torch.ones(10)).backend is cpu_kernels
+
+
+@pytest.mark.parametrize("how", ["file writable by others", "folder writable by others", "file of another user"])
+def test_a_cache_others_can_write_is_not_loaded(tmp_path, how):
+    """A library someone else could have planted (a file or folder writable by group or
+    others, a file of another uid: as root here) is never loaded: the codec is built in
+    a private folder instead, with one log line, and the cache is left as it was."""
+    cache = tmp_path / "cache"
+    first, _ = _result(_spawn(cache))
+    lib = Path(first["path"])
+    assert first["ok"] and lib.parent == cache
+    if how == "file writable by others":
+        lib.chmod(0o757)
+    elif how == "folder writable by others":
+        cache.chmod(0o777)
+    else:
+        if os.getuid() != 0:
+            pytest.skip("chown to another uid needs root")
+        os.chown(lib, 12345, 12345)
+    planted = lib.stat()
+    again, err = _result(_spawn(cache))
+    lines = [ln for ln in err.splitlines() if ln.startswith("LOG")]
+    assert again["ok"] and again["compiled"] and Path(again["path"]).parent != cache, again
+    assert len(lines) == 1 and "not loaded" in lines[0] and str(cache) in lines[0], lines
+    assert ("uid 12345" if "another" in how else "writable by its group or others") in lines[0]
+    assert not Path(again["path"]).exists()  # the private folder went with its process
+    assert lib.stat() == planted
+
+
+def test_a_library_built_under_a_permissive_umask_is_loaded_again(tmp_path):
+    """umask 002 (group-writable files by default) would make the cache's own library
+    untrusted: it is written read-only for group and others."""
+    cache = tmp_path / "cache"
+    script = "import os; os.umask(0o002); exec(os.environ['BUILD'])"
+    env = {**os.environ, "HHOOK_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT), "BUILD": _BUILD}
+    env.pop("HHOOK_FORCE_REFERENCE", None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lib = next(cache.glob("*.so"))
+    assert not lib.stat().st_mode & 0o022
+    again, err = _result(_spawn(cache))
+    assert again["ok"] and not again["compiled"] and "LOG" not in err, err

@@ -48,7 +48,8 @@ def _register(rank, env: dict, **options):
         ddp(x).sum().backward()
         grad = ddp.module.weight.grad.clone()
         return {"stats": state.stats(), "installed": _installed(ddp), "grad": grad, "state": state,
-                "logs": [r.getMessage() for r in records if r.levelno >= logging.INFO]}
+                "logs": [r.getMessage() for r in records if r.levelno >= logging.INFO],
+                "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
@@ -108,6 +109,10 @@ def test_auto_on_one_host_with_cpu_tensors_installs_nothing_and_says_why(monkeyp
         assert skip["stats_after_save"] == skip["reloaded"] == "plain"
         one_host_lines = [line for line in skip["logs"] if "one host" in line]
         assert len(one_host_lines) == (1 if rank == 0 else 0), skip["logs"]
+        # at the default log level: WARNING, saying no hook was installed, why, and what measures anyway
+        warned = [line for line in skip["warnings"] if "one host" in line]
+        assert len(warned) == (1 if rank == 0 else 0), skip["warnings"]
+        assert all("no hook is installed" in w and "HHOOK_AUTO_ONE_HOST=measure" in w for w in warned), warned
         assert out["adapter_warned"] is False
         for case in ("measure_on_one_rank", "two_nodes"):
             measured = out[case]

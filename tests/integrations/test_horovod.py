@@ -33,6 +33,7 @@ SCENARIOS = [
     "op_average",
     "default_dtype",
     "mismatch",
+    "auto_width",
     "grouped",
     "unused_params",
     "heavy_tailed",

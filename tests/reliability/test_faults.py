@@ -101,6 +101,28 @@ def test_a_killed_rank_without_restarts_stops_every_other_rank_clearly():
         assert_names_hhook_s_error(found.group(5))
 
 
+def test_a_killed_rank_of_two_nodes_is_named_by_every_survivor():
+    """Issue 52: 4 ranks as 2 nodes x 2, rank 2 killed inside the hook's collectives: every
+    survivor raises within seconds and names rank 2, never rank 3 (which exits only after
+    losing rank 2: it reports so, and a survivor whose own peer it is follows the report)."""
+    procs = launch(4, "--steps", "40", "--bits", "4", "--topology", "2", "--timeout", "30", "--kill-at", "10",
+                   "--kill-in", "hook", "--fault-rank", "2")
+    results = finish(procs, limit=150)
+    assert results[2][0] == -signal.SIGKILL
+    killed = float(re.search(r"fault: rank killed at t=([\d.]+)", results[2][2]).group(1))
+    for rank in (0, 1, 3):
+        code, _, stderr = results[rank]
+        found = ERROR.search(stderr)
+        assert code == 1 and found, f"rank {rank} (exit {code}):\n{stderr[-3000:]}"
+        message = found.group(5)
+        assert "Unable to cast" not in message, message
+        # its own peer lost (PeerLostError), or a rank of its node that failed on it (RankFailedError)
+        assert re.search(r"PeerLostError: hhook: .*a peer \(rank 2(, at [^)]*)?\) closed its connection|"
+                         r"RankFailedError: hhook: another rank of this node failed.*by the job's reports, rank 2 "
+                         r"died", message), (rank, message)
+        assert float(found.group(3)) - killed < 20, (rank, float(found.group(3)) - killed)
+
+
 def assert_names_hhook_s_error(message: str) -> None:
     """DDP raises the hook's failure as a RuntimeError; what it says must name hhook's
     error class, not read as a cast (DDP's reducer casting an exception to a Tensor)."""

@@ -473,6 +473,30 @@ def mismatch():
 
 
 @scenario
+def auto_width():
+    """bits="auto" (docs/usage.md): THC at the error rule's width for the process set's
+    size (5 bits at 2 ranks), the very steps of that fixed width, bit for bit."""
+    from hhook.codec.error_model import auto_bits
+
+    width = auto_bits(hvd.size())
+    runs = []
+    for bits in ("auto", width):
+        model = mlp(5)
+        opt = hh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=[("aw." + n, p) for n, p in model.named_parameters()], bits=bits)
+        for step in range(3):
+            opt.zero_grad()
+            backward(model, step)
+            opt.step()
+        runs.append((params(model), opt.thc))
+    (auto, comp), (fixed, fixed_comp) = runs
+    assert all(torch.equal(a, b) for a, b in zip(auto, fixed)), "bits='auto' stepped otherwise than its width"
+    assert comp.stats() == fixed_comp.stats() and comp.stats()["compressed_calls"] > 0, comp.stats()
+    assert comp.codec(hvd.size()).bits == width and comp.bits == "auto"
+    return f"auto = {width} bits at {hvd.size()} ranks, bit for bit"
+
+
+@scenario
 def grouped():
     """hvd.DistributedOptimizer(groups=1) with a THCCompressor: grouped allreduces are
     keyed per parameter too (predicted after warm-up) and stay within the bound."""

@@ -23,7 +23,10 @@ else Python's, else ``cc``/``gcc``/``clang``) builds it with ``-O3 -march=native
 ``$HHOOK_CACHE_DIR`` (default ``~/.cache/hhook``), keyed by the source, the compiler, the
 flags and the CPU, so every later process (every rank of every job) just loads it. A
 file lock makes concurrent ranks compile once; the library is written to a temporary
-file and renamed, so no process ever loads a half-written one. Without a working
+file and renamed, so no process ever loads a half-written one. Only a library of this
+user in a folder of this user, neither writable by group or others, is loaded: in a
+shared cache another user could plant code there, so the library is then built in a
+private temporary folder, with one log line. Without a working
 compiler the codec logs one line and uses the reference. ``HHOOK_CPU_MARCH`` builds for
 another ``-march`` than ``native`` (the same bits, another speed). ctypes releases the GIL, so
 the blocks are split over ``torch.get_num_threads()`` Python threads.
@@ -32,6 +35,7 @@ the blocks are split over ``torch.get_num_threads()`` Python threads.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import ctypes
@@ -154,17 +158,48 @@ def _file_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _not_private(path: Path) -> str | None:
+    """Why the cache's ``path`` (the folder or a library in it) may hold code planted by
+    someone else, or None: it is not this user's, or its group or others may write it."""
+    info = path.stat()
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        return f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()})"
+    if info.st_mode & 0o022:
+        return f"{path} is writable by its group or others (mode {info.st_mode & 0o777:o})"
+    return None
+
+
+_private: list = []  # the private folder of this process, once made
+
+
+def _private_dir(problem: str) -> Path:
+    """A folder of this process that only this user can write, made on first use with
+    one log line saying why the cache is not used; removed at exit."""
+    if not _private:
+        folder = tempfile.mkdtemp(prefix="hhook-cpu-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _private.append(Path(folder))
+        logger.warning("hhook: the fused CPU codec's cache is not loaded (%s): it is built in %s for this process "
+                       "instead; set %s to a folder only you can write", problem, folder, CACHE_ENV)
+    return _private[0]
+
+
 def build(arch: str | None = None) -> Path:
     """Compile the library (for ``-march=arch``, default :func:`march`) into the cache
     unless it is there; returns its path.
 
     Concurrent callers (ranks of one node) serialise on a lock file: the first compiles,
     the others find the result. The compiler writes a temporary file that is renamed
-    into place, so a reader never sees a partial library.
+    into place, so a reader never sees a partial library. A cache folder or library that
+    is not this user's alone (:func:`_not_private`) is not used: the library is built in
+    a private folder (:func:`_private_dir`).
     """
     cc = compiler()
     target = library_path(cc, arch)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    problem = _not_private(target.parent) or (_not_private(target) if target.exists() else None)
+    if problem is not None:
+        target = _private_dir(problem) / target.name
     start = time.perf_counter()
     with _file_lock(target.with_suffix(".lock")):
         if target.is_file():
@@ -177,6 +212,7 @@ def build(arch: str | None = None) -> Path:
                                   capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cc)} failed: {done.stderr.strip()[-2000:]}")
+            os.chmod(tmp, 0o755)  # whatever the umask: a cache file writable by others is never loaded
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
