@@ -152,6 +152,12 @@ class DiLoCo:
         """Exchanges launched and not merged yet."""
         return len(self.pending)
 
+    def wait(self) -> None:
+        """Wait for the exchanges in flight (their means are kept for their merge): before
+        a checkpoint, and before the process groups are destroyed at the end of a run."""
+        for p, exchange in self.pending.items():
+            self._mean(p, exchange)
+
     def _launch(self, p: int) -> None:
         local = self.fragments[p].read()
         delta = self.outer[p] - local
@@ -237,8 +243,7 @@ class DiLoCo:
         inner steps done, the outer shards, the outer optimizer, THC's state (residuals,
         rounding counters) and the exchanges in flight (waited for: their means). Save it
         with the model and the inner optimizer; every rank saves its own."""
-        for p, exchange in self.pending.items():
-            self._mean(p, exchange)
+        self.wait()
         return {"format": STATE_FORMAT, "options": self._options(), "position": self.position, "syncs": self.syncs,
                 "outer": [t.detach().clone() for t in self.outer], "outer_optimizer": self.outer_optimizer.state_dict(),
                 "thc": None if self.thc is None else self.thc.state_dict(), "counters": self.counters.state_dict(),
