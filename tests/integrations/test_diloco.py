@@ -326,3 +326,30 @@ def test_error_feedback_keeps_the_sum_of_outer_steps_on_track():
     with_ef = sum(run_world(_ef_error, 2, True, 8, 30)[0]) / 8
     without = sum(run_world(_ef_error, 2, False, 8, 30)[0]) / 8
     assert with_ef < 0.4 * without, (with_ef, without)
+
+
+def test_a_site_that_dies_makes_the_other_raise_naming_it():
+    """Rank 1 (site 1) dies in the middle of a run; rank 0 raises hhook.PeerLostError from the
+    outer step, naming site 1, within the group's timeout; nobody hangs."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from tests.support.distributed import ROOT, free_port, subprocess_env
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "support", "diloco_job.py"), "--die-at", "5"],
+                              env=subprocess_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                                 MASTER_PORT=str(port)), cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    try:
+        out = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == 9
+    found = re.search(r"rank 0: step (\d+): (\w+): (.*)", out[0][1])
+    assert procs[0].returncode == 1 and found, out[0][1][-3000:]
+    assert found.group(2) in ("PeerLostError", "PeerTimeoutError"), found.group(0)
+    assert "hhook.diloco: the outer exchange" in found.group(3) and "site 1" in found.group(3), found.group(0)
