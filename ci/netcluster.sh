@@ -116,7 +116,7 @@
 # several clusters live side by side; every command of one cluster needs the same
 # HH_PREFIX), HH_SUBNET (default 10.77.0), HH_BURST (tbf burst bytes,
 # default max(256 KiB, 2 ms at RATE)), HH_LATENCY (tbf queue bound, default
-# 20ms), HH_MTU (default 1500), PYTHON (default python3), MASTER_PORT
+# 20ms), HH_DELAY_NICE (the delay forwarder's niceness, default -5), HH_MTU (default 1500), PYTHON (default python3), MASTER_PORT
 # (default 29500), OMP_NUM_THREADS (default 1), HH_MPI_YIELD (default 1),
 # HH_MPIRUN_ARGS.
 
@@ -275,7 +275,9 @@ cmd_delay() {  # delay MS [JITTER_MS]: hold every packet between nodes MS +- JIT
     [[ -r $RUN_DIR/rate ]] && rate=$(<"$RUN_DIR/rate")
     [[ $rate == none ]] || burst=$(burst_for "$rate")
     mkdir -p "$RUN_DIR"
-    setsid "$PYTHON" "$(dirname "$SELF")/../measure/delaylink.py" --nodes "$(cluster_size)" --prefix "$NP" --subnet "$SUBNET" \
+    # The forwarder is the link: it must not wait behind the jobs it carries (a caller under
+    # nice would otherwise starve it on a busy host), hence its own priority.
+    setsid nice -n "${HH_DELAY_NICE:--5}" "$PYTHON" "$(dirname "$SELF")/../measure/delaylink.py" --nodes "$(cluster_size)" --prefix "$NP" --subnet "$SUBNET" \
         --delay-ms "$ms" --jitter-ms "$jitter" --rate "$rate" ${burst:+--burst "$burst"} --latency "$LATENCY" \
         --pidfile "$RUN_DIR/delay.pid" </dev/null >"$RUN_DIR/delay.log" 2>&1 &
     pid=$!

@@ -169,6 +169,7 @@ class DiLoCo:
                 raise
             raise err from exc
         self.pending[p] = _Exchange(future, self.position, self.position + self.overlap, local if self.overlap else None)
+        self.syncs += 1
 
     def _exchange(self, p: int, delta: torch.Tensor) -> torch.futures.Future:
         """Start averaging ``delta`` over this rank's ring; a future of the mean."""
@@ -192,7 +193,6 @@ class DiLoCo:
         outer.grad = None
         new = outer if exchange.snap is None else outer + (self.fragments[p].read() - exchange.snap)
         self.fragments[p].write(new, self.sites.site_group)
-        self.syncs += 1
 
     def _mean(self, p: int, exchange: _Exchange) -> torch.Tensor:
         """The exchange's mean, waited for once; a lost or stalled peer names its site."""
@@ -286,8 +286,8 @@ class DiLoCo:
         self._unchecked = self.sites.n_sites > 1
 
     def stats(self) -> dict:
-        """This rank's figures: inner steps, fragment syncs and outer steps (syncs / P),
-        exchanges in flight, and the bytes it handed to collectives between sites
+        """This rank's figures: inner steps, fragment syncs launched (``syncs``) and outer
+        steps (syncs / P), exchanges in flight, and the bytes it handed to collectives between sites
         (``wire_bytes``: THC's codes, scales and handshake, or the fp32 tensors; the
         start's broadcast and the checks not counted) against float32's (``dense_bytes``)."""
         counted = self.counters.snapshot() if self.thc is None else self.thc.stats()

@@ -11,9 +11,10 @@ Assumptions, printed with the table:
   :func:`hhook.profile.models.ring_allreduce_s`: ``2 (n - 1)`` messages one after the
   other, each paying the delay);
 * a step computes for ``compute`` seconds; DDP's exchange is not overlapped with it (an
-  upper bound on what it adds); its buckets (25 MB) go one after the other, THC's with two
-  rounds each (the MAX of the scales, then the SUM of the lane words at the width for
-  ``n`` sites, :class:`hhook.codec.THCCodec`), plus the codec at ``codec`` bytes/s;
+  upper bound on what it adds); its buckets are pipelined, so each round's delay is paid
+  once a step: fp32 one allreduce of the model, THC two rounds (the MAX of the scales, then
+  the SUM of the lane words at the width for ``n`` sites, :class:`hhook.codec.THCCodec`),
+  plus the codec at ``codec`` bytes/s;
 * DiLoCo, blocking: the same exchange once every ``H`` steps, of the whole model; streamed
   (``P`` fragments, ``overlap`` steps): each fragment's exchange is hidden behind
   ``overlap`` steps of compute, only what exceeds them is waited for;
@@ -31,19 +32,18 @@ from .models import ring_allreduce_s
 
 SITES = (2, 4, 8, 16, 32, 64)
 LINKS_GBIT = (0.1, 1.0, 10.0)
-BUCKET = 25e6
 
 
-def _thc_exchange(n: int, nbytes: float, alpha: float, beta: float, bits: int, codec_bps: float,
-                  pieces: int = 1) -> tuple[float, float]:
+def _thc_exchange(n: int, nbytes: float, alpha: float, beta: float, bits: int,
+                  codec_bps: float) -> tuple[float, float]:
     """(seconds, bytes handed to the ring) of THC-averaging ``nbytes`` of float32 over
-    ``n`` sites in ``pieces`` one after the other: MAX + SUM each, plus the codec."""
-    numel = max(1, int(nbytes / 4 / pieces))
+    ``n`` sites: the MAX round of the scales, the SUM round of the words, the codec."""
+    numel = max(1, int(nbytes / 4))
     codec = THCCodec(bits, 1024, 0, n)
     scales = 4 * codec.scales_numel(numel)
     words = codec.wire_bytes(numel) - scales
-    one = ring_allreduce_s(n, scales, alpha, beta) + ring_allreduce_s(n, words, alpha, beta)
-    return pieces * one + nbytes / codec_bps, pieces * (scales + words)
+    seconds = ring_allreduce_s(n, scales, alpha, beta) + ring_allreduce_s(n, words, alpha, beta) + nbytes / codec_bps
+    return seconds, scales + words
 
 
 def rows(W: float, compute_s: float, every: int, fragments: int, overlap: int, bits: int, rtt_s: float,
@@ -52,27 +52,24 @@ def rows(W: float, compute_s: float, every: int, fragments: int, overlap: int, b
     """One row per (sites, link): ms and bytes per inner step, and per token, of each way."""
     out = []
     shard = W / ranks_per_site  # what each ring carries
-    buckets = max(1, -(-int(shard) // int(BUCKET)))
     for n in sites:
         tokens = n * ranks_per_site * tokens_per_rank
         for gbit in links_gbit:
             alpha, beta = rtt_s / 2, gbit * 1e9 / 8
-            fp32 = sum(ring_allreduce_s(n, shard / buckets, alpha, beta) for _ in range(buckets))
-            thc, thc_bytes = _thc_exchange(n, shard, alpha, beta, bits, codec_bps, buckets)
-            outer_fp32 = ring_allreduce_s(n, shard, alpha, beta)
-            outer_thc, outer_bytes = _thc_exchange(n, shard, alpha, beta, bits, codec_bps)
+            fp32 = ring_allreduce_s(n, shard, alpha, beta)
+            thc, thc_bytes = _thc_exchange(n, shard, alpha, beta, bits, codec_bps)
             frag, frag_bytes = _thc_exchange(n, shard / fragments, alpha, beta, bits, codec_bps)
             exposed = max(0.0, frag - overlap * compute_s)
             ways = {
                 "ddp_fp32": (compute_s + fp32, shard),
                 "ddp_thc": (compute_s + thc, thc_bytes),
-                "diloco_fp32": (compute_s + outer_fp32 / every, shard / every),
-                "diloco_thc": (compute_s + outer_thc / every, outer_bytes / every),
+                "diloco_fp32": (compute_s + fp32 / every, shard / every),
+                "diloco_thc": (compute_s + thc / every, thc_bytes / every),
                 "streaming_thc": (compute_s + fragments * exposed / every, fragments * frag_bytes / every),
             }
             row = {"op": "diloco_model", "sites": n, "link_gbit": gbit, "rtt_ms": rtt_s * 1e3, "every": every,
                    "fragments": fragments, "overlap": overlap, "bits": bits, "lane_bits": THCCodec(bits, 1024, 0, n).layout.width,
-                   "tokens_per_step": tokens, "peak_sync_bytes_streaming": frag_bytes, "peak_sync_bytes_diloco": outer_bytes}
+                   "tokens_per_step": tokens, "peak_sync_bytes_streaming": frag_bytes, "peak_sync_bytes_diloco": thc_bytes}
             for name, (seconds, nbytes) in ways.items():
                 row[f"{name}_ms"] = seconds * 1e3
                 row[f"{name}_bytes"] = nbytes
@@ -98,8 +95,8 @@ def assumptions(W: float, compute_s: float, every: int, fragments: int, overlap:
         f"{format_size(W)} of float32 parameters,",
         f"# {ranks_per_site} rank(s) per site, {compute_s * 1e3:g} ms of compute and {tokens_per_rank} tokens per rank "
         "and inner step.",
-        "# DDP: the exchange at every step, not overlapped (25 MB buckets one after the other; THC: MAX + SUM",
-        f"# rounds, {bits} bits, lanes for n sites, codec at {codec_bps / 1e9:g} GB/s). DiLoCo: once every "
+        "# DDP: the exchange at every step, not overlapped, buckets pipelined (THC: a MAX and a SUM round,",
+        f"# {bits} bits, lanes for n sites, codec at {codec_bps / 1e9:g} GB/s). DiLoCo: the same once every "
         f"H = {every} steps, blocking;",
         f"# streamed: P = {fragments} fragments, each hidden behind {overlap} step(s) of compute. Per inner step "
         "of the whole job:",

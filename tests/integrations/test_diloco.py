@@ -34,64 +34,77 @@ def _set_flat(model, flat: torch.Tensor) -> None:
             offset += p.numel()
 
 
-def _pseudo(site: int, numel: int, call: int, kind: str) -> torch.Tensor:
-    """Site ``site``'s pseudo-gradient at outer step ``call``: heterogeneous on purpose."""
+def _pseudo(site: int, numel: int, call: int) -> torch.Tensor:
+    """Site ``site``'s pseudo-gradient at outer step ``call``: site 1's 10x the others' (call
+    0), every site's but site 0's zero (call 1), all different (call 2)."""
     base = torch.randn(numel, generator=torch.Generator().manual_seed(100 + call)) * 1e-2
-    if kind == "10x":
+    if call == 0:
         return base * (10.0 if site == 1 else 1.0) + site * 1e-3
-    if kind == "zero":
+    if call == 1:
         return base if site == 0 else torch.zeros(numel)
     return base + 1e-2 * torch.randn(numel, generator=torch.Generator().manual_seed(7 * site + call))
 
 
-def _outer_steps(rank, world, bits, kind, ranks_per_site, steps=3):
+def _outer_steps(rank, world, ranks_per_site, steps=3):
     """Every outer step (H = 1): each site moves to outer - d_site, the synchronizer
-    averages; returns (this rank's parameters after each step, the dense reference)."""
+    averages; per exchange (fp32, THC at 8 bits): this rank's parameters after each step,
+    the dense reference's and the stats."""
     sites = hhook.diloco.find_sites(ranks_per_site)
-    model = _net(seed=sites.site)  # sites start apart (a site's ranks alike, as DDP makes them): site 0's wins
-    outer = hhook.diloco.DiLoCo(model, None, sites, every=1, bits=bits)
-    ref = _flat(model).clone()
-    assert torch.equal(ref, _flat(_net(seed=0))), "every site starts from site 0's parameters"
-    ref_opt = hhook.diloco.nesterov_sgd([ref])
-    got, want = [ref.clone()], [ref.clone()]
-    for call in range(steps):
-        d = [_pseudo(s, ref.numel(), call, kind) for s in range(sites.n_sites)]
-        _set_flat(model, ref - d[sites.site])
-        outer.step()
-        ref.grad = torch.stack(d).mean(0)
-        ref_opt.step()
-        got.append(_flat(model).clone())
-        want.append(ref.clone())
-    return got, want, outer.stats()
+    out = {}
+    for bits in (None, 8):
+        model = _net(seed=sites.site)  # sites start apart (a site's ranks alike, as DDP makes them): site 0's wins
+        outer = hhook.diloco.DiLoCo(model, None, sites, every=1, bits=bits)
+        ref = _flat(model).clone()
+        assert torch.equal(ref, _flat(_net(seed=0))), "every site starts from site 0's parameters"
+        ref_opt = hhook.diloco.nesterov_sgd([ref])
+        got, want = [ref.clone()], [ref.clone()]
+        for call in range(steps):
+            d = [_pseudo(s, ref.numel(), call) for s in range(sites.n_sites)]
+            _set_flat(model, ref - d[sites.site])
+            outer.step()
+            ref.grad = torch.stack(d).mean(0)
+            ref_opt.step()
+            got.append(_flat(model).clone())
+            want.append(ref.clone())
+        out[bits] = got, want, outer.stats()
+    return out
 
 
-@pytest.mark.parametrize("world,ranks_per_site,kind", [(2, 1, "10x"), (2, 1, "zero"), (4, 2, "mixed"), (4, 1, "10x")])
-def test_outer_step_with_an_fp32_exchange_is_the_dense_reference(world, ranks_per_site, kind):
-    for rank, (got, want, stats) in enumerate(run_world(_outer_steps, world, None, kind, ranks_per_site)):
+@pytest.mark.parametrize("world,ranks_per_site", [(2, 1), (4, 2)])
+def test_outer_step_against_a_dense_reference_with_heterogeneous_sites(world, ranks_per_site):
+    """An fp32 exchange gives the reference's outer step to float rounding; THC at 8 bits
+    within 2% of how far the step moved, every site the same bits; one site's
+    pseudo-gradient 10x the other's, then zero."""
+    results = run_world(_outer_steps, world, ranks_per_site)
+    for by_bits in results:
+        got, want, stats = by_bits[None]
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
         assert stats["syncs"] == 3 and stats["exchange"] == "fp32" and not torch.equal(want[0], want[-1])
-
-
-@pytest.mark.parametrize("world,ranks_per_site,kind", [(2, 1, "10x"), (2, 1, "zero"), (4, 2, "mixed")])
-def test_outer_step_through_thc_at_8_bits_is_close_to_the_dense_reference(world, ranks_per_site, kind):
-    results = run_world(_outer_steps, world, 8, kind, ranks_per_site)
-    for got, want, stats in results:
+        got, want, stats = by_bits[8]
         for g, w in zip(got[1:], want[1:]):
             moved = (w - want[0]).norm()  # compared with how far the outer steps moved
             assert (g - w).norm() < 0.02 * moved, ((g - w).norm(), moved)
-        assert stats["wire_bytes"] < stats["dense_bytes"]
-    finals = [r[0][-1] for r in results]
+        assert stats["wire_bytes"] < stats["dense_bytes"] and stats["exchange"] == "thc:8"
+    finals = [r[8][0][-1] for r in results]
     assert all(torch.equal(finals[0], f) for f in finals), "every site holds the same outer parameters"
 
 
-def _streamed(rank, world, fragments, overlap, bits):
-    """Inner steps that add a site's constant to every parameter; the synchronizer streams
-    ``fragments`` at their offsets. Returns what each sync saw and the parameters."""
+STREAMED = [(4, 0), (4, 2), (2, 1)]  # (fragments, overlap)
+
+
+def _streamed_all(rank, world):
     sites = hhook.diloco.find_sites(1)
+    return [_streamed(rank, sites, fragments, overlap) for fragments, overlap in STREAMED]
+
+
+def _streamed(rank, sites, fragments, overlap):
+    """Inner steps that add a site's constant to every parameter; the synchronizer streams
+    ``fragments`` at their offsets (fp32 exchange). Returns what each sync sent, what was in
+    flight after each step, and the parameters."""
     model = _net(layers=4)
     every = 8
-    outer = hhook.diloco.DiLoCo(model, None, sites, every=every, bits=bits, fragments=fragments, overlap=overlap)
+    outer = hhook.diloco.DiLoCo(model, None, sites, every=every, bits=None, fragments=fragments, overlap=overlap)
     drift = [0.01, 0.03][rank]
     dense, events = [], []
     for t in range(1, 2 * every + 1):
@@ -106,9 +119,13 @@ def _streamed(rank, world, fragments, overlap, bits):
             "numel": _flat(model).numel()}
 
 
-@pytest.mark.parametrize("fragments,overlap", [(4, 0), (4, 2), (2, 1)])
-def test_streaming_syncs_each_fragment_at_its_offset_with_a_fraction_of_the_bytes(fragments, overlap):
-    results = run_world(_streamed, 2, fragments, overlap, None)
+def test_streaming_syncs_each_fragment_at_its_offset_with_a_fraction_of_the_bytes():
+    every_config = run_world(_streamed_all, 2)
+    for (fragments, overlap), results in zip(STREAMED, zip(*every_config)):
+        _check_streamed(fragments, overlap, results)
+
+
+def _check_streamed(fragments, overlap, results):
     r0 = results[0]
     every, numel = 8, r0["numel"]
     assert r0["offsets"] == [(p + 1) * every // fragments % every for p in range(fragments)]
@@ -160,48 +177,60 @@ def _train(rank, world, steps, save_at, options, compiled=False):
     return _flat(net), in_flight_at_save, loss.item()
 
 
-@pytest.mark.parametrize("options,save_at", [
-    ({"every": 4, "bits": 4, "fragments": 2, "overlap": 1, "error_feedback": True}, 6),  # fragment 0 in flight
-    ({"every": 5, "bits": None}, 7),
-])
-def test_resume_mid_period_continues_bit_for_bit(options, save_at):
-    straight = run_world(_train, 2, 11, None, options)
-    resumed = run_world(_train, 2, 11, save_at, options)
-    for (a, _, _), (b, in_flight, _) in zip(straight, resumed):
-        assert torch.equal(a, b)
-    if options.get("overlap"):
-        assert resumed[0][1] == 1, "the checkpoint was taken with an exchange in flight"
+def _trains(rank, world, runs):
+    """:func:`_train` for each ``(steps, save_at, options, compiled)`` in one world."""
+    return [_train(rank, world, *run) for run in runs]
+
+
+RESUMED = [({"every": 4, "bits": 4, "fragments": 2, "overlap": 1, "error_feedback": True}, 6),  # fragment 0 in flight
+           ({"every": 5, "bits": None}, 7)]
+
+
+def test_resume_mid_period_continues_bit_for_bit():
+    """THC with error feedback, streamed, saved with an exchange in flight; an fp32 exchange
+    saved mid-period: each resumed run ends on the straight run's bits."""
+    runs = [(11, save_at, options, False) for options, save in RESUMED for save_at in (None, save)]
+    for rank_runs in run_world(_trains, 2, runs):
+        for i in range(0, len(runs), 2):
+            (a, _, _), (b, in_flight, _) = rank_runs[i], rank_runs[i + 1]
+            assert torch.equal(a, b), runs[i]
+        assert rank_runs[1][1] == 1, "the checkpoint was taken with an exchange in flight"
 
 
 def test_under_torch_compile_the_same_as_eager():
     options = {"every": 3, "bits": 4, "fragments": 2, "overlap": 1}
-    eager = run_world(_train, 2, 7, None, options)
-    compiled = run_world(_train, 2, 7, None, options, True)
-    for (a, _, la), (b, _, lb) in zip(eager, compiled):
+    for (a, _, _), (b, _, _) in run_world(_trains, 2, [(7, None, options, False), (7, None, options, True)]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def _mismatch(rank, world, what):
-    options = {"every": 4, "bits": 4, "fragments": 2}
-    width = 16
-    if rank == world - 1:
-        if what == "width":
-            width = 12
-        else:
-            options[what] = {"every": 6, "bits": 3, "fragments": 4}[what]
-    model = _net(width=width)
-    try:
-        hhook.diloco.DiLoCo(model, None, 1, **options)
-    except hhook.ConfigMismatchError as e:
-        return str(e)
-    return None
+MISMATCHES = ("every", "bits", "fragments", "width")
 
 
-@pytest.mark.parametrize("what", ["every", "bits", "fragments", "width"])
-def test_mismatched_options_or_shapes_raise_on_every_rank(what):
-    messages = run_world(_mismatch, 3, what)
-    assert all(m is not None and "disagree" in m for m in messages), messages
-    assert "rank 2 (site 2)" in messages[0]
+def _mismatch(rank, world):
+    """Each mismatch in turn, on the last rank (site): every rank's message, or None."""
+    messages = []
+    for what in MISMATCHES:
+        options = {"every": 4, "bits": 4, "fragments": 2}
+        width = 16
+        if rank == world - 1:
+            if what == "width":
+                width = 12
+            else:
+                options[what] = {"every": 6, "bits": 3, "fragments": 4}[what]
+        try:
+            hhook.diloco.DiLoCo(_net(width=width), None, 1, **options)
+            messages.append(None)
+        except hhook.ConfigMismatchError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_mismatched_options_or_shapes_raise_on_every_rank():
+    """H, bits, fragment counts or a parameter's shape differing on one site: every rank raises."""
+    for rank_messages in run_world(_mismatch, 3):
+        for what, m in zip(MISMATCHES, rank_messages):
+            assert m is not None and "disagree" in m and "rank 2 (site 2)" in m, (what, m)
+            assert ("shapes" in m) if what == "width" else (f"option {what}" in m), (what, m)
 
 
 def _asks_differently(rank, world):
@@ -227,12 +256,15 @@ def test_a_world_of_one_site_trains_locally():
     assert torch.equal(before, _flat(model)) and outer.stats()["syncs"] == 0
 
 
-def _two_by_two(rank, world, fsdp):
-    """4 ranks as 2 sites x 2: a subgroup of the program's own beside hhook's groups, DDP
-    or FSDP2 inside each site, an fp32 exchange; after one outer step (H = 2) every rank
-    holds the same parameters."""
+def _two_by_two_both(rank, world):
     own = dist.new_group([0, 3])  # the program's own subgroup, made before the sites'
     sites = hhook.diloco.find_sites(2)
+    return {fsdp: _two_by_two(rank, own, sites, fsdp) for fsdp in (False, True)}
+
+
+def _two_by_two(rank, own, sites, fsdp):
+    """4 ranks as 2 sites x 2: a subgroup of the program's own beside hhook's groups, DDP
+    or FSDP2 inside each site, an fp32 exchange; one outer step (H = 2)."""
     net = _net(seed=0, width=8, layers=2)
     if fsdp:
         from torch.distributed.device_mesh import DeviceMesh
@@ -262,15 +294,19 @@ def _two_by_two(rank, world, fsdp):
     return torch.cat([f.reshape(-1) for f in full]), torch.cat([s.reshape(-1) for s in start]), outer.stats()
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
-def test_sites_of_two_ranks_with_ddp_or_fsdp2_beside_the_program_s_subgroups(fsdp):
-    results = run_world(_two_by_two, 4, fsdp)
-    finals = [r[0] for r in results]
-    assert all(torch.equal(finals[0], f) for f in finals), "every rank of every site holds the outer parameters"
-    assert not torch.equal(finals[0], results[0][1]), "the outer step moved them"
-    numel = finals[0].numel()
-    for _, _, stats in results:  # each local rank exchanged its half of the pseudo-gradient
-        assert stats["dense_bytes"] == 4 * -(-numel // 2) or fsdp
+def test_sites_of_two_ranks_with_ddp_or_fsdp2_beside_the_program_s_subgroups():
+    """After the outer step every rank of every site holds the same parameters, FSDP2's the
+    same as DDP's; with DDP each local rank exchanged half of the pseudo-gradient."""
+    results = run_world(_two_by_two_both, 4)
+    for fsdp in (False, True):
+        finals = [r[fsdp][0] for r in results]
+        assert all(torch.equal(finals[0], f) for f in finals), "every rank of every site holds the outer parameters"
+        assert not torch.equal(finals[0], results[0][fsdp][1]), "the outer step moved them"
+    torch.testing.assert_close(results[0][True][0], results[0][False][0], rtol=1e-5, atol=1e-6)
+    numel = results[0][False][0].numel()
+    for r in results:
+        assert r[False][2]["dense_bytes"] == 4 * -(-numel // 2)
+        assert 0 < r[True][2]["dense_bytes"] < 4 * numel  # FSDP2: this rank's own shards
 
 
 def _stall(rank, world):
@@ -295,6 +331,10 @@ def test_a_stalled_site_makes_the_other_raise_naming_it():
     assert kind == "PeerTimeoutError", message
     assert "hhook.diloco: the outer exchange" in message and "rank 1 is in site 1" in message, message
     assert results[1][0] is not None, "the stalled site learns of it too"
+
+
+def _ef_errors(rank, world, draws, steps):
+    return {ef: _ef_error(rank, world, ef, draws, steps) for ef in (True, False)}
 
 
 def _ef_error(rank, world, error_feedback, draws, steps):
@@ -323,8 +363,8 @@ def test_error_feedback_keeps_the_sum_of_outer_steps_on_track():
     """Over 30 outer steps at 2 bits, the rounding errors of the decoded means add up
     (about sqrt(30) times one step's) without error feedback; with it the sum tracks the
     exact one to within about one step's error. Averaged over 8 draws per mode."""
-    with_ef = sum(run_world(_ef_error, 2, True, 8, 30)[0]) / 8
-    without = sum(run_world(_ef_error, 2, False, 8, 30)[0]) / 8
+    errors = run_world(_ef_errors, 2, 8, 30)[0]
+    with_ef, without = sum(errors[True]) / 8, sum(errors[False]) / 8
     assert with_ef < 0.4 * without, (with_ef, without)
 
 
