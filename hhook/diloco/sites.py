@@ -75,18 +75,12 @@ def one_site() -> Sites:
 
 
 def gather_ints(values: list[int], group=None, what: str = "hhook.diloco's options check") -> list[list[int]]:
-    """Every rank's ``values`` (the same count on each), in rank order: one all-gather of
-    int64 over ``group`` (on the GPU where the group has no host backend)."""
-    backend = str(dist.get_backend(group))
-    device = torch.device("cpu")
-    if "gloo" not in backend and "mpi" not in backend and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    world = dist.get_world_size(group)
-    out = torch.empty(world * len(values), dtype=torch.int64, device=device)
+    """Every rank's ``values`` in rank order (``all_gather_object``: a few integers, once
+    at construction or resume, on whichever backend the group has)."""
+    out: list = [None] * dist.get_world_size(group)
     with explained(what, group):
-        all_gather_flat(out, mine, group)
-    return out.view(world, len(values)).tolist()
+        dist.all_gather_object(out, [int(v) for v in values], group=group)
+    return out
 
 
 def all_gather_flat(out: torch.Tensor, mine: torch.Tensor, group) -> None:
