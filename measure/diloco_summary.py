@@ -87,12 +87,10 @@ def layout_figures(name: str, runs: list[dict]) -> dict:
             "thc": thc, "fp32": dense, "val_losses": {m: s[2] for m, s in spread.items()},
             "mean": {m: s[0] for m, s in spread.items()}, "stdev": {m: s[1] for m, s in spread.items()},
             "bytes_fewer": _ratio(ms[dense]["outer_bytes_per_outer_step"], ms[thc]["outer_bytes_per_outer_step"])}
-    streamed = next((m for m in main if ":p=" in m), None)
-    if streamed:
-        same_h = re.sub(r":p=\d+.*", "", streamed)
-        out["streaming"] = {"method": streamed, "in_flight_vs_quiet": ms[streamed]["in_flight_vs_quiet"],
-                            "val_loss_vs_blocking": _ratio(ms[streamed]["final_val_loss"],
-                                                           ms.get(same_h, {}).get("final_val_loss"))}
+    out["streaming"] = [
+        {"method": m, "in_flight_vs_quiet": ms[m]["in_flight_vs_quiet"],
+         "val_loss_vs_blocking": _ratio(ms[m]["final_val_loss"], ms.get(re.sub(r":p=\d+.*", "", m), {}).get("final_val_loss"))}
+        for m in main if ":p=" in m]
     return out
 
 

@@ -164,7 +164,7 @@ class DiLoCo:
         try:
             future = self._exchange(p, delta)
         except Exception as exc:  # noqa: BLE001 - a peer lost before the launch: named by its site
-            err = self._named(p, self.position, exc)
+            err = _site_error(self.sites, p, self.position, exc)
             if err is exc:
                 raise
             raise err from exc
@@ -202,26 +202,12 @@ class DiLoCo:
                 if self.thc is not None:
                     self.thc.check_deferred(wait=True)  # a GPU decode's bad prefix: ConfigMismatchError here
             except Exception as exc:  # noqa: BLE001 - re-raised; a lost or stalled peer named by its site
-                err = self._named(p, exchange.launched_at, exc)
+                err = _site_error(self.sites, p, exchange.launched_at, exc)
                 if err is exc:
                     raise
                 raise err from exc
             exchange.future = None
         return exchange.mean
-
-    def _named(self, p: int, launched_at: int, exc: BaseException) -> BaseException:
-        """``exc`` as the error to raise: a lost or stalled peer (THC's error, or the fp32
-        path's transport error explained) with the sites and the site of each rank it
-        names; anything else as it is."""
-        err = exc
-        if not isinstance(exc, (PeerLostError, PeerTimeoutError)):
-            err = explain(exc, f"hhook.diloco's exchange of fragment {p}", None, peers(self.sites.ring))
-        if not isinstance(err, (PeerLostError, PeerTimeoutError)):
-            return exc
-        named = sorted({int(r) for r in re.findall(r"rank (\d+)", str(err))})
-        where = "".join(f"; rank {r} is in site {self.sites.site_of(r)}" for r in named if self.sites.site_of(r) is not None)
-        return type(err)(f"hhook.diloco: the outer exchange of fragment {p} (after inner step {launched_at}) between "
-                         f"sites failed ({self.sites.describe()}{where}): {err}")
 
     # -- agreement and the common start ---------------------------------------------------
     def _options(self) -> dict:
@@ -295,6 +281,21 @@ class DiLoCo:
                 "syncs": self.syncs, "outer_steps": self.syncs / len(self.fragments), "in_flight": len(self.pending),
                 "wire_bytes": counted["wire_bytes"], "dense_bytes": counted["dense_bytes"],
                 "exchange": "fp32" if self.bits is None else f"thc:{self.bits}"}
+
+
+def _site_error(sites: Sites, p: int, launched_at: int, exc: BaseException) -> BaseException:
+    """``exc`` as the error to raise: a lost or stalled peer (THC's error, or the fp32
+    path's transport error explained) with the sites and the site of each rank it names;
+    anything else as it is."""
+    err = exc
+    if not isinstance(exc, (PeerLostError, PeerTimeoutError)):
+        err = explain(exc, f"hhook.diloco's exchange of fragment {p}", None, peers(sites.ring))
+    if not isinstance(err, (PeerLostError, PeerTimeoutError)):
+        return exc
+    named = sorted({int(r) for r in re.findall(r"rank (\d+)", str(err))})
+    where = "".join(f"; rank {r} is in site {sites.site_of(r)}" for r in named if sites.site_of(r) is not None)
+    return type(err)(f"hhook.diloco: the outer exchange of fragment {p} (after inner step {launched_at}) between "
+                     f"sites failed ({sites.describe()}{where}): {err}")
 
 
 def _synchronized(model: torch.nn.Module, inner_optimizer) -> list[tuple[str, torch.Tensor]]:

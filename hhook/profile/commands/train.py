@@ -307,7 +307,8 @@ def footer(rows: list[dict], args) -> list[str]:
                 f"in flight ({r['in_flight_vs_quiet']:.3f}x), {r['sync_step_ms']:.1f} ms launching or merging")
             lines.append(f"# {r['method']}: {s['sites']} sites x {s['ranks_per_site']} rank(s), {s['outer_steps']:g} outer "
                          f"steps; between sites {sig(r['outer_bytes_per_outer_step'] / 1e6, 4)} MB per outer step, "
-                         f"{sig(r['outer_bytes_per_step'] / 1e3, 4)} kB per inner step (rank 0){flight}")
+                         f"{sig(r['outer_bytes_per_step'] / 1e3, 4)} kB per inner step (rank 0){flight}; MB/rank/step "
+                         "counts these and the site's all-gathers, not DDP inside a site")
     for r in rows:
         if r.get("decision"):
             lines.append(f"# {r['method']}: {decision_line(r['decision'])}")
