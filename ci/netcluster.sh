@@ -110,9 +110,13 @@
 #   Open MPI Allreduce, 4 ranks: ~520-620 ms with Open MPI 4.1's default
 #            algorithm choice, ~345 ms with the ring (algorithm 4).
 #
-# Environment knobs: HH_SUBNET (default 10.77.0), HH_BURST (tbf burst bytes,
+# Environment knobs: HH_PREFIX (default hh: the names of everything this script
+# makes, namespaces ${HH_PREFIX}I and ${HH_PREFIX}net, bridge ${HH_PREFIX}br0, ports
+# ${HH_PREFIX}vI, hostnames ${HH_PREFIX}I, /run/hhook-netcluster-${HH_PREFIX}: so
+# several clusters live side by side; every command of one cluster needs the same
+# HH_PREFIX), HH_SUBNET (default 10.77.0), HH_BURST (tbf burst bytes,
 # default max(256 KiB, 2 ms at RATE)), HH_LATENCY (tbf queue bound, default
-# 20ms), HH_MTU (default 1500), PYTHON (default python3), MASTER_PORT
+# 20ms), HH_DELAY_NICE (the delay forwarder's niceness, default -5), HH_MTU (default 1500), PYTHON (default python3), MASTER_PORT
 # (default 29500), OMP_NUM_THREADS (default 1), HH_MPI_YIELD (default 1),
 # HH_MPIRUN_ARGS.
 
@@ -120,13 +124,16 @@ set -euo pipefail
 
 SELF=$(readlink -f "${BASH_SOURCE[0]}")
 SUBNET=${HH_SUBNET:-10.77.0}
-BRNS=hhnet
-BR=hhbr0
+NP=${HH_PREFIX:-hh}            # the names of this cluster: namespaces ${NP}I, ${NP}net, ...
+[[ $NP =~ ^[a-z][a-z0-9]{0,5}$ ]] || { echo "netcluster: HH_PREFIX must be 1-6 lower-case letters or digits, starting with a letter (got '$NP')" >&2; exit 1; }
+BRNS=${NP}net
+BR=${NP}br0
 IFACE=eth0
 LATENCY=${HH_LATENCY:-20ms}
 MTU=${HH_MTU:-1500}
 PYTHON=${PYTHON:-python3}
 RUN_DIR=/run/hhook-netcluster   # ranks_per_node, rate, uts-hhI (the nodes' UTS namespaces), delay.pid
+[[ $NP == hh ]] || RUN_DIR=/run/hhook-netcluster-$NP
 
 die() { echo "netcluster: $*" >&2; exit 1; }
 log() { echo "netcluster: $*" >&2; }
@@ -136,16 +143,16 @@ addr_of() { echo "$SUBNET.$(( $1 + 1 ))"; }
 # Ranks that currently exist, in numeric order. Only names we create are
 # considered, so an unrelated namespace is never touched.
 existing_ranks() {
-    ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^hh[0-9]+$' \
-        | sed 's/^hh//' | sort -n || true
+    ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^${NP}[0-9]+\$" \
+        | sed "s/^${NP}//" | sort -n || true
 }
 
 cluster_size() { existing_ranks | wc -l; }
 
 need_rank() {
     [[ $1 =~ ^[0-9]+$ ]] || die "rank must be a number, got '$1'"
-    ip netns list | awk '{print $1}' | grep -qx "hh$1" \
-        || die "namespace hh$1 does not exist (run: $0 up N)"
+    ip netns list | awk '{print $1}' | grep -qx "$NP$1" \
+        || die "namespace $NP$1 does not exist (run: $0 up N)"
 }
 
 # tc itself understands the rate string; we only need bytes/s to size the
@@ -173,12 +180,12 @@ rate_bytes_per_s() {
 # leaves $! = the rank process itself (every stage execs), which launch
 # needs in order to stop the ranks.
 ns_argv() {  # ns_argv I  -> sets NS_ARGV
-    if [[ -e $RUN_DIR/uts-hh$1 ]]; then
+    if [[ -e $RUN_DIR/uts-$NP$1 ]]; then
         # The node's own UTS namespace, made by "up": every rank of the node joins it.
-        NS_ARGV=(ip netns exec "hh$1" nsenter "--uts=$RUN_DIR/uts-hh$1")
+        NS_ARGV=(ip netns exec "$NP$1" nsenter "--uts=$RUN_DIR/uts-$NP$1")
     else
         # shellcheck disable=SC2016  # $0/$@ belong to the inner sh
-        NS_ARGV=(ip netns exec "hh$1" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "hh$1")
+        NS_ARGV=(ip netns exec "$NP$1" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "$NP$1")
     fi
 }
 
@@ -223,18 +230,18 @@ cmd_reshape() {  # reshape RATE: the running cluster's links, in place
     [[ $rate == none ]] || burst=$(burst_for "$rate")
     for i in $(existing_ranks); do
         if [[ $rate == none ]]; then
-            ip netns exec "hh$i" tc qdisc del dev "$IFACE" root 2>/dev/null || true
-            ip netns exec "$BRNS" tc qdisc del dev "hhv$i" root 2>/dev/null || true
+            ip netns exec "$NP$i" tc qdisc del dev "$IFACE" root 2>/dev/null || true
+            ip netns exec "$BRNS" tc qdisc del dev "${NP}v$i" root 2>/dev/null || true
         else
-            shape "hh$i" "$IFACE" "$rate" "$burst"
-            shape "$BRNS" "hhv$i" "$rate" "$burst"
+            shape "$NP$i" "$IFACE" "$rate" "$burst"
+            shape "$BRNS" "${NP}v$i" "$rate" "$burst"
         fi
         # the delayed link's device (netcluster.sh delay), where there is one
-        if ip -n "hh$i" link show "hhd$i" >/dev/null 2>&1; then
+        if ip -n "$NP$i" link show "${NP}d$i" >/dev/null 2>&1; then
             if [[ $rate == none ]]; then
-                ip netns exec "hh$i" tc qdisc del dev "hhd$i" root 2>/dev/null || true
+                ip netns exec "$NP$i" tc qdisc del dev "${NP}d$i" root 2>/dev/null || true
             else
-                shape "hh$i" "hhd$i" "$rate" "$burst"
+                shape "$NP$i" "${NP}d$i" "$rate" "$burst"
             fi
         fi
     done
@@ -268,7 +275,9 @@ cmd_delay() {  # delay MS [JITTER_MS]: hold every packet between nodes MS +- JIT
     [[ -r $RUN_DIR/rate ]] && rate=$(<"$RUN_DIR/rate")
     [[ $rate == none ]] || burst=$(burst_for "$rate")
     mkdir -p "$RUN_DIR"
-    setsid "$PYTHON" "$(dirname "$SELF")/../measure/delaylink.py" --nodes "$(cluster_size)" --subnet "$SUBNET" \
+    # The forwarder is the link: it must not wait behind the jobs it carries (a caller under
+    # nice would otherwise starve it on a busy host), hence its own priority.
+    setsid nice -n "${HH_DELAY_NICE:--5}" "$PYTHON" "$(dirname "$SELF")/../measure/delaylink.py" --nodes "$(cluster_size)" --prefix "$NP" --subnet "$SUBNET" \
         --delay-ms "$ms" --jitter-ms "$jitter" --rate "$rate" ${burst:+--burst "$burst"} --latency "$LATENCY" \
         --pidfile "$RUN_DIR/delay.pid" </dev/null >"$RUN_DIR/delay.log" 2>&1 &
     pid=$!
@@ -291,12 +300,12 @@ cmd_loss() {  # loss PERCENT: each node drops that share of what it receives on 
     per_million=$(awk -v p="$pct" 'BEGIN { printf "%d", p * 10000 }')
     (( per_million <= 1000000 )) || die "loss: at most 100%"
     for i in $(existing_ranks); do
-        ip netns exec "hh$i" nft delete table inet hhloss 2>/dev/null || true
+        ip netns exec "$NP$i" nft delete table inet hhloss 2>/dev/null || true
         (( per_million > 0 )) || continue
         # On input: the sender sees a real loss (no ACK), and TCP retransmits.
-        ip netns exec "hh$i" nft add table inet hhloss
-        ip netns exec "hh$i" nft add chain inet hhloss input '{ type filter hook input priority 0; policy accept; }'
-        ip netns exec "hh$i" nft add rule inet hhloss input iifname "$IFACE" numgen random mod 1000000 lt "$per_million" counter drop
+        ip netns exec "$NP$i" nft add table inet hhloss
+        ip netns exec "$NP$i" nft add chain inet hhloss input '{ type filter hook input priority 0; policy accept; }'
+        ip netns exec "$NP$i" nft add rule inet hhloss input iifname "$IFACE" numgen random mod 1000000 lt "$per_million" counter drop
     done
     log "loss: every node now drops ${pct}% of the packets it receives"
 }
@@ -306,7 +315,7 @@ cmd_down() {
     local ns
     local -a pids
     stop_delay
-    for ns in $(existing_ranks | sed 's/^/hh/') $BRNS; do
+    for ns in $(existing_ranks | sed "s/^/$NP/") $BRNS; do
         ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$ns" || continue
         # A namespace outlives "ip netns del" while processes still run in it
         # (leftover ranks/orteds of a crashed job). Those can only be ours.
@@ -323,15 +332,15 @@ cmd_down() {
         ip netns del "$ns" 2>/dev/null
     done
     local d u
-    for u in "$RUN_DIR"/uts-hh[0-9]*; do
+    for u in "$RUN_DIR"/uts-"$NP"[0-9]*; do
         [[ -e $u ]] || continue
         umount "$u" 2>/dev/null
         rm -f -- "$u"
     done
     rm -f -- "$RUN_DIR/ranks_per_node" "$RUN_DIR/rate" "$RUN_DIR/delay.log"
     [[ -d $RUN_DIR ]] && rmdir "$RUN_DIR" 2>/dev/null
-    for d in /etc/netns/hh[0-9]*; do
-        [[ -d $d && ${d##*/} =~ ^hh[0-9]+$ ]] && rm -rf -- "$d"
+    for d in /etc/netns/"$NP"[0-9]*; do
+        [[ -d $d && ${d##*/} =~ ^$NP[0-9]+$ ]] && rm -rf -- "$d"
     done
     [[ -d /etc/netns ]] && rmdir /etc/netns 2>/dev/null
     set -e
@@ -373,7 +382,7 @@ cmd_up() {
     ip -n "$BRNS" link set "$BR" up
 
     for (( i = 0; i < n; i++ )); do
-        local ns=hh$i port=hhv$i
+        local ns=$NP$i port=${NP}v$i
         ip netns add "$ns"
         ip -n "$ns" link set lo up
         # IPv6 would add link-local addresses that Open MPI/gloo may pick and
@@ -397,10 +406,10 @@ cmd_up() {
     local hosts
     hosts=$(cat /etc/hosts 2>/dev/null || printf '127.0.0.1\tlocalhost\n'
             echo "# netcluster.sh ranks"
-            for (( i = 0; i < n; i++ )); do printf '%s\thh%d\n' "$(addr_of "$i")" "$i"; done)
+            for (( i = 0; i < n; i++ )); do printf '%s\t%s%d\n' "$(addr_of "$i")" "$NP" "$i"; done)
     for (( i = 0; i < n; i++ )); do
-        mkdir -p "/etc/netns/hh$i"
-        echo "$hosts" >"/etc/netns/hh$i/hosts"
+        mkdir -p "/etc/netns/$NP$i"
+        echo "$hosts" >"/etc/netns/$NP$i/hosts"
     done
     # One UTS namespace per node, kept by a bind mount, so all K ranks of a
     # node share it (and its hostname hhI).
@@ -408,8 +417,8 @@ cmd_up() {
     echo "$k" >"$RUN_DIR/ranks_per_node"
     echo "$rate" >"$RUN_DIR/rate"
     for (( i = 0; i < n; i++ )); do
-        : >"$RUN_DIR/uts-hh$i"
-        unshare "--uts=$RUN_DIR/uts-hh$i" hostname "hh$i"
+        : >"$RUN_DIR/uts-$NP$i"
+        unshare "--uts=$RUN_DIR/uts-$NP$i" hostname "$NP$i"
     done
     # shellcheck disable=SC2034  # read by the EXIT trap
     UP_DONE=1
@@ -469,12 +478,12 @@ else:
 measure_pair() {  # measure_pair SRC DST MB PORT -> prints MB/s
     local src=$1 dst=$2 mb=$3 port=$4 fifo out
     fifo=$(mktemp -u); mkfifo "$fifo"; out=$(mktemp)
-    ip netns exec "hh$dst" "$PYTHON" -c "$MEASURE_PY" recv "$(addr_of "$dst")" "$port" 0 >"$fifo" &
+    ip netns exec "$NP$dst" "$PYTHON" -c "$MEASURE_PY" recv "$(addr_of "$dst")" "$port" 0 >"$fifo" &
     local rpid=$!
     # Block until the receiver is listening; the rest of its output is the result.
     { read -r _; cat >"$out"; } <"$fifo" &
     local cpid=$!
-    ip netns exec "hh$src" "$PYTHON" -c "$MEASURE_PY" send "$(addr_of "$dst")" "$port" $(( mb * 1000000 ))
+    ip netns exec "$NP$src" "$PYTHON" -c "$MEASURE_PY" send "$(addr_of "$dst")" "$port" $(( mb * 1000000 ))
     wait "$rpid"; wait "$cpid"
     cat "$out"; rm -f "$fifo" "$out"
 }
@@ -494,11 +503,11 @@ cmd_measure() {
         measure_pair 0 1 "$mb" 5201 >"$f1" & local p1=$!
         measure_pair 1 0 "$mb" 5202 >"$f2" & local p2=$!
         wait "$p1"; wait "$p2"
-        echo "hh0->hh1 $(cat "$f1") MB/s"
-        echo "hh1->hh0 $(cat "$f2") MB/s"
+        echo "${NP}0->${NP}1 $(cat "$f1") MB/s"
+        echo "${NP}1->${NP}0 $(cat "$f2") MB/s"
         rm -f "$f1" "$f2"
     else
-        echo "hh0->hh1 $(measure_pair 0 1 "$mb" 5201) MB/s"
+        echo "${NP}0->${NP}1 $(measure_pair 0 1 "$mb" 5201) MB/s"
     fi
 }
 
@@ -533,7 +542,7 @@ cmd_plan() {
     for (( i = 0; i < NODES; i++ )); do
         for (( j = 0; j < PER_NODE; j++ )); do
             rank_env "$i" "$j" "$NODES" "$PER_NODE"
-            echo "hh$i ${RANK_ENV[*]}"
+            echo "$NP$i ${RANK_ENV[*]}"
         done
     done
 }
@@ -626,7 +635,7 @@ cmd_rsh() {
     # Open MPI may insert ssh-style options before the host.
     while [[ $host == -* ]]; do host=${1:-}; shift || true; done
     case $host in
-        hh[0-9]*) i=${host#hh} ;;
+        "$NP"[0-9]*) i=${host#"$NP"} ;;
         "$SUBNET".*) i=$(( ${host##*.} - 1 )) ;;
         *) die "rsh: unknown host '$host' (expected $SUBNET.X or hhI)" ;;
     esac

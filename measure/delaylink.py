@@ -44,12 +44,12 @@ def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True)
 
 
-def plumb(nodes: int, subnet: str, rate: str, burst: str, latency: str) -> dict[int, int]:
+def plumb(nodes: int, subnet: str, rate: str, burst: str, latency: str, prefix: str = "hh") -> dict[int, int]:
     """One TUN per node, moved into its namespace, with routes to the other nodes through
     it; returns {fd: node}."""
     fds = {}
     for i in range(nodes):
-        dev, ns = f"hhd{i}", f"hh{i}"
+        dev, ns = f"{prefix}d{i}", f"{prefix}{i}"
         fd = open_tun(dev)
         fds[fd] = i
         ip("link", "set", dev, "netns", ns)  # the open fd stays attached to it
@@ -98,6 +98,7 @@ def forward(fds: dict[int, int], subnet: str, delay_s: float, jitter_s: float) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--prefix", default="hh", help="the cluster's names (netcluster.sh's HH_PREFIX)")
     p.add_argument("--subnet", default="10.77.0")
     p.add_argument("--delay-ms", type=float, required=True)
     p.add_argument("--jitter-ms", type=float, default=0.0)
@@ -109,7 +110,7 @@ def main() -> None:
     if not 0 <= args.jitter_ms <= args.delay_ms:
         sys.exit("delaylink: the jitter must lie in [0, delay]")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    fds = plumb(args.nodes, args.subnet, args.rate, args.burst, args.latency)
+    fds = plumb(args.nodes, args.subnet, args.rate, args.burst, args.latency, args.prefix)
     with open(args.pidfile, "w") as f:
         f.write(f"{os.getpid()}\n")
     forward(fds, args.subnet, args.delay_ms / 1e3, args.jitter_ms / 1e3)

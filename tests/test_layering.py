@@ -114,13 +114,14 @@ LAYERS = (
     ("state", {"state"}),
     ("decision", {"decision"}),
     # "": the package's front, hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
-    # adapters, over the DDP hook
-    ("integrations", {"ddp_hook", "horovod", "fsdp", "", "adapters", "lightning", "accelerate", "transformers"}),
+    # adapters, over the DDP hook; diloco: the outer synchronization across sites, over thc_allreduce_async
+    ("integrations", {"ddp_hook", "horovod", "fsdp", "diloco", "", "adapters", "lightning", "accelerate",
+                      "transformers"}),
     ("benchmarks", {"simulation", "baselines", "profile"}),
 )
 #: Layers that are folders of hhook/ (the others are modules at its top).
 FOLDERS = {"codec", "scales", "schedule", "state", "decision"}
-INTEGRATIONS = {"hhook.ddp_hook", "hhook.horovod", "hhook.fsdp"}
+INTEGRATIONS = {"hhook.ddp_hook", "hhook.horovod", "hhook.fsdp", "hhook.diloco"}
 #: One module per framework, each over hhook.adapters and the DDP hook, none over another.
 FRAMEWORK_ADAPTERS = {"hhook.lightning", "hhook.accelerate", "hhook.transformers"}
 

@@ -13,6 +13,9 @@ The kinds and their options::
     params=bf16: MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     (with ag=A: quantized from bfloat16; thc compresses the bfloat16 gradients)
     sbc[:p=P][:delay=H], lgc[:k=K][:dense=N][:topk=N][:ae=N]   (hhook.baselines)
+    diloco[:BITS|fp32][:h=H][:p=P][:overlap=T][:ef=0|1][:lr=LR]   (train: hhook.diloco's outer
+                                                        synchronization across sites; H, P default to
+                                                        train's --diloco and --fragments)
 
 A subcommand passes the :class:`Kind` objects it accepts (its measurement knows how to
 run them): ``allreduce`` runs the codec directly, so its THC takes BITS, and topology=
@@ -242,6 +245,40 @@ def _baseline(entry: Entry, kind: Kind, defaults: dict) -> Method:
     return Method(name, kind.name, options=values)
 
 
+def _diloco(entry: Entry, kind: Kind, defaults: dict) -> Method:
+    """hhook.diloco's options (checked by :class:`hhook.diloco.DiLoCo` again when it is
+    built): the exchange (THC's bits or fp32), H, P, the overlap, error feedback, the
+    outer learning rate. The name spells the exchange and every option given."""
+    given = entry.given
+    text = given.get("bits", "4")
+    if text != "fp32" and not text.isdigit():
+        raise entry.error(f"the exchange is THC's BITS or fp32; expected {kind.usage}")
+    values = {"bits": None if text == "fp32" else int(text), "every": defaults.get("diloco") or 50,
+              "fragments": defaults.get("fragments") or 1, "overlap": 0, "error_feedback": False, "outer_lr": 0.7}
+    for key, name, convert in (("h", "every", int), ("p", "fragments", int), ("overlap", "overlap", int),
+                               ("ef", "error_feedback", int), ("lr", "outer_lr", float)):
+        if key in given:
+            try:
+                values[name] = convert(given[key])
+            except ValueError:
+                raise entry.error(f"{key}= takes {'an integer' if convert is int else 'a number'}") from None
+    values["error_feedback"] = bool(values["error_feedback"])
+    if values["bits"] is not None:
+        from ..state import THCState
+
+        try:
+            THCState.validate(bits=values["bits"], error_feedback=values["error_feedback"])
+        except (ValueError, TypeError) as e:
+            raise entry.error(str(e)) from None
+    if values["every"] < values["fragments"] or not 0 <= values["overlap"] <= values["every"] // values["fragments"] \
+            or values["fragments"] < 1 or values["outer_lr"] <= 0:
+        raise entry.error(f"needs 1 <= p <= h, 0 <= overlap <= h/p and lr > 0 (h={values['every']}, "
+                          f"p={values['fragments']}, overlap={values['overlap']}, lr={values['outer_lr']:g})")
+    name = f"diloco:{text}:h={values['every']}" + (f":p={values['fragments']}" if values["fragments"] > 1 else "") \
+        + "".join(f":{k}={given[k]}" for k in ("overlap", "ef", "lr") if k in given)
+    return Method(name, "diloco", bits=values["bits"], options=values)
+
+
 FP32, FP16, BF16, ZLIB = plain("fp32"), plain("fp16"), plain("bf16"), plain("zlib")
 POWERSGD = Kind("powersgd", positional=("rank",), build=_powersgd, usage="powersgd[:RANK]")
 THC = Kind("thc", positional=("bits", "scales"), keywords=("chunk", "topology", "rounding", "ag", "params"),
@@ -252,5 +289,7 @@ FP32_AG, BF16_AG = (Kind(name, keywords=("ag", "params"), build=_plain_ag, usage
                     for name in ("fp32", "bf16"))
 THC_BITS = Kind("thc", positional=("bits",), keywords=("topology", "rounding"), build=_thc,
                 usage="thc[:BITS][:topology=flat|auto|K][:rounding=correlated|independent]")  # allreduce: the codec, or thc_allreduce with topology=
+DILOCO = Kind("diloco", positional=("bits",), keywords=("h", "p", "overlap", "ef", "lr"), build=_diloco,
+              usage="diloco[:BITS|fp32][:h=H][:p=P][:overlap=T][:ef=0|1][:lr=OUTER_LR]")
 SBC, LGC = (Kind(name, keywords=tuple(BASELINE_OPTIONS[name]), build=_baseline, usage=BASELINE_USAGE[name])
             for name in ("sbc", "lgc"))

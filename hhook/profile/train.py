@@ -59,16 +59,21 @@ import time
 
 from . import methods
 
-KINDS = (methods.FP32_AG, methods.FP16, methods.BF16_AG, methods.POWERSGD, methods.THC, methods.SBC, methods.LGC)
+KINDS = (methods.FP32_AG, methods.FP16, methods.BF16_AG, methods.POWERSGD, methods.THC, methods.SBC, methods.LGC,
+         methods.DILOCO)
 DEFAULT_METHODS = "fp32,fp16,bf16,powersgd,thc:4"
 POLL_S = 0.05
 STARTUP_S = 300.0  # allowance until the first step: imports and rendezvous are slow on a loaded machine
 
 
-def parse_methods(text: str, powersgd_rank: int = 2) -> list[methods.Method]:
-    r"""``fp32,fp16,bf16,powersgd[:R],thc[:BITS[:agreed|predicted]][:chunk=MB],sbc...,lgc...`` -> methods
-    (any of :data:`KINDS`); ValueError naming the bad entry."""
-    return methods.parse(text, KINDS, powersgd_rank=powersgd_rank)
+def parse_methods(text: str, powersgd_rank: int = 2, diloco: int | None = None,
+                  fragments: int | None = None) -> list[methods.Method]:
+    r"""``fp32,fp16,bf16,powersgd[:R],thc[:BITS[:agreed|predicted]][:chunk=MB],sbc...,lgc...,diloco...`` ->
+    methods (any of :data:`KINDS`); ValueError naming the bad entry. ``diloco``, ``fragments``: H and P
+    of ``diloco`` entries that do not say (``--diloco H`` without one adds ``diloco:4``)."""
+    if diloco is not None and not any(m.strip().lower().startswith("diloco") for m in text.split(",")):
+        text = f"{text},diloco:4"
+    return methods.parse(text, KINDS, powersgd_rank=powersgd_rank, diloco=diloco, fragments=fragments)
 
 
 # -- the control channel between the launched ranks ------------------------------------------
@@ -248,7 +253,35 @@ def _nothing(method: dict, ddp, seed: int):
 #: kind -> ``attach(method, ddp, seed)``: registers the kind's hook on ``ddp`` in the child,
 #: returns the THC state or None. A kind train runs is in :data:`KINDS` and here.
 ATTACH = {"fp32": _nothing, "fp16": _fp16, "bf16": _bf16, "powersgd": _powersgd, "thc": _thc,
-          "sbc": _nothing, "lgc": _nothing}
+          "sbc": _nothing, "lgc": _nothing, "diloco": _nothing}
+
+
+def attach_diloco(model, ranks_per_site):
+    """``(sites, trained)`` of a ``diloco`` method: the sites (:func:`hhook.diloco.find_sites`:
+    nodes from the launcher, ``ci/netcluster.sh launch N --ranks-per-node K``, or ``ranks_per_site``)
+    and the module the site trains, DDP over the site's ranks (the model itself for sites of one
+    rank). The child builds :class:`hhook.diloco.DiLoCo` once the inner optimizer exists."""
+    import hhook.diloco
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    sites = hhook.diloco.find_sites(ranks_per_site or "auto")
+    if sites.ranks_per_site == 1:
+        return sites, model
+    return sites, DDP(model, process_group=sites.site_group)
+
+
+def diloco_sync(method: dict, trained, opt, sites, seed: int):
+    """The method's :class:`hhook.diloco.DiLoCo` over ``trained`` and its inner optimizer."""
+    import torch
+
+    import hhook.diloco
+
+    o = method["options"]
+    lr = o["outer_lr"]
+    return hhook.diloco.DiLoCo(
+        trained, opt, sites, every=o["every"], bits=o["bits"], error_feedback=o["error_feedback"],
+        fragments=o["fragments"], overlap=o["overlap"], seed=seed,
+        outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9, nesterov=True))
 
 
 #: Methods ``--parallel fsdp`` runs: plain FSDP2 (fp32 reduce), FSDP2 with a bfloat16 reduce

@@ -13,7 +13,7 @@ import time
 import traceback
 
 from ..baselines.harness import KINDS as BASELINE_KINDS
-from .train import ATTACH, attach_fsdp
+from .train import ATTACH, attach_diloco, attach_fsdp, diloco_sync
 
 
 def _split_bytes(state) -> tuple[int, int] | None:
@@ -132,11 +132,16 @@ def worker(spec: dict) -> dict:
         state = attach_fsdp(method, model, spec["seed"], device, hsdp=spec.get("parallel") == "hsdp",
                             ranks_per_node=spec.get("ranks_per_node"))
         ddp = model
+    elif method["kind"] == "diloco":  # DDP inside each site (sites of one rank: the model alone)
+        sites, ddp = attach_diloco(model, spec.get("ranks_per_node"))
+        state = None
     else:
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         state = ATTACH[method["kind"]](method, ddp, spec["seed"])
     beat("model")
     opt = torch.optim.SGD(ddp.parameters(), lr=spec["lr"], momentum=0.9)
+    outer = diloco_sync(method, ddp, opt, sites, spec["seed"]) if method["kind"] == "diloco" else None
+    flight = {"in_flight": [], "sync": [], "inter": []}  # diloco: per step, exchanges running, a launch or merge
     baseline = None
     if method["kind"] in BASELINE_KINDS:  # no_sync steps, the baseline's own exchange
         from ..baselines.harness import Runner
@@ -167,6 +172,8 @@ def worker(spec: dict) -> dict:
             before = counter["bytes"]
             kinds_before = {k: counter[k] for k in kinds}
             split_before = _split_bytes(state)
+            if outer is not None:
+                outer_before = (outer.syncs, sorted(outer.pending), outer.stats()["wire_bytes"])
             sync()
             t0 = time.perf_counter()
             if baseline is not None:
@@ -176,6 +183,8 @@ def worker(spec: dict) -> dict:
                 loss = loss_of(ddp(x_train[idx]), y_train[idx])
                 loss.backward()
                 opt.step()
+                if outer is not None:
+                    outer.step()
             sync()
             dt = time.perf_counter() - t0
             clock += dt
@@ -186,6 +195,10 @@ def worker(spec: dict) -> dict:
             if state is not None:
                 for where, after, then in zip(("intra", "inter"), _split_bytes(state), split_before):
                     split[where].append(after - then)
+            if outer is not None:
+                flight["in_flight"].append(len(outer_before[1]))
+                flight["sync"].append((outer.syncs, sorted(outer.pending)) != outer_before[:2])
+                flight["inter"].append(outer.stats()["wire_bytes"] - outer_before[2])
             beat(f"step {step}")
             if step % spec["eval_every"] == 0 or step == spec["steps"]:
                 if fsdp:  # every rank takes part in the forward's all-gathers; rank 0 records
@@ -224,6 +237,11 @@ def worker(spec: dict) -> dict:
             result["step_bytes"] = step_bytes = list(baseline.step_bytes)
     if state is not None:
         _thc_stats(result, state.stats(), spec, step_bytes, kinds, split)
+    if outer is not None:
+        outer.wait()
+        result["diloco_stats"] = outer.stats()
+        result["step_in_flight"], result["step_sync"] = flight["in_flight"], flight["sync"]
+        result["step_outer_bytes"] = flight["inter"]  # handed to collectives between sites
     dist.barrier()  # destroying the group under a peer still talking aborts Gloo at random
     dist.destroy_process_group()
     return result

@@ -512,3 +512,33 @@ def test_model_predicts_baseline_traffic_against_workers(tmp_path, capsys, monke
     assert cli.main(["model", "--baselines", "sbc:p=2"]) == cli.EXIT_USAGE
     assert "--baselines" in capsys.readouterr().err
     assert cli.main(["model", "--baselines", "thc"]) == cli.EXIT_USAGE
+
+
+def test_diloco_model_matches_hand_computation(tmp_path, capsys, monkeypatch):
+    """``model --diloco H``: per inner step, DDP fp32 pays a ring allreduce of the model, DiLoCo
+    1/H of one; THC's exchanges pay two rounds and move the lane words; the output says
+    it is a model and fits 120 columns."""
+    from hhook.codec import THCCodec
+    from hhook.profile import diloco_model
+
+    W, C, rtt = 4e6, 0.1, 0.1
+    rows = diloco_model.rows(W, C, every=50, fragments=4, overlap=1, bits=4, rtt_s=rtt, tokens_per_rank=1000,
+                             sites=[2], links_gbit=[1.0])
+    (r,) = rows
+    ring = 2 * 0.05 + 1 * W / 1.25e8  # 2 (n - 1) alpha + 2 (n - 1) / n W / beta at n = 2
+    assert r["ddp_fp32_ms"] == pytest.approx((C + ring) * 1e3)
+    assert r["diloco_fp32_ms"] == pytest.approx((C + ring / 50) * 1e3)
+    assert r["ddp_fp32_bytes"] == W and r["diloco_fp32_bytes"] == W / 50
+    codec = THCCodec(4, 1024, 0, 2)
+    assert r["diloco_thc_bytes"] == pytest.approx(codec.wire_bytes(int(W / 4)) / 50)
+    assert r["ddp_fp32_us_per_token"] == pytest.approx((C + ring) / 2000 * 1e6)
+    assert r["diloco_thc_ms"] < r["ddp_thc_ms"] and r["streaming_thc_bytes"] == pytest.approx(r["diloco_thc_bytes"], rel=1e-2)
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    out = tmp_path / "model.json"
+    assert cli.main(["model", "--diloco", "50", "--model-bytes", "13.2MB", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "A MODEL, not a measurement" in text and max(len(line) for line in text.splitlines()) <= 120
+    doc = json.loads(out.read_text())
+    assert {(r["sites"], r["link_gbit"]) for r in doc["results"]} == {(n, g) for n in (2, 4, 8, 16, 32, 64)
+                                                                       for g in (0.1, 1.0, 10.0)}

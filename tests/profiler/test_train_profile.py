@@ -403,3 +403,36 @@ def test_resnet18_task_has_resnet18s_size_and_learns_the_digits():
         opt.step()
         losses.append(loss.item())
     assert model(x[:3]).shape == (3, 10) and losses[-1] < 0.7 * losses[0], losses
+
+
+def test_diloco_method_names_and_defaults():
+    ms = parse_methods("fp32,diloco,diloco:fp32:h=20,diloco:4:p=2:overlap=3:ef=1:lr=0.5", diloco=30)
+    assert [m.name for m in ms] == ["fp32", "diloco:4:h=30", "diloco:fp32:h=20", "diloco:4:h=30:p=2:overlap=3:ef=1:lr=0.5"]
+    assert ms[2].options["bits"] is None and ms[3].options == {"bits": 4, "every": 30, "fragments": 2, "overlap": 3,
+                                                              "error_feedback": True, "outer_lr": 0.5}
+    assert [m.name for m in parse_methods("fp32", diloco=10, fragments=4)] == ["fp32", "diloco:4:h=10:p=4"]
+    assert [m.name for m in parse_methods("fp32")] == ["fp32"]
+    for bad in ("diloco:x", "diloco:4:h=2:p=4", "diloco:4:h=10:p=2:overlap=6", "diloco:9", "diloco:4:lr=0"):
+        with pytest.raises(ValueError, match="method"):
+            parse_methods(bad)
+
+
+def test_diloco_rows_report_bytes_between_sites_and_steps_in_flight(tmp_path):
+    """2 ranks as 2 sites: the outer synchronization beside DDP's exchange; THC's outer
+    exchange sends about 6x fewer bytes than fp32's, and an inner step of a diloco method
+    hands the ring 1/H of an outer step's bytes."""
+    out = tmp_path / "train.json"
+    proc = _torchrun("--model", "mlp", "--methods", "fp32,diloco:4,diloco:fp32,diloco:4:p=2:overlap=2", "--diloco", "8",
+                     "--ranks-per-node", "1", "--steps", "24", "--warmup", "2", "--eval-every", "8",
+                     "--target-accuracy", "0.1", "--json", str(out), timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    thc, fp32, streamed = rows["diloco:4:h=8"], rows["diloco:fp32:h=8"], rows["diloco:4:h=8:p=2:overlap=2"]
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    assert thc["diloco_stats"][0]["outer_steps"] == fp32["diloco_stats"][0]["outer_steps"] == 3
+    assert fp32["outer_bytes_per_outer_step"] == 4 * thc["params"]
+    assert fp32["outer_bytes_per_outer_step"] / thc["outer_bytes_per_outer_step"] > 5.5
+    assert thc["outer_bytes_per_step"] < 4 * thc["params"] / 8 / 5
+    assert streamed["in_flight_steps"] + streamed["sync_steps"] + streamed["quiet_steps"] == 22
+    assert streamed["in_flight_steps"] > 0 and streamed["in_flight_vs_quiet"] > 0
+    assert any(ln.startswith("# diloco:4:h=8: 2 sites x 1 rank(s), 3 outer steps") for ln in proc.stdout.splitlines())

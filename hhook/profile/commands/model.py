@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..common import UsageError, add_output_options, assignment, integer_list, number, rate, run_local, say, \
-    size
+from ..common import UsageError, _listed, add_output_options, assignment, integer, integer_list, number, rate, \
+    run_local, say, size
 from ..units import format_size, parse_size
 
 
@@ -63,6 +63,26 @@ def add_parser(sub) -> None:
                     help="--gpu-cluster: the per-bucket times measured by ci/gpu_check.sh on a GPU, from its JSON "
                     "(the speed stage's float32 row nearest --bucket-bytes: THC's encode + decode, the fp16 hook's "
                     "casts, the host's time to issue a bucket; else the throughput stage's, with --cast-ms)")
+    md.add_argument("--diloco", type=integer(1), metavar="H",
+                    help="instead: a model of bytes and wall time per token across sites, DDP's exchange at every step "
+                    "(fp32, THC) against hhook.diloco's every H steps, 2-64 sites at 0.1/1/10 Gbit/s with round trips "
+                    "(hhook.profile.diloco_model); uses --model-bytes, --compute-ms, --bits and the options below")
+    md.add_argument("--fragments", type=integer(1), default=4, metavar="P",
+                    help="--diloco: fragments of the streamed exchange (default 4)")
+    md.add_argument("--overlap", type=integer(0), default=2, metavar="T",
+                    help="--diloco: inner steps a streamed fragment's exchange may hide behind (default 2)")
+    md.add_argument("--rtt-ms", type=number(0, strict=False), default=100.0, metavar="MS",
+                    help="--diloco: round trip between sites, ms (default 100: 50 ms each way)")
+    md.add_argument("--sites", type=integer_list(1), default=[2, 4, 8, 16, 32, 64], metavar="LIST",
+                    help="--diloco: numbers of sites (default 2,4,...,64)")
+    md.add_argument("--links", type=lambda text: _listed(number(0), text), default=[0.1, 1.0, 10.0], metavar="LIST",
+                    help="--diloco: link rates between sites in Gbit/s (default 0.1,1,10)")
+    md.add_argument("--tokens-per-step", type=integer(1), default=1024, metavar="N",
+                    help="--diloco: tokens per rank and inner step (default 1024: the gpt task's 16 x 64)")
+    md.add_argument("--ranks-per-site", type=integer(1), default=1, metavar="K",
+                    help="--diloco: ranks per site, each on its own ring (default 1)")
+    md.add_argument("--codec-gbps", type=number(0), default=2.0, metavar="GB/S",
+                    help="--diloco: THC encode + decode throughput, GB/s (default 2: the fused CPU codec, one thread)")
     md.add_argument("--thc-ms", type=number(0, strict=False), metavar="MS",
                     help="--gpu-cluster: THC encode + decode per bucket, ms (default: from --from, else measured on "
                     "this GPU; required without either)")
@@ -170,9 +190,28 @@ def _gpu_times(args) -> dict | None:
 
 
 def run(args, cfg) -> int:
+    if args.diloco:
+        return run_local(args, lambda args: _diloco(args), cfg["rank0"])
     if args.gpu_cluster:
         return run_local(args, lambda args: _gpu_cluster(args, cfg["gpu_times"]), cfg["rank0"])
     return run_local(args, lambda args: _scale(args, cfg) if args.layouts else _predict(args, cfg), cfg["rank0"])
+
+
+def _diloco(args) -> tuple[dict, list[dict]]:
+    """``model --diloco H`` (:mod:`hhook.profile.diloco_model`): the table, its assumptions."""
+    from .. import diloco_model
+
+    if args.overlap > args.diloco // args.fragments or args.fragments > args.diloco:
+        raise UsageError(f"--fragments {args.fragments} and --overlap {args.overlap} need P <= H and overlap <= H/P "
+                         f"(H = {args.diloco})")
+    given = dict(W=float(args.model_bytes), compute_s=args.compute_ms * 1e-3, every=args.diloco,
+                 fragments=args.fragments, overlap=args.overlap, bits=args.bits, rtt_s=args.rtt_ms * 1e-3,
+                 tokens_per_rank=args.tokens_per_step, ranks_per_site=args.ranks_per_site,
+                 codec_bps=args.codec_gbps * 1e9)
+    rows = diloco_model.rows(**given, sites=sorted(set(args.sites)), links_gbit=sorted(set(args.links)))
+    say(diloco_model.assumptions(**given))
+    say(diloco_model.table(rows))
+    return {"model": "diloco", "labelled": "a model, not a measurement", **given}, rows
 
 
 def _gpu_cluster(args, times: dict) -> tuple[dict, list[dict]]:

@@ -93,7 +93,14 @@ def add_parser(sub) -> None:
                     "(shard inside each node, replicate across nodes, nodes from LOCAL_WORLD_SIZE as torchrun "
                     "places ranks: fp32/bf16 = native 2-D HSDP, thc = hhook.fsdp.register_hsdp, THC on both)")
     tr.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
-                    help="--parallel hsdp: ranks per node (default: the launcher's LOCAL_WORLD_SIZE)")
+                    help="--parallel hsdp: ranks per node (default: the launcher's LOCAL_WORLD_SIZE); diloco: ranks "
+                    "per site (default: the launcher's nodes)")
+    tr.add_argument("--diloco", type=integer(1), default=None, metavar="H",
+                    help="H of the diloco methods (hhook.diloco: DDP inside each site, the outer synchronization "
+                    "every H steps between sites, docs/diloco.md); without a diloco entry in --methods adds diloco:4 "
+                    "(default H 50)")
+    tr.add_argument("--fragments", type=integer(1), default=None, metavar="P",
+                    help="P of the diloco methods: streamed in P fragments (default 1)")
     add_output_options(tr)
 
 
@@ -104,7 +111,8 @@ def check(args, env) -> dict:
     check_backend(args.backend, device_of(args))
     task = TASKS[args.model]
     try:
-        methods = train.parse_methods(args.methods, args.powersgd_rank)
+        methods = train.parse_methods(args.methods, args.powersgd_rank, getattr(args, "diloco", None),
+                                      getattr(args, "fragments", None))
     except ValueError as e:
         raise UsageError(str(e)) from None
     if getattr(args, "parallel", "ddp") in ("fsdp", "hsdp"):
@@ -113,6 +121,8 @@ def check(args, env) -> dict:
                 train.check_fsdp_method(method)
             except ValueError as e:
                 raise UsageError(str(e)) from None
+    elif any(m.kind == "diloco" and m.options["every"] >= args.steps for m in methods):
+        raise UsageError(f"a diloco method's H must be below --steps ({args.steps}): no outer step would run")
     elif any(m.all_gather is not None or m.params is not None for m in methods):
         raise UsageError("ag= and params= choose FSDP2's parameter all-gather and dtype: they need --parallel fsdp "
                          "or hsdp")
@@ -177,7 +187,31 @@ def summarize(method: Method, status: str, message: str, results: list[dict], wa
         peak_rss_mb=[r.get("peak_rss_mb") for r in results], setup_rss_mb=[r.get("setup_rss_mb") for r in results],
         peak_cuda_mb=[r.get("peak_cuda_mb") for r in results] if "peak_cuda_mb" in r0 else None,
     )
+    if "diloco_stats" in r0:
+        row.update(diloco_summary(r0, results, warmup))
     return row
+
+
+def diloco_summary(r0: dict, results: list[dict], warmup: int) -> dict:
+    """A diloco row's extras: its options and stats, bytes between sites per inner step and
+    per outer step, and rank 0's step times split into steps that launched or merged an
+    exchange, steps that computed while one was in flight, and steps with none."""
+    stats = r0["diloco_stats"]
+    kinds = {"sync": [], "in_flight": [], "quiet": []}
+    for i, t in enumerate(r0["step_s"]):
+        if i >= warmup:
+            kind = "sync" if r0["step_sync"][i] else "in_flight" if r0["step_in_flight"][i] else "quiet"
+            kinds[kind].append(t * 1e3)
+    out = {"diloco_stats": [r["diloco_stats"] for r in results],
+           "outer_bytes_per_step": sum(r0["step_outer_bytes"]) / len(r0["step_outer_bytes"]),
+           "outer_bytes_per_sync": stats["wire_bytes"] / max(1, stats["syncs"]),
+           "outer_bytes_per_outer_step": stats["wire_bytes"] / max(1e-9, stats["outer_steps"])}
+    for kind, times in kinds.items():
+        out[f"{kind}_step_ms"] = _percentile(times, 0.5) if times else None
+        out[f"{kind}_steps"] = len(times)
+    if out["in_flight_step_ms"] and out["quiet_step_ms"]:
+        out["in_flight_vs_quiet"] = out["in_flight_step_ms"] / out["quiet_step_ms"]
+    return out
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -202,8 +236,9 @@ def table(rows: list[dict], target: float) -> str:
     from ..report import table as fixed_table
 
     pct = f"{target * 100:g}%"
+    wide = max([16] + [len(r["method"]) for r in rows])
     cols = [
-        Column("", "method".ljust(15), 16, lambda r: r["method"].ljust(16)),
+        Column("", "method".ljust(wide - 1), wide, lambda r: r["method"].ljust(wide)),
         Column("step ms", "median", 8, lambda r: sig(r["median_ms"], 4)),
         Column("step ms", "p90", 8, lambda r: sig(r["p90_ms"], 4)),
         Column("", "MB/rank/step", 12, lambda r: sig(r["bytes_per_step"] / 1e6, 4)),
@@ -221,7 +256,7 @@ def table(rows: list[dict], target: float) -> str:
     out = list(head)
     for r in rows:
         message = r["message"] if len(r["message"]) <= 100 else r["message"][:97] + "..."  # whole in --json
-        out.append(next(body) if r["status"] == "ok" else f"{r['method']:<16s}  {message}")
+        out.append(next(body) if r["status"] == "ok" else f"{r['method']:<{wide}s}  {message}")
     return "\n".join(out)
 
 
@@ -264,6 +299,16 @@ def footer(rows: list[dict], args) -> list[str]:
             lines.append(f"# {r['method']}: FSDP2, per rank and step {sig(r['rs_bytes_per_step'] / 1e6, 4)} MB "
                          f"reduce-scatter input, {sig(r['ag_bytes_per_step'] / 1e6, 4)} MB all-gather output"
                          + ("" if peak is None else f"; peak RSS {peak:.0f} MiB (max over ranks)"))
+    for r in rows:
+        if r.get("diloco_stats"):
+            s = r["diloco_stats"][0]
+            flight = "" if not r.get("in_flight_step_ms") else (
+                f"; median step {r['quiet_step_ms']:.1f} ms with no exchange, {r['in_flight_step_ms']:.1f} ms with one "
+                f"in flight ({r['in_flight_vs_quiet']:.3f}x), {r['sync_step_ms']:.1f} ms launching or merging")
+            lines.append(f"# {r['method']}: {s['sites']} sites x {s['ranks_per_site']} rank(s), {s['outer_steps']:g} outer "
+                         f"steps; between sites {sig(r['outer_bytes_per_outer_step'] / 1e6, 4)} MB per outer step, "
+                         f"{sig(r['outer_bytes_per_step'] / 1e3, 4)} kB per inner step (rank 0){flight}; MB/rank/step "
+                         "counts these and the site's all-gathers, not DDP inside a site")
     for r in rows:
         if r.get("decision"):
             lines.append(f"# {r['method']}: {decision_line(r['decision'])}")

@@ -1,0 +1,207 @@
+r"""The sites of an outer-synchronized job and their process groups (DESIGN.md sec. 14).
+
+A *site* is a group of ranks joined by fast links (a data center, a node): inside it the
+model trains as usual, with DDP or FSDP2 on :attr:`Sites.site_group`. Between sites, local
+rank ``j`` of every site meets local rank ``j`` of every other site in :attr:`Sites.ring`
+(one group per local rank, as two-level THC's rings, docs/topology.md), so each rank
+exchanges ``1 / k`` of the pseudo-gradient and every NIC of a site works.
+
+:func:`find_sites` builds the groups once, on every rank, in the same order (PyTorch's
+rule for ``new_group``): the sites from the launcher's variables or hostnames
+(:func:`hhook.schedule.topology.node_census`, as two-level THC finds nodes) or ``k``
+ranks per site placed site by site (torchrun's placement). :func:`sites_of_groups` takes
+groups the program already has (a 2-D ``DeviceMesh``'s). Both raise on every rank alike
+where the ranks ask for different layouts or the sites differ in size.
+
+:func:`check_agreement` is the options check of :class:`hhook.diloco.DiLoCo`: one
+all-gather of every rank's integers over the default group, compared on every rank, so
+every rank raises the same :class:`~hhook.errors.ConfigMismatchError` naming the sites
+that differ. It is kept small and self-contained on purpose: it belongs beside the
+schedule's options handshake and can be folded into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigMismatchError, explain
+from ..schedule.topology import node_census
+
+_AUTO = -1
+
+
+class Sites:
+    """Where this rank stands: ``site`` (its index), ``local_rank`` (its place in the site),
+    ``n_sites``, ``ranks_per_site``, ``site_group`` (its site's ranks; None in a world of
+    one site without torch.distributed) and ``ring`` (local rank ``local_rank`` of every
+    site; None for one site). ``members``: every site's global ranks, in local-rank order,
+    once known (:func:`find_sites` knows them; :func:`sites_of_groups` learns them at the
+    first options check)."""
+
+    __slots__ = ("site", "local_rank", "n_sites", "ranks_per_site", "site_group", "ring", "members")
+
+    def __init__(self, site: int, local_rank: int, n_sites: int, ranks_per_site: int, site_group=None, ring=None,
+                 members: tuple | None = None):
+        self.site, self.local_rank, self.n_sites, self.ranks_per_site = site, local_rank, n_sites, ranks_per_site
+        self.site_group, self.ring, self.members = site_group, ring, members
+
+    def describe(self) -> str:
+        if self.members is None:
+            return f"{self.n_sites} site(s) of {self.ranks_per_site} rank(s)"
+        return ", ".join(f"site {s} = rank{'s' if len(m) > 1 else ''} {', '.join(map(str, m))}"
+                         for s, m in enumerate(self.members))
+
+    def site_of(self, rank: int) -> int | None:
+        """The site of global ``rank`` (None where unknown)."""
+        for s, members in enumerate(self.members or ()):
+            if rank in members:
+                return s
+        return None
+
+    def __repr__(self) -> str:
+        return f"Sites({self.describe()}; this rank: site {self.site}, local rank {self.local_rank})"
+
+
+def one_site() -> Sites:
+    """A world of one site: this process alone (torch.distributed need not be initialized)."""
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        return Sites(0, dist.get_rank(), 1, world, dist.group.WORLD, None, (tuple(range(world)),))
+    return Sites(0, 0, 1, 1, None, None, ((0,),))
+
+
+def gather_ints(values: list[int], group=None, what: str = "hhook.diloco's options check") -> list[list[int]]:
+    """Every rank's ``values`` in rank order (``all_gather_object``: a few integers, once
+    at construction or resume, on whichever backend the group has)."""
+    out: list = [None] * dist.get_world_size(group)
+    with explained(what, group):
+        dist.all_gather_object(out, [int(v) for v in values], group=group)
+    return out
+
+
+def all_gather_flat(out: torch.Tensor, mine: torch.Tensor, group) -> None:
+    """Every rank's equal ``mine`` into ``out``, blocking: ``all_gather_single`` (torch
+    2.13), else its older name ``all_gather_into_tensor`` (2.11)."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine, group=group)
+
+
+@contextlib.contextmanager
+def explained(what: str, group):
+    """A peer of ``group`` that stalls or dies makes a collective inside raise
+    :class:`~hhook.errors.PeerTimeoutError` or :class:`~hhook.errors.PeerLostError`
+    naming ``what`` and the group's other ranks (:func:`hhook.errors.explain`)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised, explained where it can be
+        err = explain(exc, what, None, peers(group))
+        if err is exc:
+            raise
+        raise err from exc
+
+
+def peers(group) -> str:
+    """The global ranks of ``group`` other than this one, for messages."""
+    try:
+        others = [r for r in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+                  if r != dist.get_rank()]
+    except Exception:  # noqa: BLE001 - a group of another process, a destroyed one
+        return ""
+    return "" if not others else f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+
+
+def find_sites(ranks_per_site: int | str = "auto", timeout: datetime.timedelta | None = None) -> Sites:
+    r"""The sites of the default group, and their groups; call it on every rank at the
+    same point of the program (it creates process groups, like ``new_group``).
+
+    ``ranks_per_site``: ``"auto"`` (a site is a node, found from the launcher's variables,
+    else the hostnames: ``ci/netcluster.sh launch N --ranks-per-node K``, torchrun on
+    several hosts) or ``k`` (ranks ``[i k, (i + 1) k)`` form site ``i``; ``1``: every rank
+    its own site). ``timeout``: of the new groups (default: the default group's). One
+    all-gather, then ``n_sites + k`` ``new_group`` calls (none in a world of one site).
+    Raises ``ValueError`` on every rank where ranks ask for different layouts, ``k`` does
+    not divide the world, or the sites differ in size.
+
+    Example::
+        >>> sites = hhook.diloco.find_sites("auto")
+        >>> ddp = DDP(model, process_group=sites.site_group)
+    """
+    if ranks_per_site != "auto" and (isinstance(ranks_per_site, bool) or not isinstance(ranks_per_site, int)
+                                     or ranks_per_site < 1):
+        raise ValueError(f"hhook.diloco: ranks_per_site must be 'auto' or a positive integer, got {ranks_per_site!r}")
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return one_site()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    request = _AUTO if ranks_per_site == "auto" else ranks_per_site
+    asked = {row[0] for row in gather_ints([request])}
+    if len(asked) > 1:
+        said = ", ".join("'auto'" if a == _AUTO else str(a) for a in sorted(asked))
+        raise ValueError(f"hhook.diloco: ranks ask for different sites (ranks_per_site {said}); pass the same on every rank")
+    if request == _AUTO:
+        nodes, _, _ = node_census(None, 0)
+    elif world % request:
+        raise ValueError(f"hhook.diloco: ranks_per_site={request} does not divide the world of {world} ranks")
+    else:
+        nodes = [list(range(i, i + request)) for i in range(0, world, request)]
+    sizes = sorted({len(n) for n in nodes})
+    if len(sizes) > 1:
+        raise ValueError(f"hhook.diloco: the sites differ in size ({[len(n) for n in nodes]} ranks): every site needs "
+                         "as many ranks, one ring per local rank joins them")
+    members = tuple(tuple(n) for n in nodes)
+    site = next(i for i, n in enumerate(members) if rank in n)
+    local, k = members[site].index(rank), sizes[0]
+    if len(members) == 1:
+        return Sites(0, local, 1, k, dist.group.WORLD, None, members)
+    kw = {} if timeout is None else {"timeout": timeout}
+    groups = {}
+    for i, node in enumerate(members):  # the same calls in the same order on every rank
+        groups[("site", i)] = dist.new_group(list(node), **kw)
+    for j in range(k):
+        groups[("ring", j)] = dist.new_group([node[j] for node in members], **kw)
+    return Sites(site, local, len(members), k, groups[("site", site)], groups[("ring", local)], members)
+
+
+def sites_of_groups(site_group, ring) -> Sites:
+    """Sites from groups the program already has: ``site_group`` (this rank's site) and
+    ``ring`` (this local rank across sites), e.g. a 2-D mesh's
+    ``mesh["shard"].get_group()`` and ``mesh["replicate"].get_group()``. Local: the
+    layout of every site is learnt (and checked) at the first options check."""
+    if ring is None or dist.get_world_size(ring) == 1:
+        return one_site()
+    return Sites(dist.get_rank(ring), dist.get_rank(site_group), dist.get_world_size(ring),
+                 dist.get_world_size(site_group), site_group, ring)
+
+
+def check_agreement(sites: Sites, common: dict, per_local_rank: dict) -> None:
+    r"""Raise :class:`~hhook.errors.ConfigMismatchError` on every rank unless every rank
+    holds the same integers ``common`` (name -> value) and every rank of one local rank the
+    same ``per_local_rank`` (what a ring sums: its shard's lengths). One all-gather over
+    the default group of ``[site, local rank, *values]``; also checks that the sites form
+    ``n_sites`` x ``ranks_per_site`` and records :attr:`Sites.members`."""
+    names = list(common) + list(per_local_rank)
+    rows = gather_ints([sites.site, sites.local_rank, *common.values(), *per_local_rank.values()])
+    members = [[] for _ in range(sites.n_sites)]
+    for rank, row in enumerate(rows):
+        if not 0 <= row[0] < sites.n_sites:
+            raise ConfigMismatchError(f"hhook.diloco: rank {rank} is in site {row[0]}, this rank counts {sites.n_sites} "
+                                      "sites: the sites' groups do not describe one layout")
+        members[row[0]].append((row[1], rank))
+    if any(sorted(j for j, _ in m) != list(range(sites.ranks_per_site)) for m in members):
+        raise ConfigMismatchError(f"hhook.diloco: the sites' ranks {[[r for _, r in sorted(m)] for m in members]} do not "
+                                  f"form {sites.n_sites} sites of {sites.ranks_per_site}")
+    sites.members = tuple(tuple(r for _, r in sorted(m)) for m in members)
+    scopes = [list(range(len(rows)))]
+    by_local = [[r for r in range(len(rows)) if rows[r][1] == j] for j in range(sites.ranks_per_site)]
+    for i, name in enumerate(names):
+        for scope in scopes if name in common else by_local:  # every rank checks every ring alike
+            first = {}
+            for rank in scope:
+                first.setdefault(rows[rank][2 + i], rank)
+            if len(first) > 1:
+                said = "; ".join(f"rank {r} (site {rows[r][0]}) has {v}"
+                                 for v, r in sorted(first.items(), key=lambda kv: kv[1]))
+                raise ConfigMismatchError(f"hhook.diloco: the ranks disagree on {name}: {said}. Every site must build "
+                                          f"DiLoCo with the same options over the same model ({sites.describe()})")

@@ -1,0 +1,395 @@
+"""hhook.diloco: the outer synchronization across sites (docs/diloco.md), on 2-4 Gloo ranks
+over loopback: the outer step against a dense reference (fp32 exchange, THC at 8 bits),
+heterogeneous sites, streamed fragments, resume mid-period bit for bit, mismatched
+options, a world of one site, torch.compile, sites of two ranks with DDP and with FSDP2,
+the program's own subgroups, a stalled site, and the error-feedback claim."""
+
+import io
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hhook
+import hhook.diloco
+from tests.support.distributed import logged, run_world
+
+
+def _net(seed: int = 0, width: int = 16, layers: int = 4) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _set_flat(model, flat: torch.Tensor) -> None:
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def _pseudo(site: int, numel: int, call: int) -> torch.Tensor:
+    """Site ``site``'s pseudo-gradient at outer step ``call``: site 1's 10x the others' (call
+    0), every site's but site 0's zero (call 1), all different (call 2)."""
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(100 + call)) * 1e-2
+    if call == 0:
+        return base * (10.0 if site == 1 else 1.0) + site * 1e-3
+    if call == 1:
+        return base if site == 0 else torch.zeros(numel)
+    return base + 1e-2 * torch.randn(numel, generator=torch.Generator().manual_seed(7 * site + call))
+
+
+def _outer_steps(rank, world, ranks_per_site, steps=3):
+    """Every outer step (H = 1): each site moves to outer - d_site, the synchronizer
+    averages; per exchange (fp32, THC at 8 bits): this rank's parameters after each step,
+    the dense reference's and the stats."""
+    sites = hhook.diloco.find_sites(ranks_per_site)
+    out = {}
+    for bits in (None, 8):
+        model = _net(seed=sites.site)  # sites start apart (a site's ranks alike, as DDP makes them): site 0's wins
+        outer = hhook.diloco.DiLoCo(model, None, sites, every=1, bits=bits)
+        ref = _flat(model).clone()
+        assert torch.equal(ref, _flat(_net(seed=0))), "every site starts from site 0's parameters"
+        ref_opt = hhook.diloco.nesterov_sgd([ref])
+        got, want = [ref.clone()], [ref.clone()]
+        for call in range(steps):
+            d = [_pseudo(s, ref.numel(), call) for s in range(sites.n_sites)]
+            _set_flat(model, ref - d[sites.site])
+            outer.step()
+            ref.grad = torch.stack(d).mean(0)
+            ref_opt.step()
+            got.append(_flat(model).clone())
+            want.append(ref.clone())
+        out[bits] = got, want, outer.stats()
+    return out
+
+
+@pytest.mark.parametrize("world,ranks_per_site", [(2, 1), (4, 2)])
+def test_outer_step_against_a_dense_reference_with_heterogeneous_sites(world, ranks_per_site):
+    """An fp32 exchange gives the reference's outer step to float rounding; THC at 8 bits
+    within 2% of how far the step moved, every site the same bits; one site's
+    pseudo-gradient 10x the other's, then zero."""
+    results = run_world(_outer_steps, world, ranks_per_site)
+    for by_bits in results:
+        got, want, stats = by_bits[None]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+        assert stats["syncs"] == 3 and stats["exchange"] == "fp32" and not torch.equal(want[0], want[-1])
+        got, want, stats = by_bits[8]
+        for g, w in zip(got[1:], want[1:]):
+            moved = (w - want[0]).norm()  # compared with how far the outer steps moved
+            assert (g - w).norm() < 0.02 * moved, ((g - w).norm(), moved)
+        assert stats["wire_bytes"] < stats["dense_bytes"] and stats["exchange"] == "thc:8"
+    finals = [r[8][0][-1] for r in results]
+    assert all(torch.equal(finals[0], f) for f in finals), "every site holds the same outer parameters"
+
+
+STREAMED = [(4, 0), (4, 2), (2, 1)]  # (fragments, overlap)
+
+
+def _streamed_all(rank, world):
+    sites = hhook.diloco.find_sites(1)
+    return [_streamed(rank, sites, fragments, overlap) for fragments, overlap in STREAMED]
+
+
+def _streamed(rank, sites, fragments, overlap):
+    """Inner steps that add a site's constant to every parameter; the synchronizer streams
+    ``fragments`` at their offsets (fp32 exchange). Returns what each sync sent, what was in
+    flight after each step, and the parameters."""
+    model = _net(layers=4)
+    every = 8
+    outer = hhook.diloco.DiLoCo(model, None, sites, every=every, bits=None, fragments=fragments, overlap=overlap)
+    drift = [0.01, 0.03][rank]
+    dense, events = [], []
+    for t in range(1, 2 * every + 1):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(drift)
+        before = outer.stats()["dense_bytes"]
+        outer.step()
+        dense.append(outer.stats()["dense_bytes"] - before)
+        events.append(sorted(outer.pending))
+    return {"offsets": outer.offsets, "dense": dense, "events": events, "params": _flat(model),
+            "numel": _flat(model).numel()}
+
+
+def test_streaming_syncs_each_fragment_at_its_offset_with_a_fraction_of_the_bytes():
+    every_config = run_world(_streamed_all, 2)
+    for (fragments, overlap), results in zip(STREAMED, zip(*every_config)):
+        _check_streamed(fragments, overlap, results)
+
+
+def _check_streamed(fragments, overlap, results):
+    r0 = results[0]
+    every, numel = 8, r0["numel"]
+    assert r0["offsets"] == [(p + 1) * every // fragments % every for p in range(fragments)]
+    syncs = [t for t, b in enumerate(r0["dense"], start=1) if b]
+    assert len(syncs) == 2 * fragments  # each fragment once per period
+    for b in (b for b in r0["dense"] if b):
+        assert b == 4 * numel // fragments, "peak bytes per sync: 1/P of the model"
+    launches = {p: [t for t in range(1, 2 * every + 1) if t % every == off] for p, off in enumerate(r0["offsets"])}
+    for t, pending in enumerate(r0["events"], start=1):  # each exchange runs behind `overlap` inner steps
+        assert pending == sorted(p for p, ts in launches.items() if any(s <= t < s + overlap for s in ts)), t
+    # A merged fragment is the common outer value plus each site's own drift since its
+    # launch: the sites differ by their drift since the last merged launch, no more.
+    gap = (results[1]["params"] - results[0]["params"]).abs()
+    assert gap.max() <= 0.02 * (every + overlap) + 1e-5 and gap.min() >= 0.02 * overlap - 1e-5
+
+
+def _train(rank, world, steps, save_at, options, compiled=False):
+    """A small regression on each site's own data (SGD with momentum inside), the
+    synchronizer on top; with ``save_at`` the run is checkpointed there into a buffer and
+    continued from fresh objects. Returns the final parameters and the checkpoint's step."""
+    sites = hhook.diloco.find_sites(1)
+
+    def build():
+        net = _net(seed=1, width=8, layers=4)
+        run = torch.compile(net, backend="aot_eager") if compiled else net
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        return net, run, opt, hhook.diloco.DiLoCo(run, opt, sites, **options)
+
+    net, run, opt, outer = build()
+    in_flight_at_save = None
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x = torch.randn(16, 8, generator=g)
+        loss = ((run(x) - x.flip(1) * (1 + rank)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        outer.step()
+        if step + 1 == save_at:
+            in_flight_at_save = outer.in_flight()
+            buf = io.BytesIO()
+            torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "outer": outer.state_dict()}, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=True)
+            net, run, opt, outer = build()
+            net.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            outer.load_state_dict(saved["outer"])
+    return _flat(net), in_flight_at_save, loss.item()
+
+
+def _trains(rank, world, runs):
+    """:func:`_train` for each ``(steps, save_at, options, compiled)`` in one world."""
+    return [_train(rank, world, *run) for run in runs]
+
+
+RESUMED = [({"every": 4, "bits": 4, "fragments": 2, "overlap": 1, "error_feedback": True}, 6),  # fragment 0 in flight
+           ({"every": 5, "bits": None}, 7)]
+
+
+def test_resume_mid_period_continues_bit_for_bit():
+    """THC with error feedback, streamed, saved with an exchange in flight; an fp32 exchange
+    saved mid-period: each resumed run ends on the straight run's bits."""
+    runs = [(11, save_at, options, False) for options, save in RESUMED for save_at in (None, save)]
+    for rank_runs in run_world(_trains, 2, runs):
+        for i in range(0, len(runs), 2):
+            (a, _, _), (b, in_flight, _) = rank_runs[i], rank_runs[i + 1]
+            assert torch.equal(a, b), runs[i]
+        assert rank_runs[1][1] == 1, "the checkpoint was taken with an exchange in flight"
+
+
+def test_under_torch_compile_the_same_as_eager():
+    options = {"every": 3, "bits": 4, "fragments": 2, "overlap": 1}
+    for (a, _, _), (b, _, _) in run_world(_trains, 2, [(7, None, options, False), (7, None, options, True)]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+MISMATCHES = ("every", "bits", "fragments", "width")
+
+
+def _mismatch(rank, world):
+    """Each mismatch in turn, on the last rank (site): every rank's message, or None."""
+    messages = []
+    for what in MISMATCHES:
+        options = {"every": 4, "bits": 4, "fragments": 2}
+        width = 16
+        if rank == world - 1:
+            if what == "width":
+                width = 12
+            else:
+                options[what] = {"every": 6, "bits": 3, "fragments": 4}[what]
+        try:
+            hhook.diloco.DiLoCo(_net(width=width), None, 1, **options)
+            messages.append(None)
+        except hhook.ConfigMismatchError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_mismatched_options_or_shapes_raise_on_every_rank():
+    """H, bits, fragment counts or a parameter's shape differing on one site: every rank raises."""
+    for rank_messages in run_world(_mismatch, 3):
+        for what, m in zip(MISMATCHES, rank_messages):
+            assert m is not None and "disagree" in m and "rank 2 (site 2)" in m, (what, m)
+            assert ("shapes" in m) if what == "width" else (f"option {what}" in m), (what, m)
+
+
+def _asks_differently(rank, world):
+    try:
+        hhook.diloco.find_sites(1 if rank == 0 else 2)
+    except ValueError as e:
+        return str(e)
+
+
+def test_sites_asked_differently_raise_on_every_rank():
+    assert all("different sites" in m for m in run_world(_asks_differently, 2))
+
+
+def test_a_world_of_one_site_trains_locally():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with logged("hhook.diloco") as lines:
+        outer = hhook.diloco.DiLoCo(model, opt, every=2)
+    assert any("one site" in line for line in lines)
+    before = _flat(model).clone()
+    for _ in range(4):
+        outer.step()
+    assert torch.equal(before, _flat(model)) and outer.stats()["syncs"] == 0
+
+
+def _two_by_two_both(rank, world):
+    own = dist.new_group([0, 3])  # the program's own subgroup, made before the sites'
+    sites = hhook.diloco.find_sites(2)
+    return {fsdp: _two_by_two(rank, own, sites, fsdp) for fsdp in (False, True)}
+
+
+def _two_by_two(rank, own, sites, fsdp):
+    """4 ranks as 2 sites x 2: a subgroup of the program's own beside hhook's groups, DDP
+    or FSDP2 inside each site, an fp32 exchange; one outer step (H = 2)."""
+    net = _net(seed=0, width=8, layers=2)
+    if fsdp:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(sites.site_group, "cpu")
+        for layer in net:
+            fully_shard(layer, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
+    else:
+        model = nn.parallel.DistributedDataParallel(net, process_group=sites.site_group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = hhook.diloco.DiLoCo(model, opt, sites, every=2, bits=None)
+    start = [p.detach().full_tensor().clone() if fsdp else p.detach().clone() for p in net.parameters()]
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+        loss = (model(x) - sites.site).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rank in (0, 3):
+            t = torch.ones(1)
+            dist.all_reduce(t, group=own)
+            assert t.item() == 2
+        outer.step()
+    full = [p.detach().full_tensor() if fsdp else p.detach() for p in net.parameters()]
+    return torch.cat([f.reshape(-1) for f in full]), torch.cat([s.reshape(-1) for s in start]), outer.stats()
+
+
+def test_sites_of_two_ranks_with_ddp_or_fsdp2_beside_the_program_s_subgroups():
+    """After the outer step every rank of every site holds the same parameters, FSDP2's the
+    same as DDP's; with DDP each local rank exchanged half of the pseudo-gradient."""
+    results = run_world(_two_by_two_both, 4)
+    for fsdp in (False, True):
+        finals = [r[fsdp][0] for r in results]
+        assert all(torch.equal(finals[0], f) for f in finals), "every rank of every site holds the outer parameters"
+        assert not torch.equal(finals[0], results[0][fsdp][1]), "the outer step moved them"
+    torch.testing.assert_close(results[0][True][0], results[0][False][0], rtol=1e-5, atol=1e-6)
+    numel = results[0][False][0].numel()
+    for r in results:
+        assert r[False][2]["dense_bytes"] == 4 * -(-numel // 2)
+        assert 0 < r[True][2]["dense_bytes"] < 4 * numel  # FSDP2: this rank's own shards
+
+
+def _stall(rank, world):
+    import datetime
+
+    sites = hhook.diloco.find_sites(1, timeout=datetime.timedelta(seconds=4))
+    model = _net()
+    outer = hhook.diloco.DiLoCo(model, None, sites, every=2, bits=4)
+    try:
+        for step in range(6):
+            if rank == 1 and step == 3:
+                time.sleep(9)
+            outer.step()
+    except (hhook.PeerTimeoutError, hhook.PeerLostError) as e:
+        return type(e).__name__, str(e)
+    return None, None
+
+
+def test_a_stalled_site_makes_the_other_raise_naming_it():
+    results = run_world(_stall, 2, timeout=120)
+    kind, message = results[0]
+    assert kind == "PeerTimeoutError", message
+    assert "hhook.diloco: the outer exchange" in message and "rank 1 is in site 1" in message, message
+    assert results[1][0] is not None, "the stalled site learns of it too"
+
+
+def _ef_errors(rank, world, draws, steps):
+    return {ef: _ef_error(rank, world, ef, draws, steps) for ef in (True, False)}
+
+
+def _ef_error(rank, world, error_feedback, draws, steps):
+    """||outer after ``steps`` outer steps - the exact sum||, per draw, at 2 bits; the outer
+    optimizer is plain SGD at lr 1, so the outer copy is minus the sum of the decoded means."""
+    sites = hhook.diloco.find_sites(1)
+    errors = []
+    for draw in range(draws):
+        model = _net(layers=2, width=32)
+        outer = hhook.diloco.DiLoCo(model, None, sites, every=1, bits=2, error_feedback=error_feedback,
+                                    seed=draw, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
+        exact = _flat(model).clone()
+        for call in range(steps):
+            g = torch.Generator().manual_seed(10_000 * draw + 100 * call + rank)
+            d = torch.randn(exact.numel(), generator=g) * 1e-2
+            mean = d.clone()
+            dist.all_reduce(mean)
+            _set_flat(model, outer.outer[0] - d)
+            outer.step()
+            exact -= mean / world
+        errors.append(((_flat(model) - exact).norm() / exact.norm()).item())
+    return errors
+
+
+def test_error_feedback_keeps_the_sum_of_outer_steps_on_track():
+    """Over 30 outer steps at 2 bits, the rounding errors of the decoded means add up
+    (about sqrt(30) times one step's) without error feedback; with it the sum tracks the
+    exact one to within about one step's error. Averaged over 8 draws per mode."""
+    errors = run_world(_ef_errors, 2, 8, 30)[0]
+    with_ef, without = sum(errors[True]) / 8, sum(errors[False]) / 8
+    assert with_ef < 0.4 * without, (with_ef, without)
+
+
+def test_a_site_that_dies_makes_the_other_raise_naming_it():
+    """Rank 1 (site 1) dies in the middle of a run; rank 0 raises hhook.PeerLostError from the
+    outer step, naming site 1, within the group's timeout; nobody hangs."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from tests.support.distributed import ROOT, free_port, subprocess_env
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "support", "diloco_job.py"), "--die-at", "5"],
+                              env=subprocess_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                                 MASTER_PORT=str(port)), cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    try:
+        out = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == 9
+    found = re.search(r"rank 0: step (\d+): (\w+): (.*)", out[0][1])
+    assert procs[0].returncode == 1 and found, out[0][1][-3000:]
+    assert found.group(2) in ("PeerLostError", "PeerTimeoutError"), found.group(0)
+    assert "hhook.diloco: the outer exchange" in found.group(3) and "site 1" in found.group(3), found.group(0)
