@@ -170,15 +170,21 @@ class Decider:
         if decision.method_of(state.iter) is not None:  # a step runs
             if decision.marks.get(OPTIMIZER_STEPS) or not self._updated_by_hand():
                 return
-            state.iter += 1
+            self._end(decision)
         prober = state.prober
         if prober is None:
             prober = state.prober = Prober()
         if not prober.verified:
             prober.verify(self.group, decision, self.device)
         prober.begin(self.group, decision, state.iter)
-        prober.launch(self.group, decision, state.iter, self.device)
         self.switch.reduced = False
+
+    def _end(self, decision: Decision) -> None:
+        """The running step ended: the periods measured so far are reduced now, behind the
+        step's collectives (as the DDP hook's behind an iteration's last bucket)."""
+        if self.state.prober is not None:
+            self.state.prober.launch(self.group, decision, self.state.iter, self.device)
+        self.state.iter += 1
 
     def _updated_by_hand(self) -> bool:
         """In a job that has not stepped an optimizer over these parameters: a reduce-scatter
@@ -193,7 +199,7 @@ class Decider:
         decision = self.decision()
         decision.marks[OPTIMIZER_STEPS] = True
         if decision.method_of(self.state.iter) is not None:
-            self.state.iter += 1
+            self._end(decision)
 
     def _holds(self, optimizer) -> bool:
         count = sum(len(g["params"]) for g in optimizer.param_groups)

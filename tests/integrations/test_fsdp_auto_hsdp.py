@@ -9,18 +9,9 @@ import pytest
 import torch
 
 from tests.support.distributed import run_world
-from tests.support.fsdp_auto import Clock, clocked, model, shard
+from tests.support.fsdp_auto import Clock, clocked, model, ran_as, shard
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
-
-
-def _method(ran) -> str:
-    modes = {kind: {c for k, c in ran if k == kind} for kind in ("rs", "ag", "ar")}
-    if any(len(m) > 1 for m in modes.values()):
-        return "mixed"
-    if True in modes["ag"]:
-        return "rs+ag"
-    return "rs" if True in modes["rs"] else "ar" if True in modes["ar"] else "dense"
 
 
 def _meshes():
@@ -52,7 +43,7 @@ def _decide(rank, world, costs, steps=34):
         for m in (custom, native):
             m(x).square().mean().backward()
         opt.step()
-        method = _method(clock.step())
+        method = ran_as(clock.step())
         if method == "dense":
             dense_equal.append(all(torch.equal(a.grad.to_local(), b.grad.to_local())
                                    for a, b in zip(custom.parameters(), native.parameters())))

@@ -70,6 +70,17 @@ class Clock:
         return ran
 
 
+def ran_as(ran) -> str:
+    """The candidate that the calls ``ran`` (:meth:`Clock.step`) of one optimizer step
+    are, or ``"mixed"`` where one kind of call ran both ways."""
+    modes = {kind: {c for k, c in ran if k == kind} for kind in ("rs", "ag", "ar")}
+    if any(len(m) > 1 for m in modes.values()):
+        return "mixed"
+    if True in modes["ag"]:
+        return "rs+ag"
+    return "rs" if True in modes["rs"] else "ar" if True in modes["ar"] else "dense"
+
+
 def clocked(state, clock: Clock) -> None:
     """Give ``state``'s decision ``clock`` (a registration or a load_state_dict builds its
     prober with the real one)."""
