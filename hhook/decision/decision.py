@@ -105,12 +105,13 @@ class Decision:
         self.observed = -1  # the last iteration whose period came back
         self.arrived: list = []  # [iteration, period]: reduced, fed at the iteration LAG after it
         self.decisions: list[dict] = []
+        self.marks: dict = {}  # what the code that drives it keeps with it (hhook.fsdp: how its steps end)
 
     # -- checkpoints ---------------------------------------------------------------
     _FIELDS = ("options", "phase", "reason", "started", "queue", "current", "assigned", "samples", "dropped", "plain",
                "choice", "reference", "baseline", "decided_at", "recent", "history", "last_probe", "observed", "arrived",
-               "decisions")
-    _SINCE = {"arrived": []}  # fields newer than some saved states: their value in those
+               "decisions", "marks")
+    _SINCE = {"arrived": [], "marks": {}}  # fields newer than some saved states: their value in those
 
     def _fields(self) -> dict:
         return {name: getattr(self, name) for name in self._FIELDS}
@@ -188,6 +189,10 @@ class Decision:
         method = self.choice if self.phase == "exploit" else self._hold()
         self.history[str(iteration)] = [method, True]
         return method
+
+    def method_of(self, iteration: int) -> str | None:
+        """The method :meth:`method_for` gave ``iteration`` until its period is observed (None: not given)."""
+        return self.history.get(str(iteration), [None])[0]
 
     def arrive(self, iteration: int, period: float) -> None:
         """The reduced period of ``iteration`` (negative: not measured), held until

@@ -33,7 +33,8 @@ extra round predicted scales exist to save.
 Custom HSDP (:func:`register_hsdp`): 1-D FSDP over the ranks of one node plus
 ``set_all_reduce_hook`` running :func:`hhook.thc_allreduce` over the replica group
 (every rank with the same shard rank), which averages over replicas and returns the
-same bits on every replica. The layout is checked at registration.
+same bits on every replica (or FSDP2's own dense reduction, where ``bits="auto"`` runs
+``dense``). The layout is checked at registration.
 """
 
 from .all_gather import AllGatherOptions

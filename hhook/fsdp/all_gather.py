@@ -209,8 +209,10 @@ class THCAllGather(AllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         switch = self.state.switch
-        if switch is not None and switch.all_gather_dense:
-            return self._dense(output_tensor, input_tensor, group, "dense_calls")
+        if switch is not None:
+            switch.begin()  # bits="auto": a step's method is fixed before its first all-gather (a prefetch too)
+            if switch.all_gather_dense:
+                return self._dense(output_tensor, input_tensor, group, "dense_calls")
         reason = self._unservable(output_tensor, input_tensor, group)
         if reason is not None:
             self.state.log_once((self.name, reason), "hhook.fsdp: %s: all-gathered dense (%s)", self.name, reason)

@@ -1,5 +1,5 @@
 r"""``bits="auto"`` for FSDP2 (:func:`hhook.fsdp.register`'s default): measure, per job,
-which of three exchanges makes the step fastest, and keep it.
+which exchange makes the optimizer step fastest, and keep it.
 
 * ``rs+ag``: THC's reduce-scatter (at the auto rule's width for the shard group) and the
   compressed parameter all-gather (8 bits unless ``all_gather`` says otherwise);
@@ -7,69 +7,94 @@ which of three exchanges makes the step fastest, and keep it.
 * ``dense``: plain FSDP2, whatever its ``MixedPrecisionPolicy`` says (bf16 parameters
   and reduce when the policy is bf16).
 
+:func:`hhook.fsdp.register_hsdp` adds the replica all-reduce: the two THC candidates
+compress it too, ``ar`` compresses it alone (FSDP's reduce-scatter and all-gather inside
+the node, THC across replicas), and ``dense`` is FSDP2's own HSDP.
+
 The decision is the DDP hook's (:class:`hhook.decision.Decision`, measured by
 :class:`hhook.decision.Prober`), not a second copy: the candidates take turns of a few
-training steps in lockstep, each rank times the period between successive step starts,
-the slowest rank's periods reach every rank through one MAX all-reduce (with the
-decision's fingerprint: ranks whose decisions differ raise on every rank), and the argmin
-of those numbers is the choice, the same on every rank. A candidate two of whose steps
-take 1.5x the best so far is dropped early; the choice is re-measured every 1000 steps and
-when its step time drifts by half. So the job is never slower than plain FSDP2 by more
-than the DDP hook's margin: the turns of the slower candidates while measuring, and the
-noise of five steps per turn.
+steps in lockstep, each rank times the period between successive step starts, the
+slowest rank's periods reach every rank through one MAX all-reduce (with the decision's
+fingerprint: ranks whose decisions differ raise on every rank), and the argmin of those
+numbers is the choice, the same on every rank. So the job is never slower than plain
+FSDP2 by more than the DDP hook's margin: the turns of the slower candidates while
+measuring, and the noise of five steps per turn.
 
-A step is what one optimizer step costs, gradient accumulation included: it starts at the
-first training forward of the root after a reduce-scatter (the first one of the job
-included). Microbatches whose gradients are not synchronized
-(``set_requires_gradient_sync(False)``) run no reduce-scatter, so their forwards stay in
-the running step; so do a second forward before one backward (a siamese or contrastive
-loss). The method changes only at a step's start: every all-gather of a step, the
-backward's re-gather included, and its reduce-scatter use one method. Forwards without
-gradients (evaluation) keep the running method and start no step.
+**A step is one optimizer step, whatever the loop.** It ends when an optimizer steps
+over the registered model's parameters (any ``torch.optim.Optimizer``: torch's global
+step hook), however many forwards, backwards and reduce-scatters came before it
+(gradient accumulation with or without ``set_requires_gradient_sync(False)``, two
+forwards before one backward, SAM's two passes), whatever ``module.training`` says. The
+next step starts at the first forward of the root or the first all-gather after that, in
+any mode (an evaluation under ``no_grad`` included, which then belongs to that step), and
+never inside a backward: so the method is fixed before the step's first all-gather of any
+kind (an explicit ``unshard()`` prefetch, the ``no_grad`` forward of reentrant activation
+checkpointing, the backward's re-gathers) and every all-gather and reduce-scatter of the
+step use it. A job that has not stepped an optimizer over these parameters
+(hand-written updates) ends a step where a forward or an all-gather finds the gradients
+of a reduce-scatter cleared (``zero_grad()``, ``p.grad = None``; gradients zeroed in
+place go unseen); its first optimizer step ends that rule for the job (a mark kept in
+the decision, so that a resumed job keeps it).
 
-The step counter is the state's ``iter`` and the decision is the state's
-(``state.decision``), so a resumed job (:meth:`hhook.THCState.load_state_dict`) continues
-the saved decision at the saved step; the period that spans the save goes unmeasured.
-
-The comms (:class:`~hhook.fsdp.THCReduceScatter`, :class:`~hhook.fsdp.all_gather.THCAllGather`)
-are set on every module at registration and read the running method from one
-:class:`Switch`: its dense path is the collective plain FSDP2 runs on the same buffers
-(a SUM reduce-scatter divided by the group's size, as FSDP's division is switched off;
-an all-gather of the input as it is). Each reduce-scatter, dense or compressed, marks the
-switch, which is how the next step's start is known.
+``state.iter`` counts the steps that ended, and the running step is the one the decision
+gave a method (:meth:`Decision.method_of`): both are in ``state.state_dict()``, so the
+comms read the running method from the state (:class:`Switch`). A loaded state is
+kept, in every order (``register`` then ``load_state_dict``, ``load_state_dict`` then
+``register``, a pickled state): a checkpoint saved inside a step continues that step
+with its method (an evaluation right after the resume computes what it did before the
+save, bit for bit), one saved between steps starts the next one as the run that saved
+would have; the period that spans the save goes unmeasured.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..decision import Decision, Prober
 from .modules import group_key
 
 logger = logging.getLogger("hhook.fsdp")
 
-#: The candidates, in probing order.
-BOTH, RS, DENSE = "rs+ag", "rs", "dense"
+#: The candidates, in probing order: ``register``'s, and ``register_hsdp``'s across replicas.
+BOTH, RS, REPLICA, DENSE = "rs+ag", "rs", "ar", "dense"
 CANDIDATES = (BOTH, RS, DENSE)
+HSDP_CANDIDATES = (BOTH, RS, REPLICA, DENSE)
+#: The decision's mark of a job whose steps end at its optimizer's steps.
+OPTIMIZER_STEPS = "optimizer_steps"
 
 
 class Switch:
-    """The running method, read by every comm of one registration at each call, and
-    whether a reduce-scatter ran since the running step started."""
+    """What every comm of one registration reads at each call: the running step's method,
+    and whether a reduce-scatter ran since the step started (:attr:`reduced`, set by the
+    reduce-scatter)."""
 
-    def __init__(self, method: str = BOTH):
-        self.method = method
-        self.reduced = True  # the first training forward starts a step
+    def __init__(self, decider: "Decider"):
+        self.decider = decider
+        self.reduced = False
+
+    def begin(self) -> None:
+        """The root's forward or an all-gather is about to run: a step starts here if none runs."""
+        self.decider.begin()
+
+    @property
+    def method(self) -> str:
+        return self.decider.method()
 
     @property
     def reduce_scatter_dense(self) -> bool:
-        return self.method == DENSE
+        return self.method in (DENSE, REPLICA)
 
     @property
     def all_gather_dense(self) -> bool:
         return self.method != BOTH
+
+    @property
+    def all_reduce_dense(self) -> bool:
+        return self.method == DENSE
 
 
 class _Group:
@@ -84,55 +109,122 @@ class _Group:
 
 
 class Decider:
-    """The decision of one :func:`hhook.fsdp.register`: a forward pre-hook on the root
-    module (it runs before FSDP's own, prepended) sets :attr:`switch` at each step's start
-    from ``state.decision``, timed by ``state.prober`` over ``process_group``, counting
-    steps in ``state.iter`` (all three checkpointed or rebuilt with the state)."""
+    """The decision of one registration, over ``candidates``, timed over ``process_group``.
+    ``state.decision``, ``state.prober`` and ``state.iter`` hold everything that lasts
+    (module docstring); ``groups``: the FSDP param groups whose parameters an optimizer
+    must hold for its step to end one of ours."""
 
-    def __init__(self, state, process_group, device: torch.device, candidates=CANDIDATES):
-        self.switch = Switch(candidates[0])
+    def __init__(self, state, process_group, device: torch.device, candidates, groups):
         self.state = state
-        state.decision = Decision(list(candidates))
-        state.prober = Prober()  # a load_state_dict drops it: built again at the next step
+        self.candidates = list(candidates)
         self.group = _Group(process_group, state)
         self.device = device
+        self.switch = Switch(self)
+        self._groups = list(groups)
+        self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> (params, holds ours)
+        self.decision()
+        if state.prober is None:
+            state.prober = Prober()  # a load_state_dict drops it: built again at the next step
+        method = weakref.WeakMethod(self.after_optimizer_step)
+
+        def hook(optimizer, args, kwargs) -> None:
+            bound = method()
+            if bound is not None:
+                bound(optimizer)
+
+        handle = register_optimizer_step_post_hook(torch.compiler.disable(hook))
+        weakref.finalize(self, handle.remove)
+
+    def decision(self) -> Decision:
+        """``state.decision``, live: the state's own, or a checkpoint's plain data, where it
+        decides between this registration's candidates; anything else starts afresh (one
+        log line)."""
+        state = self.state
+        decision = state.decision
+        if isinstance(decision, Decision) and decision.options["candidates"] == self.candidates:
+            return decision
+        if isinstance(decision, dict) and decision.get("options", {}).get("candidates") == self.candidates:
+            state.decision = Decision.from_state_dict(decision)
+            return state.decision
+        if decision is not None:
+            logger.warning("hhook.fsdp: bits='auto' starts a new decision between %s: the state's decision is not one "
+                           "between these candidates", ", ".join(self.candidates))
+        state.decision = Decision(self.candidates)
+        return state.decision
 
     def digest(self) -> int:
         """The decision's options (its candidates...), for the registration's handshake."""
-        return 1 + self.state.decision.options_digest()
+        return 1 + self.decision().options_digest()
 
-    def pre_forward(self, module, args) -> None:
-        if not (torch.is_grad_enabled() and module.training):
-            return  # evaluation: the running method, not a step
-        if not self.switch.reduced:
-            return  # no reduce-scatter since the step started: another microbatch of it
-        self.switch.reduced = False
+    def method(self) -> str:
+        """The running step's method; between steps the last one's."""
+        decision, step = self.decision(), self.state.iter
+        return decision.method_of(step) or decision.method_of(step - 1) or self.candidates[0]
+
+    def begin(self) -> None:
+        """Start a step where none runs (module docstring), never inside a backward."""
+        if torch._C._current_graph_task_id() != -1:
+            return  # a reentrant checkpoint's recomputation, a per-parameter optimizer's step: the step's own
+        decision = self.decision()
         state = self.state
-        decision = state.decision
-        if isinstance(decision, dict):  # a checkpoint loaded before the first step
-            decision = state.decision = Decision.from_state_dict(decision)
+        if decision.method_of(state.iter) is not None:  # a step runs
+            if decision.marks.get(OPTIMIZER_STEPS) or not self._updated_by_hand():
+                return
+            self._end(decision)
         prober = state.prober
         if prober is None:
             prober = state.prober = Prober()
         if not prober.verified:
             prober.verify(self.group, decision, self.device)
-        self.switch.method = prober.begin(self.group, decision, state.iter)
-        prober.launch(self.group, decision, state.iter, self.device)
-        state.iter += 1
+        prober.begin(self.group, decision, state.iter)
+        self.switch.reduced = False
+
+    def _end(self, decision: Decision) -> None:
+        """The running step ended: the periods measured so far are reduced now, behind the
+        step's collectives (as the DDP hook's behind an iteration's last bucket)."""
+        if self.state.prober is not None:
+            self.state.prober.launch(self.group, decision, self.state.iter, self.device)
+        self.state.iter += 1
+
+    def _updated_by_hand(self) -> bool:
+        """In a job that has not stepped an optimizer over these parameters: a reduce-scatter
+        ran in this step and its gradients were cleared since (gradient accumulation and a
+        second forward keep them)."""
+        return self.switch.reduced and all(p.sharded_param.grad is None for g in self._groups for p in g.fsdp_params)
+
+    def after_optimizer_step(self, optimizer) -> None:
+        """torch's hook after any optimizer's step: it ends the running step if it holds our parameters."""
+        if not self._holds(optimizer):
+            return
+        decision = self.decision()
+        decision.marks[OPTIMIZER_STEPS] = True
+        if decision.method_of(self.state.iter) is not None:
+            self._end(decision)
+
+    def _holds(self, optimizer) -> bool:
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        known = self._optimizers.get(optimizer)
+        if known is None or known[0] != count:  # (a param group added since)
+            ours = {id(p.sharded_param) for g in self._groups for p in g.fsdp_params}
+            holds = any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
+            known = self._optimizers[optimizer] = (count, holds)
+        return known[1]
 
     def attach(self, module) -> None:
-        # eager under torch.compile too, as FSDP's own hooks are (a clock and collectives)
-        module.register_forward_pre_hook(torch.compiler.disable(self.pre_forward), prepend=True)
+        # prepended: before FSDP's own pre-forward (its all-gathers); eager under torch.compile too, as FSDP's hooks
+        module.register_forward_pre_hook(torch.compiler.disable(lambda module, args: self.switch.begin()),
+                                         prepend=True)
 
 
-def decider(state, plan, with_all_gather: bool, over=None) -> Decider | None:
+def decider(state, plan, candidates, over=None) -> Decider | None:
     """The :class:`Decider` of a ``bits="auto"`` registration of ``plan`` (``[(name,
-    FSDPModule, param group, shard size, replicate size)]``), or None where it does not
-    measure, said in one log line: a mesh with a replicate dimension (the replicas would
-    have to agree on one choice over a group FSDP does not have) or modules sharded over
-    different groups; a shard group of one rank exchanges nothing. ``over``: the group
-    whose ranks decide together (default: the shard group; :func:`hhook.fsdp.register_hsdp`
-    passes the whole world, whose step times its replica all-reduce couples)."""
+    FSDPModule, param group, shard size, replicate size)]``) between ``candidates``, or
+    None where it does not measure, said in one log line: a mesh with a replicate
+    dimension (the replicas would have to agree on one choice over a group FSDP does not
+    have) or modules sharded over different groups; a shard group of one rank exchanges
+    nothing. ``over``: the group whose ranks decide together (default: the shard group;
+    :func:`hhook.fsdp.register_hsdp` passes the whole world, whose step times its replica
+    all-reduce couples)."""
     groups = {group_key(g.mesh_info.shard_process_group): g for _, _, g, _, _ in plan}
     why = None
     if any(replicate is not None for *_, replicate in plan):
@@ -146,5 +238,5 @@ def decider(state, plan, with_all_gather: bool, over=None) -> Decider | None:
                        "without measuring: %s", why)
         return None
     group = next(iter(groups.values()))
-    return Decider(state, group.mesh_info.shard_process_group if over is None else over, group.device,
-                   CANDIDATES if with_all_gather else (RS, DENSE))
+    return Decider(state, group.mesh_info.shard_process_group if over is None else over, group.device, candidates,
+                   [g for _, _, g, _, _ in plan])

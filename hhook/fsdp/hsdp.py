@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from ..state import THCState, report
 from .modules import fsdp_modules, mesh_sizes, param_group
-from .register import _register, _state_of
+from .auto import BOTH, CANDIDATES, HSDP_CANDIDATES, REPLICA, RS
+from .register import Registered, _register, _state_of
 
 logger = logging.getLogger("hhook.fsdp")
 
@@ -58,11 +59,61 @@ def _adopt_replica_group(replica_state: THCState, replica_group: dist.ProcessGro
         )
 
 
+class ReplicaAllReduce:
+    """FSDP's all-reduce hook of one module (``set_all_reduce_hook``): the shard group's
+    reduce-scatter output averaged over ``replica_state``'s group (the replicas), by
+    :func:`hhook.thc_allreduce`, or, where ``bits="auto"`` runs ``dense``, by FSDP2's own
+    HSDP reduction (a SUM all-reduce, then the division by the replicas: the same bits on
+    Gloo). ``factor``: the user's divide factor (the shard group's sum comes in; the sum
+    over all ranks goes out, FSDP divides).
+
+    On a 1-D shard mesh FSDP calls the hook after every reduce-scatter and ignores
+    ``set_requires_all_reduce(False)``: the hook keeps those outputs' sum (their
+    gradient is left zero) and adds it to the next one it all-reduces, as FSDP2's own
+    HSDP does."""
+
+    def __init__(self, replica_state: THCState, key: str, factor, param_group, switch=None):
+        self.state, self.key, self.factor = replica_state, key, factor
+        self.param_group, self.switch = param_group, switch
+        self.pending: torch.Tensor | None = None  # the sum of the outputs not all-reduced yet
+
+    def __call__(self, output: torch.Tensor) -> None:
+        from ..schedule.allreduce import thc_allreduce
+
+        replicas = dist.get_world_size(self.state.process_group)
+        if replicas == 1:
+            return
+        if not getattr(self.param_group, "all_reduce_grads", True):
+            if self.pending is None:
+                self.pending = output.clone()
+            else:
+                self.pending += output
+            output.zero_()
+            return
+        if self.pending is not None:
+            output += self.pending
+            self.pending = None
+        if self.switch is not None and self.switch.all_reduce_dense:
+            dist.all_reduce(output, group=self.state.process_group)
+            self.state.counters.add("dense_calls", 4 * output.numel(), output.nbytes)
+            if self.factor is None:
+                output.div_(replicas)
+            return
+        thc_allreduce(output, self.state, key=self.key)  # the mean over replicas
+        if self.factor is not None:
+            output.mul_(replicas)
+
+
 def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | None = None,
                   replica_state: THCState | None = None, **options) -> tuple[THCState, THCState]:
     """Custom HSDP: THC reduce-scatter inside the shard group (``fully_shard``'s 1-D mesh)
     and a THC allreduce over ``replica_group`` in FSDP's all-reduce hook, which averages
-    over replicas. Returns ``(shard_state, replica_state)``.
+    over replicas (:class:`ReplicaAllReduce`). Returns ``(shard_state, replica_state)``.
+
+    ``bits="auto"`` (the default) decides between THC on both exchanges with and without
+    the compressed all-gather (``rs+ag``, ``rs``), THC across replicas alone (``ar``) and
+    FSDP2's own HSDP (``dense``), once for the whole world where the shard groups and
+    replicas make it up (else each shard group decides between the three THC ones).
 
     Checks the layout first, blocking, on every rank of the shard and replica groups:
     raises ``ValueError`` on every rank if a module was sharded on a 2-D mesh (FSDP would
@@ -73,8 +124,6 @@ def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | No
     ``replica_group`` (``ValueError`` on every rank otherwise); one built without a
     process group takes ``replica_group``.
     """
-    from ..schedule.allreduce import thc_allreduce
-
     if not isinstance(replica_group, dist.ProcessGroup):
         raise TypeError(f"hhook.fsdp.register_hsdp: replica_group must be a ProcessGroup, got {replica_group!r}")
     modules = []
@@ -97,30 +146,31 @@ def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | No
         elif pg.size() != shard_group.size() or pg.rank() != shard_group.rank():
             raise ValueError(f"hhook.fsdp.register_hsdp: {name} is sharded over a different group than the "
                              "other FSDP modules; every module must share one shard mesh")
-        modules.append((name, m, group.gradient_divide_factor))
+        modules.append((name, m, group, group.gradient_divide_factor))  # (register sets 1.0 where unset)
     if shard_group is not None:
         _check_replica_layout(shard_group, replica_group, device)
     if replica_state is not None:
         _adopt_replica_group(replica_state, replica_group)
     # bits="auto": one decision over every shard group and replica (their step times are
-    # coupled by the replica all-reduce), where they make up the world; else each
-    # replica's shard group decides on its own.
+    # coupled by the replica all-reduce, whose method every replica must share), where they
+    # make up the world; else each shard group decides, and the replica all-reduce is THC's.
     replicas = dist.get_world_size(replica_group)
     whole = shard_group is not None and shard_group.size() * replicas == dist.get_world_size()
-    state = _register(module, _state_of(state, options), None, dist.group.WORLD if whole else None)
-    if state.bits == "auto" and replicas > 1 and not whole:
-        logger.warning("hhook.fsdp.register_hsdp: bits='auto' decides in each replica's shard group on its own: the "
+    state = _state_of(state, options)
+    candidates = CANDIDATES if replicas == 1 else HSDP_CANDIDATES if whole else (BOTH, RS, REPLICA)
+    switch = _register(module, state, None, dist.group.WORLD if whole else None, candidates)
+    if switch is not None and replicas > 1 and not whole:
+        logger.warning("hhook.fsdp.register_hsdp: bits='auto' decides in each replica's shard group on its own, "
+                       "between rs+ag, rs and ar (the replica all-reduce always THC's, plain HSDP no candidate): the "
                        "shard groups and replicas do not make up the whole world")
     if replica_state is None:
         replica_state = THCState(process_group=replica_group, bits=state.bits, block_size=state.block_size,
                                  seed=state.seed, start_iter=0)
         report.covered_by_parent(replica_state)  # idle in a single replica; reported through the returned pair
-    for name, m, factor in modules:
-        def hook(output: torch.Tensor, key=f"hsdp:{name}", factor=factor) -> None:
-            if replicas > 1:
-                thc_allreduce(output, replica_state, key=key)  # the mean over replicas
-                if factor is not None:  # the comm returned the shard group's sum; FSDP divides by factor
-                    output.mul_(replicas)
-
-        m.set_all_reduce_hook(hook)
+    replica_state.registration = Registered(
+        "It was registered by hhook.fsdp.register_hsdp for the replica all-reduce, but FSDP never called its "
+        "all-reduce hook with more than one replica: was another model trained, or did training end before its "
+        "first synchronised backward?")
+    for name, m, group, factor in modules:
+        m.set_all_reduce_hook(ReplicaAllReduce(replica_state, f"hsdp:{name}", factor, group, switch))
     return state, replica_state

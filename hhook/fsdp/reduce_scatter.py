@@ -66,7 +66,7 @@ class THCReduceScatter(ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
         state = self.state
         if self.switch is not None:
-            self.switch.reduced = True  # the next training forward starts a step
+            self.switch.reduced = True  # bits="auto" without optimizer steps: the next forward ends the step
         if input_tensor.dtype not in SUPPORTED_DTYPES or (self.switch is not None and self.switch.reduce_scatter_dense):
             return self._dense(output_tensor, input_tensor, group)  # exact, counted
         self._handshake(group, input_tensor.device)

@@ -49,6 +49,14 @@ def _plan(module) -> list[tuple]:
     return plan
 
 
+class Registered:
+    """``state.registration`` of a state :mod:`hhook.fsdp` registered: what its warning at
+    exit says when no tensor went through it (:func:`hhook.state.advice.idle_state`)."""
+
+    def __init__(self, advice: str):
+        self.advice = advice
+
+
 def register(module, state: THCState | None = None, *, all_gather: int | AllGatherOptions | bool | None = None,
              **options) -> THCState:
     """Compress FSDP2's gradient reduce-scatter of every ``FSDPModule`` in ``module``, and
@@ -57,11 +65,12 @@ def register(module, state: THCState | None = None, *, all_gather: int | AllGath
     :class:`hhook.THCState`'s, or pass ``state``; returns the state. 1-D meshes and native
     2-D HSDP meshes (whose replica all-reduce stays dense; :func:`register_hsdp`).
 
-    ``bits="auto"`` (the default) measures the step with THC's reduce-scatter plus the
-    compressed all-gather (``all_gather``'s width, 8 by default; ``False`` leaves it out),
-    THC's reduce-scatter alone and plain FSDP2 in turns, and keeps the fastest
-    (:mod:`hhook.fsdp.auto`; on 2-D meshes it compresses without measuring). An integer
-    ``bits`` always compresses the reduce-scatter.
+    ``bits="auto"`` (the default) measures the optimizer step with THC's reduce-scatter
+    plus the compressed all-gather (``all_gather``'s width, 8 by default; ``False`` leaves
+    it out), THC's reduce-scatter alone and plain FSDP2 in turns, and keeps the fastest
+    (:mod:`hhook.fsdp.auto`; on 2-D meshes it compresses without measuring). A state
+    loaded before (or pickled) continues its decision. An integer ``bits`` always
+    compresses the reduce-scatter.
 
     Raises ``ValueError`` for a module without ``FSDPModule``, a reduce-scatter or
     all-gather already customised, a replicate-only mesh, ``scales="predicted"``,
@@ -72,7 +81,9 @@ def register(module, state: THCState | None = None, *, all_gather: int | AllGath
     compressed all-gather cannot serve keep FSDP's, named in one log line (docs/fsdp.md).
     Nothing is changed on the model when it raises.
     """
-    return _register(module, _state_of(state, options), all_gather)
+    state = _state_of(state, options)
+    _register(module, state, all_gather)
+    return state
 
 
 def _state_of(state: THCState | None, options: dict) -> THCState:
@@ -83,9 +94,11 @@ def _state_of(state: THCState | None, options: dict) -> THCState:
     return state
 
 
-def _register(module, state: THCState, all_gather, decide_over=None) -> THCState:
-    """:func:`register`; ``decide_over``: the group whose ranks make ``bits="auto"``'s one
-    decision (default: the shard group)."""
+def _register(module, state: THCState, all_gather, decide_over=None, candidates=fsdp_auto.CANDIDATES):
+    """:func:`register`; returns ``bits="auto"``'s :class:`~hhook.fsdp.auto.Switch` (None
+    where it does not measure). ``decide_over``: the group whose ranks make its one
+    decision (default: the shard group), between ``candidates`` (less ``rs+ag`` where
+    ``all_gather`` is False)."""
     if state.scales != "agreed":
         raise ValueError(PREDICTED_REFUSED)
     if state.error_feedback:
@@ -93,7 +106,10 @@ def _register(module, state: THCState, all_gather, decide_over=None) -> THCState
                          "without it)")
     all_gather = _all_gather_options(all_gather, state.seed)
     plan = _plan(module)
-    decider = fsdp_auto.decider(state, plan, all_gather is not False, decide_over) if state.bits == "auto" else None
+    decider = None
+    if state.bits == "auto":
+        measured = [c for c in candidates if all_gather is not False or c != fsdp_auto.BOTH]
+        decider = fsdp_auto.decider(state, plan, measured, decide_over)
     if decider is not None and all_gather is None:
         all_gather = AllGatherOptions(seed=state.seed)  # the candidate's: 8 bits
     entries, extra = [(name, m, group) for name, m, group, *_ in plan], decider.digest() if decider else 0
@@ -119,7 +135,11 @@ def _register(module, state: THCState, all_gather, decide_over=None) -> THCState
         fsdp_all_gather.apply(gathers, switch)
     if decider is not None:
         decider.attach(module)
-    return state
+    state.registration = Registered(
+        "It was registered by hhook.fsdp.register on an FSDP2 model, but no gradient reduce-scatter went through it: "
+        "was another model trained, did training end before its first backward, or did every backward run with "
+        "set_requires_gradient_sync(False)?")
+    return switch
 
 
 def compress_all_gather(module, bits: int = 8, **options) -> AllGatherState:

@@ -25,13 +25,16 @@ def one_process() -> str:
             "start it through a launcher (torchrun --nproc-per-node N, or your framework's) to train data-parallel.")
 
 
-def idle_state(registered: bool, where: str) -> str:
+def idle_state(registration, where: str) -> str:
     """Why a state that no tensor went through saw none, for the end of ``where``.
 
-    ``registered``: :func:`hhook.register` put its hook on a DDP model."""
+    ``registration``: the state's (None: never registered; what :func:`hhook.register`
+    learnt of a DDP model; :mod:`hhook.fsdp`'s, which says its own ``advice``)."""
     if dist.is_initialized() and dist.get_world_size() == 1:
         return "This process ran in a world of one: there was nothing to exchange."
-    if registered:
+    if getattr(registration, "advice", None):
+        return registration.advice
+    if registration is not None:
         return ("Its hook was registered by hhook.register, but no backward pass went through that DDP model: was "
                 "another model trained, or did training end before its first step?")
     if where.startswith("Lightning") or any(name in sys.modules for name in ("lightning", "pytorch_lightning")):

@@ -79,5 +79,5 @@ def warn_if_idle(state, where: str) -> bool:
     if s["compressed_calls"] + s["dense_calls"] + s["local_calls"]:
         return False
     logger.warning("hhook: %s ended but no tensor went through this THCState (%s): nothing was compressed. %s",
-                   where, state.options.describe(), idle_state(state.registration is not None, where))
+                   where, state.options.describe(), idle_state(state.registration, where))
     return True

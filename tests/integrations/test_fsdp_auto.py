@@ -8,25 +8,9 @@ import pytest
 import torch
 
 from tests.support.distributed import logged, run_world
+from tests.support.fsdp_auto import model as _model, shard as _shard
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
-
-
-def _model():
-    torch.manual_seed(0)
-    nn = torch.nn
-    return nn.Sequential(nn.Linear(37, 131), nn.Tanh(), nn.Linear(131, 67), nn.LayerNorm(67), nn.Linear(67, 3))
-
-
-def _shard(model, mesh=None, param_dtype=None):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)}
-    if mesh is not None:
-        kw["mesh"] = mesh
-    for i in (0, 2, 4):
-        fully_shard(model[i], **kw)
-    return fully_shard(model, **kw)
 
 
 def _fake_clock(state, switch, costs):
