@@ -121,10 +121,8 @@ class Decision:
         return json.loads(json.dumps(self._fields()))
 
     def load_state_dict(self, saved: dict) -> None:
-        """Continue from :meth:`state_dict`, or from what a job that installed no hook saved
-        (every rank on one host: ``{"not_measured": ..., "kept": ...}``,
-        :class:`hhook.decision.hook.NotMeasured`): the decision it kept, else a new one
-        with this decision's options."""
+        """Continue from :meth:`state_dict`, or from a :class:`hhook.decision.hook.NotMeasured`'s
+        checkpoint: the decision it kept, else a new one with these options."""
         if "not_measured" in saved:
             saved = saved["kept"] if saved["kept"] is not None else type(self)(**self.options).state_dict()
         missing = [name for name in self._FIELDS if name not in saved and name not in self._SINCE]
@@ -133,11 +131,7 @@ class Decision:
         for name in self._FIELDS:
             setattr(self, name, json.loads(json.dumps(saved.get(name, self._SINCE.get(name)))))
 
-    def __getstate__(self):
-        return self.state_dict()
-
-    def __setstate__(self, saved):
-        self.load_state_dict(saved)
+    __getstate__, __setstate__ = state_dict, load_state_dict  # pickles carry the plain data
 
     @classmethod
     def from_state_dict(cls, saved: dict) -> "Decision":
@@ -219,12 +213,9 @@ class Decision:
             if measured and period is not None:
                 self.plain.append(period)
             return
-        if period is None:
-            pass
-        elif self.phase == "exploit":
-            if method == self.choice:
-                self.recent = (self.recent + [period])[-self.options["drift_window"]:]
-        elif measured:
+        if period is not None and self.phase == "exploit" and method == self.choice:
+            self.recent = (self.recent + [period])[-self.options["drift_window"]:]
+        elif period is not None and self.phase == "explore" and measured:
             self.samples.setdefault(method, []).append(period)
         if self.phase == "explore":
             if period is not None and method not in self.dropped:

@@ -31,12 +31,12 @@ STATE_FORMAT = 1
 #: The keys of :meth:`THCState.state_dict` besides the options.
 FIELDS = ("format", "codec_version", "layout", "origin", "policies", "iter", "calls", "_stats", "inter", "_intra",
           "decision", "variants")
-#: The fields of a :class:`hhook.decision.Decision`'s ``state_dict()``; ``arrived`` is
-#: newer than some saved states.
+#: The fields of a :class:`hhook.decision.Decision`'s ``state_dict()``; ``arrived`` and
+#: ``marks`` are newer than some saved states.
 DECISION_FIELDS = ("options", "phase", "reason", "started", "queue", "current", "assigned", "samples", "dropped",
                    "plain", "choice", "reference", "baseline", "decided_at", "recent", "history", "last_probe",
-                   "observed", "arrived", "decisions")
-_DECISION_SINCE = ("arrived",)
+                   "observed", "arrived", "decisions", "marks")
+_DECISION_SINCE = ("arrived", "marks")
 _LAYOUT_FIELDS = ("two_level", "world_size", "n_nodes", "ranks_per_node", "fingerprint")
 
 
@@ -293,6 +293,7 @@ def _decision_fields(decision: dict, path: str, candidates: list) -> None:
             isinstance(a, list) and len(a) == 2 and _is_int(a[0]) and _is_number(a[1]) for a in v),
             "a list of [iteration, period]"),
         "decisions": (lambda v: isinstance(v, list) and all(isinstance(d, dict) for d in v), "a list of dicts"),
+        "marks": (lambda v: isinstance(v, dict), "a dict"),
     }
     for name in ("started", "assigned", "last_probe", "observed"):
         checks[name] = (lambda v: _is_int(v) and v >= -1, "an integer >= -1")
