@@ -34,7 +34,7 @@ import torch
 from . import lanes, quantization, rng, rotation
 from .kernels import cpu as cpu_kernels
 from .kernels import cuda as cuda_kernels
-from .layout import HEADER, SUPPORTED_DTYPES, Prepared, agreed_status, constant
+from .layout import HEADER, SUPPORTED_DTYPES, Prepared, agreed_status, constant, overflow_limit
 from ..errors import ConfigMismatchError
 
 #: Bumped whenever the bits on the wire change meaning; part of the fingerprint.
@@ -230,7 +230,7 @@ class THCCodec:
         for first in range(0, n_blocks, rows):
             y = rotation.rotate(rows_in[first : first + rows], self.seed, out=blocks[first : first + rows])
             torch.amax(y.abs(), dim=1, out=maxima[first : first + rows])
-        nonfinite = ~torch.isfinite(maxima).all()
+        nonfinite = ~(maxima < overflow_limit(block)).all()  # inf, NaN, or too large to sum (layout.overflow_limit)
         maxima.masked_fill_(nonfinite, 0.0)
         scales[:HEADER] = self.header(numel, nonfinite, rng.digest(bits), device=x.device)
         return Prepared(numel, source, scales, blocks)

@@ -19,6 +19,17 @@ HEADER = 7
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def overflow_limit(block: int) -> float:
+    """The smallest block maximum ``M`` (of ``|y|``, rotated) that counts as non-finite.
+
+    Below it nothing overflows on the way: ``2 M`` (the rounding step), the dequantized
+    mean (at most ``M`` in magnitude) and the inverse rotation's unnormalised sums (at most
+    ``B M``) all stay under ``2**127``. At or above it (``2**(126 - log2 B)``: 8.5e37 at
+    ``B = 1``, 8.3e34 at 1024) a finite input would decode to inf or NaN, so every backend
+    flags the block as it flags inf and NaN: the bucket comes back NaN on every rank."""
+    return 2.0 ** (126 - (block.bit_length() - 1))
+
+
 def constant(values, dtype: torch.dtype, device=None) -> torch.Tensor:
     """A small tensor of Python ``values`` on ``device`` without a host synchronisation.
 

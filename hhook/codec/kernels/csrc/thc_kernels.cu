@@ -21,15 +21,16 @@
 //
 // No #include on purpose: NVRTC (through CuPy) compiles this without host headers, and
 // fp16/bf16 are handled as raw 16-bit patterns (PTX cvt for fp16, bit arithmetic for bf16).
-// Every float operation that must match torch bit for bit is an __f*_rn intrinsic: never
-// contracted into an FMA, and (CuPy appends -ftz=true) flushing subnormal inputs and
-// outputs to zero, which the CPU emulator in tests/codec/test_cuda.py models.
+// Every float operation that must match the CPU bit for bit is hh_add/hh_sub/hh_mul/hh_div/
+// hh_floor: inline PTX with an explicit rounding mode and no .ftz, so it is never contracted
+// into an FMA and keeps subnormals although CuPy appends -ftz=true (which makes the __f*_rn
+// intrinsics flush them).
 //
-// The Walsh-Hadamard transform works on whole blocks of B = 2^log2B floats in shared memory,
-// in passes of up to HH_LOG2R index bits from the highest bit down; within a pass, bits in
-// ascending order. Each radix-2 step is an exact-rounded fp32 add and subtract, so the result
-// depends only on this bit order (tests reproduce it in torch). Shared memory is padded by
-// one float every 32 against bank conflicts.
+// The Walsh-Hadamard transform is the specification's (hhook/codec/rotation.py): butterflies
+// on strides 1, 2, 4, ..., B/2 in that order, then one multiply by float32(1/sqrt B). It works
+// on whole blocks of B = 2^log2B floats in shared memory, in passes of up to HH_LOG2R index
+// bits from bit 0 up (the leftover log2B mod HH_LOG2R bits first); within a pass, bits in
+// ascending order. Shared memory is padded by one float every 32 against bank conflicts.
 
 #define HH_LOG2R 3
 #define HH_R (1 << HH_LOG2R)
@@ -58,6 +59,33 @@ __device__ __forceinline__ unsigned short hh_float_to_half(float f) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+}
+
+// Exact-rounded float32 arithmetic that neither flushes subnormals nor contracts into FMA.
+__device__ __forceinline__ float hh_add(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float hh_sub(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float hh_mul(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float hh_div(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float hh_floor(float a) {
+    float r;
+    asm("cvt.rmi.f32.f32 %0, %1;" : "=f"(r) : "f"(a));
+    return r;
 }
 #endif
 
@@ -159,7 +187,7 @@ __device__ __forceinline__ float hh_threshold(hh_u32 key, hh_u32 shared, hh_u32 
                          + (hh_mix32((hh_u32)(index >> log2B) + row) >> (32 - L)) + offset;
         u |= (p & ((1u << L) - 1u)) << (24 - L);
     }
-    return (float)u * 5.9604644775390625e-8f;
+    return hh_mul((float)u, 5.9604644775390625e-8f);
 }
 
 // One term of rng.digest: mix32(bits + index * 0x9E3779B9 + 0x44696773).
@@ -174,6 +202,9 @@ __device__ __forceinline__ float hh_apply_sign(const hh_u32* signs, int p, float
 }
 
 __device__ __forceinline__ bool hh_finite_bits(hh_u32 magnitude) { return magnitude < 0x7f800000u; }
+// The bits of layout.overflow_limit(B) = 2^(126 - log2B): a block maximum at or above it
+// (inf and NaN sort above) counts as non-finite, since its sums could overflow.
+__device__ __forceinline__ hh_u32 hh_overflow_bits(int log2B) { return (hh_u32)(253 - log2B) << 23; }
 __device__ __forceinline__ hh_u32 hh_umax(hh_u32 a, hh_u32 b) { return a > b ? a : b; }
 __device__ __forceinline__ int hh_pad(int i) { return i + (i >> 5); }
 
@@ -186,21 +217,23 @@ __device__ __forceinline__ bool hh_identical(const float* h) { return h[3] == -h
 // per block, not per coordinate. inv is 0 where it is not finite (M == 0, or M so small that
 // (L - 1) / 2M overflows), which makes every code of the block 0.
 __device__ __forceinline__ void hh_block_constants(float m, float top, float* inv, float* step) {
-    const float twice = __fmul_rn(m, 2.0f);
-    const float i = __fdiv_rn(top, twice);
+    const float twice = hh_mul(m, 2.0f);
+    const float i = hh_div(top, twice);
     *inv = hh_finite_bits(__float_as_uint(i) & 0x7fffffffu) ? i : 0.0f;
-    *step = __fdiv_rn(twice, top);
+    *step = hh_div(twice, top);
 }
 
 // ---- Walsh-Hadamard transform of the blocks in s[0, n) --------------------------------
-// n is a multiple of max(B, HH_R). Natural (Sylvester) order, unnormalised:
+// n is a multiple of max(B, HH_R). The butterflies of bit h (stride 2^h) for h = 0, 1, ...,
+// log2B - 1 in that order. Natural (Sylvester) order, unnormalised:
 // y[i] = sum_j (-1)^popcount(i & j) x[j], as rotation._hadamard. The caller syncs before;
 // this ends with __syncthreads().
 __device__ void hh_fwht(float* s, int n, int log2B) {
     const int groups = n >> HH_LOG2R;
-    for (int hi = log2B; hi > 0; hi -= HH_LOG2R) {
-        const int lo = hi > HH_LOG2R ? hi - HH_LOG2R : 0;
-        const int nb = hi - lo;  // index bits [lo, hi) are transformed in this pass
+    const int first = log2B % HH_LOG2R ? log2B % HH_LOG2R : HH_LOG2R;
+    for (int lo = 0, nb = first; lo < log2B; lo += nb, nb = HH_LOG2R) {
+        // index bits [lo, lo + nb) are transformed in this pass: the leftover bits first, at
+        // bit 0, so that every pass's HH_R values (bits [lo, lo + HH_LOG2R)) lie in the tile
         for (int g = threadIdx.x; g < groups; g += blockDim.x) {
             const int base = ((g >> lo) << (lo + HH_LOG2R)) | (g & ((1 << lo) - 1));
             float v[HH_R];
@@ -213,8 +246,8 @@ __device__ void hh_fwht(float* s, int n, int log2B) {
                     for (int r = 0; r < HH_R; ++r) {
                         if (!(r & (1 << h))) {
                             const float a = v[r], b = v[r | (1 << h)];
-                            v[r] = __fadd_rn(a, b);
-                            v[r | (1 << h)] = __fsub_rn(a, b);
+                            v[r] = hh_add(a, b);
+                            v[r | (1 << h)] = hh_sub(a, b);
                         }
                     }
                 }
@@ -285,14 +318,14 @@ __device__ void hh_prepare(const typename In::T* x, const hh_u32* signs, float* 
         hh_u32 m = 0u;
 #pragma unroll
         for (int r = 0; r < HH_R; ++r)
-            m = hh_umax(m, __float_as_uint(__fmul_rn(s[hh_pad(t * HH_R + r)], norm)) & 0x7fffffffu);
+            m = hh_umax(m, __float_as_uint(hh_mul(s[hh_pad(t * HH_R + r)], norm)) & 0x7fffffffu);
         const int seg = (B >> HH_LOG2R) < 32 ? (B >> HH_LOG2R) : 32;
         for (int off = 1; off < seg; off <<= 1) m = hh_umax(m, __shfl_xor_sync(0xffffffffu, m, off));
         if ((lane & (seg - 1)) == 0) atomicMax(&smax[(t * HH_R) >> log2B], m);
     } else {
         for (int r = 0; r < HH_R; ++r) {
             const int e = t * HH_R + r;
-            atomicMax(&smax[e >> log2B], __float_as_uint(__fmul_rn(s[hh_pad(e)], norm)) & 0x7fffffffu);
+            atomicMax(&smax[e >> log2B], __float_as_uint(hh_mul(s[hh_pad(e)], norm)) & 0x7fffffffu);
         }
     }
     // The digest: a warp sum, one atomic per warp (integer: order independent).
@@ -305,7 +338,7 @@ __device__ void hh_prepare(const typename In::T* x, const hh_u32* signs, float* 
         const hh_i64 blk = (base >> log2B) + b;
         if (blk < n_blocks) {
             scales[HH_HEADER + blk] = __uint_as_float(smax[b]);
-            flagged |= !hh_finite_bits(smax[b]);
+            flagged |= smax[b] >= hh_overflow_bits(log2B);
         }
     }
     hh_u32* counters = (hh_u32*)&workspace[1];  // [blocks done, flag]
@@ -409,15 +442,17 @@ __device__ void hh_quantize(const typename In::T* x, const hh_u32* signs, const 
             const hh_i64 i = w0 + t + q * T, idx = (hh_i64)j * n_words + i;
             if (q < words_per_thread && i < n_words && idx < total) {
                 const int e = (int)(idx - a);
-                float y = __fmul_rn(s[hh_pad(e)], norm);
-                if (has_residual) y = __fadd_rn(y, residual[idx]);
+                float y = hh_mul(s[hh_pad(e)], norm);
+                if (has_residual) y = hh_add(y, residual[idx]);
                 const int b = e >> log2B;
                 const float m = max_of[b];
                 const float u = hh_threshold(key, shared, row, strata_bits, offset, log2B, idx);
-                const float tt = __fadd_rn(__fmul_rn(__fadd_rn(y, m), inv_of[b]), u);
-                const float c = fminf(fmaxf(floorf(tt), 0.0f), top);
+                const float tt = hh_add(hh_mul(hh_add(y, m), inv_of[b]), u);
+                float c = hh_floor(tt);
+                c = c >= 0.0f ? c : 0.0f;  // NaN: code 0, as every backend
+                c = c > top ? top : c;
                 word[q] |= ((W)c) << (j * width);
-                if (has_residual) residual_out[idx] = __fsub_rn(y, __fsub_rn(__fmul_rn(c, step_of[b]), m));
+                if (has_residual) residual_out[idx] = hh_sub(y, hh_sub(hh_mul(c, step_of[b]), m));
             }
         }
         __syncthreads();  // the next lane reuses s and the tables
@@ -461,8 +496,8 @@ __device__ void hh_decode(const W* words, const hh_u32* signs, const float* agre
     for (int b = t; b < tile_blocks; b += T) {
         const hh_i64 blk = (base >> log2B) + b;
         const float m = blk < n_blocks ? maxima[blk] : 0.0f;
-        const float step = __fdiv_rn(__fmul_rn(m, 2.0f), (float)(levels - 1));
-        mul[b] = __fdiv_rn(step, (float)world);
+        const float step = hh_div(hh_mul(m, 2.0f), (float)(levels - 1));
+        mul[b] = hh_div(step, (float)world);
         sub[b] = m;
     }
     __syncthreads();
@@ -483,7 +518,7 @@ __device__ void hh_decode(const W* words, const hh_u32* signs, const float* agre
             const W w = words[g - lane_start];
             const float sum = (float)((w >> (j * width)) & mask);
             const int b = e >> log2B;
-            v = __fsub_rn(__fmul_rn(sum, mul[b]), sub[b]);
+            v = hh_sub(hh_mul(sum, mul[b]), sub[b]);
         }
         s[hh_pad(e)] = v;
     }
@@ -493,7 +528,7 @@ __device__ void hh_decode(const W* words, const hh_u32* signs, const float* agre
     for (int e = 4 * t; e < tile; e += 4 * T) {
         float v[4];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) v[q] = hh_apply_sign(signs, (e + q) & (B - 1), __fmul_rn(s[hh_pad(e + q)], norm));
+        for (int q = 0; q < 4; ++q) v[q] = hh_apply_sign(signs, (e + q) & (B - 1), hh_mul(s[hh_pad(e + q)], norm));
         hh_store4<Out>(out, base + e, numel, vec_out != 0, v);
     }
 }
