@@ -34,7 +34,8 @@ import torch
 from . import lanes, quantization, rng, rotation
 from .kernels import cpu as cpu_kernels
 from .kernels import cuda as cuda_kernels
-from .layout import HEADER, SUPPORTED_DTYPES, Prepared, agreed_status, constant, overflow_limit
+from .layout import (HEADER, SUPPORTED_DTYPES, Prepared, agreed_status, constant, overflow_limit, prefix_verdict,
+                     write_prefix)
 from ..errors import ConfigMismatchError
 
 #: Bumped whenever the bits on the wire change meaning; part of the fingerprint.
@@ -142,7 +143,16 @@ class THCCodec:
 
     # -- fingerprints -------------------------------------------------------
     def fingerprint(self, numel: int | None = None) -> int:
-        """24-bit hash of everything that must match across ranks (and the length)."""
+        """24-bit hash of everything that must match across ranks (and the length); kept
+        per length (every bucket of a step asks again)."""
+        known = self.__dict__.setdefault("_fingerprints", {})
+        if numel not in known:
+            if len(known) >= 4096:
+                known.clear()
+            known[numel] = self._fingerprint(numel)
+        return known[numel]
+
+    def _fingerprint(self, numel: int | None) -> int:
         h = rng.mix32(CODEC_VERSION)
         for value in (self.bits, self.block_size, self.seed, self.world_size, ROUNDINGS.index(self.rounding)):
             h = rng.mix32(h ^ value)
@@ -233,7 +243,7 @@ class THCCodec:
         nonfinite = ~(maxima < overflow_limit(block)).all()  # inf, NaN, or too large to sum (layout.overflow_limit)
         maxima.masked_fill_(nonfinite, 0.0)
         scales[:HEADER] = self.header(numel, nonfinite, rng.digest(bits), device=x.device)
-        return Prepared(numel, source, scales, blocks)
+        return Prepared(numel, source, scales, blocks, header=scales[:HEADER].clone())
 
     # -- stage 3 ------------------------------------------------------------
     def quantize(
@@ -244,9 +254,14 @@ class THCCodec:
         residual: torch.Tensor | None = None,
         residual_out: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        prefix: tuple | None = None,
     ) -> torch.Tensor:
         """Stage 3: the packed words for the SUM allreduce (written into ``out`` if given:
         a contiguous tensor of :meth:`words_numel` words, e.g. the tail of a message).
+        ``prefix``: ``(words, fingerprints)``: also write the message prefix of this rank
+        (:func:`hhook.codec.layout.write_prefix` of ``prepared.header``) into ``words``
+        (:data:`~hhook.codec.layout.PREFIX` words of the word dtype; the CUDA kernels do it
+        in the same launch).
 
         ``agreed`` is the MAX-reduced scale vector (or, with predicted scales, a header
         and the predicted scales); ``key`` is this rank's rounding stream
@@ -268,6 +283,10 @@ class THCCodec:
                 f"{self.words_numel(prepared.numel)} words on {prepared.source.device}, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
+        if prepared.backend is cuda_kernels:
+            return cuda_kernels.quantize(self, prepared, agreed, key, residual, residual_out, out, prefix)
+        if prefix is not None:
+            write_prefix(prefix[0], prefix[1], prepared.header)
         if prepared.backend is not None:
             return prepared.backend.quantize(self, prepared, agreed, key, residual, residual_out, out)
         nonfinite, _, identical = agreed_status(agreed)
@@ -284,13 +303,27 @@ class THCCodec:
         return words if out is None else out.copy_(words)
 
     # -- stage 5 ------------------------------------------------------------
-    def decode(self, prepared: Prepared, agreed: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def decode(self, prepared: Prepared, agreed: torch.Tensor, words: torch.Tensor, out: torch.Tensor,
+               check: tuple | None = None) -> torch.Tensor:
         """Stage 5: write the mean over ranks into ``out`` (shaped like the input).
 
         NaN everywhere if any rank was non-finite or the fingerprints differ (see
         :meth:`verify` for the error); the input itself, exactly, if every rank's input
-        had the same bits.
+        had the same bits. ``check``: ``(summed prefix, world size, fingerprints, flags)``:
+        NaN too unless the summed message prefix is right
+        (:func:`hhook.codec.layout.prefix_verdict`), and its verdict into the int32
+        ``flags`` (``[bad, nonfinite]``, or None); no host read (the CUDA kernel checks it
+        in the same launch).
         """
+        if prepared.backend is cuda_kernels:
+            return cuda_kernels.decode(self, prepared, agreed, words, out, check)
+        if check is not None:
+            bad, nonfinite = prefix_verdict(*check[:3])
+            self.decode(prepared, agreed, words, out)
+            out.masked_fill_(bad, float("nan"))
+            if check[3] is not None:
+                check[3].copy_(torch.stack((bad, nonfinite)))
+            return out
         if prepared.backend is not None:
             return prepared.backend.decode(self, prepared, agreed, words, out)
         n_blocks = self.n_blocks(prepared.numel)

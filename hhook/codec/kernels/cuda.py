@@ -62,6 +62,7 @@ Block sizes above :data:`MAX_BLOCK` use the reference too.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -77,27 +78,29 @@ from .. import rng
 from . import backend
 from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by tests/codec/test_cuda.py
 from ..layout import HEADER as _HEADER
-from ..layout import Prepared
+from ..layout import PREFIX, Prepared, expected_prefix
 # The launches' geometry and arguments (named here too: tests read them from this module).
-from .cuda_launches import (_DTYPE_SUFFIX, _MAX_THREADS, _MIN_TILE, _QUANTIZE_THREADS, _R,  # noqa: F401
-                            _SHARED_LIMIT, _WORD_SUFFIX, _WORDS_PER_THREAD, Launch, _aligned, _pad,
-                            _quantize_geometry, _tile, decode_launch, prepare_launch, quantize_launch)
+from .cuda_launches import (_DTYPE_SUFFIX, _SHARED_LIMIT, _THREADS, _TILE, _WORD_SUFFIX, SOURCE_NAME,  # noqa: F401
+                            Launch, arg_types, decode_launch, prepare_launch, quantize_geometry, quantize_launch,
+                            weight_decode_launch, weight_encode_launch)
 
 logger = logging.getLogger(__name__)
 
 #: Largest rotation block the kernels handle: quantize's window of coordinates (up to
 #: 2 blocks of 4096 floats) must fit in 48 KiB of shared memory.
 MAX_BLOCK = 4096
-SOURCE_NAME = "thc_kernels.cu"
 #: NVRTC options; CuPy appends ``-ftz=true`` (and the architecture) itself.
 COMPILE_OPTIONS = ("-std=c++14",)
 
 KERNEL_NAMES = (
     *(f"hh_prepare_{d}" for d in _DTYPE_SUFFIX.values()),
     *(f"hh_quantize_{d}_{w}" for d in _DTYPE_SUFFIX.values() for w in _WORD_SUFFIX.values()),
-    *(f"hh_decode_{w}_{o}_{i}" for w in _WORD_SUFFIX.values() for o in _DTYPE_SUFFIX.values()
-      for i in _DTYPE_SUFFIX.values()),
+    *(f"hh_decode_{w}_{o}" for w in _WORD_SUFFIX.values() for o in _DTYPE_SUFFIX.values()),
 )
+#: FSDP2's all-gather codec (:class:`hhook.codec.weights.WeightCodec`), from the same source.
+WEIGHT_KERNEL_NAMES = ("hh_wq_encode_f32", "hh_wq_decode_f32")
+#: Largest block of the all-gather codec's kernels (a warp's chunk of 1024 holds whole blocks).
+WEIGHT_MAX_BLOCK = 1024
 
 
 # -- availability ----------------------------------------------------------------
@@ -263,7 +266,7 @@ def _functions(index: int) -> dict:
         module.compile()
         # RawKernel.kernel: the driver function for the current device, whose call takes
         # (grid, block, args, shared_mem, stream) with no per-call conversions.
-        return {name: module.get_function(name).kernel for name in KERNEL_NAMES}
+        return {name: module.get_function(name).kernel for name in (*KERNEL_NAMES, *WEIGHT_KERNEL_NAMES)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -275,23 +278,51 @@ def _cupy_stream(index: int, pointer: int):
         return cupy.cuda.ExternalStream(pointer, index)
 
 
+_torch_streams: dict = {}
+
+
+def _torch_stream(index: int, pointer: int) -> torch.cuda.Stream:
+    """torch's object for the current stream (kept per raw pointer: making one per launch
+    costs microseconds)."""
+    stream = _torch_streams.get((index, pointer))
+    if stream is None:
+        if len(_torch_streams) >= 256:
+            _torch_streams.clear()
+        stream = _torch_streams[(index, pointer)] = torch.cuda.current_stream(index)
+    return stream
+
+
 def keep_alive(tensors, stream: torch.cuda.Stream | None = None) -> None:
     """Keep CUDA ``tensors`` from being reused before the work now queued on ``stream``
     (default: the current one) is done: ``record_stream`` for each. A tensor allocated on
     that very stream needs nothing (the allocator ignores it then)."""
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.is_cuda:
+        if t is not None and t.is_cuda:
             t.record_stream(stream if stream is not None else torch.cuda.current_stream(t.device))
 
 
+@functools.cache
+def _argument_passer():
+    """How a struct goes to CuPy's launch as one argument passed by value: a
+    ``CPointer`` to its bytes (no conversion at all), or else a one-element numpy array of
+    them (which CuPy passes by value too)."""
+    try:
+        from cupy.cuda.function import CPointer
+
+        CPointer(0)
+        return lambda args: CPointer(ctypes.addressof(args))
+    except Exception:  # another CuPy: its documented way
+        return lambda args: np.frombuffer(args, dtype=np.dtype((np.void, ctypes.sizeof(args))))
+
+
 def _cupy_launch(launch: Launch, device: torch.device) -> None:
-    """Run ``launch`` on torch's current stream of ``device``; tensors as raw pointers."""
+    """Run ``launch`` on torch's current stream of ``device``: one argument, the struct."""
     index = _device_index(device)
+    pointer = _stream_pointer(device)
     function = _functions(index)[launch.name]
-    stream = _cupy_stream(index, _stream_pointer(device))
-    args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in launch.args)
-    function((launch.grid, 1, 1), (launch.block, 1, 1), args, launch.shared_mem, stream)
-    keep_alive((a for a in launch.args if isinstance(a, torch.Tensor)), torch.cuda.current_stream(index))
+    function((launch.grid, 1, 1), (launch.block, 1, 1), (_argument_passer()(launch.args),), launch.shared_mem,
+             _cupy_stream(index, pointer))
+    keep_alive(launch.tensors, _torch_stream(index, pointer))
 
 
 #: How launches run; tests replace it with a CPU emulator of the kernels.
@@ -323,40 +354,51 @@ def _sizes(codec, numel: int) -> tuple[int, int, int, int]:
 
 
 def prepare(codec, source: torch.Tensor):
-    """:meth:`THCCodec.prepare` in one kernel. ``source`` is the flattened input."""
+    """:meth:`THCCodec.prepare` in one kernel. ``source`` is the flattened input. The scale
+    vector and this rank's own copy of its header (``Prepared.header``) share one allocation."""
 
     if not source.is_contiguous() or source.dtype not in _DTYPE_SUFFIX:
         raise ValueError("hhook: prepare needs a contiguous float32/float16/bfloat16 source")
     numel = source.numel()
     block, n_blocks, _, fingerprint = _sizes(codec, numel)
-    scales = torch.empty(_HEADER + n_blocks, dtype=torch.float32, device=source.device)
+    both = torch.empty(2 * _HEADER + n_blocks, dtype=torch.float32, device=source.device)
+    scales, header = both[: _HEADER + n_blocks], both[_HEADER + n_blocks :]
     signs = _signs_on(codec.seed, block, source.device)
-    launch = prepare_launch(source, signs, scales, _workspace(source.device), numel, block, fingerprint)
-    _launch(launch, source.device)
-    return Prepared(numel, source, scales, None, sys.modules[__name__])
+    _launch(prepare_launch(source, signs, scales, header, _workspace(source.device), numel, block, fingerprint),
+            source.device)
+    return Prepared(numel, source, scales, None, sys.modules[__name__], header)
 
 
-def quantize(codec, prepared, agreed: torch.Tensor, key, residual=None, residual_out=None, out=None) -> torch.Tensor:
-    """:meth:`THCCodec.quantize`: the lane words; the residual as described there."""
+def quantize(codec, prepared, agreed: torch.Tensor, key, residual=None, residual_out=None, out=None,
+             prefix=None) -> torch.Tensor:
+    """:meth:`THCCodec.quantize`: the lane words; the residual as described there.
+    ``prefix``: ``(words, fingerprints)``: the message prefix
+    (:func:`hhook.codec.layout.write_prefix` of ``prepared.header``), written by the same kernel."""
     source = prepared.source
     block, n_blocks, n_words, _ = _sizes(codec, prepared.numel)
     layout = codec.layout
     words = torch.empty(n_words, dtype=layout.word_dtype, device=source.device) if out is None else out
-    if words.numel() == 0:
-        return words
     backend.check(agreed, _HEADER + n_blocks, "agreed scales", torch.float32, contiguous=True)
     if residual is not None:
         residual_out = residual if residual_out is None else residual_out
         backend.check(residual, n_blocks * block, "residual", torch.float32, contiguous=True)
         backend.check(residual_out, n_blocks * block, "residual_out", torch.float32, contiguous=True)
+    if prefix is not None:
+        backend.check(prefix[0], PREFIX, "prefix", layout.word_dtype, contiguous=True)
+        prefix = (prefix[0], prefix[1], prepared.header)
+    elif words.numel() == 0:
+        return words
     signs = _signs_on(codec.seed, block, source.device)
-    launch = quantize_launch(source, signs, agreed, words, residual, residual_out, block, layout, codec.levels, key)
-    _launch(launch, source.device)
+    _launch(quantize_launch(source, signs, agreed, words, residual, residual_out, block, layout, codec.levels, key,
+                            prefix), source.device)
     return words
 
 
-def decode(codec, prepared, agreed: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """:meth:`THCCodec.decode`: the mean (or NaN, or the input) written into ``out``."""
+def decode(codec, prepared, agreed: torch.Tensor, words: torch.Tensor, out: torch.Tensor, check=None) -> torch.Tensor:
+    """:meth:`THCCodec.decode`: the mean (or NaN, or the input) written into ``out``.
+    ``check``: ``(summed prefix, world size, fingerprints, flags)``: NaN too unless the
+    summed message prefix is right (:func:`hhook.codec.layout.prefix_verdict`), and its
+    verdict into the int32 ``flags`` (``[bad, nonfinite]``; may be None)."""
     numel = prepared.numel
     if out.numel() != numel:
         raise ValueError(f"hhook: out has {out.numel()} elements, expected {numel}")
@@ -365,13 +407,43 @@ def decode(codec, prepared, agreed: torch.Tensor, words: torch.Tensor, out: torc
     block, n_blocks, n_words, _ = _sizes(codec, numel)
     backend.check(agreed, _HEADER + n_blocks, "agreed scales", torch.float32, contiguous=True)
     backend.check(words, n_words, "words", codec.layout.word_dtype, contiguous=True)
+    if check is not None:
+        sums, world_size, fps, flags = check
+        backend.check(sums, PREFIX, "summed prefix", codec.layout.word_dtype, contiguous=True)
+        check = (sums, expected_prefix(world_size, fps, codec.layout.word_bits), flags)
     direct = out.is_contiguous() and out.dtype in _DTYPE_SUFFIX
     target = out.view(-1) if direct else torch.empty(numel, dtype=torch.float32, device=out.device)
     signs = _signs_on(codec.seed, block, out.device)
-    launch = decode_launch(
-        words, signs, agreed, target, prepared.source, block, codec.layout, codec.levels, codec.world_size
-    )
-    _launch(launch, out.device)
+    _launch(decode_launch(words, signs, agreed, target, prepared.source, block, codec.layout, codec.levels,
+                          codec.world_size, check), out.device)
     if not direct:
         out.copy_(target.view(out.shape))
+    return out
+
+
+# -- FSDP2's all-gather codec ---------------------------------------------------------------
+def weights_usable(codec, blocks: torch.Tensor, payload: torch.Tensor) -> bool:
+    """Whether :class:`hhook.codec.weights.WeightCodec` runs ``blocks`` (float32 ``(n, B)``,
+    contiguous, on a GPU whose kernels compiled) and ``payload`` (its scales aligned as
+    float32) through the kernels."""
+    return (blocks.is_cuda and blocks.dtype == torch.float32 and blocks.is_contiguous()
+            and codec.block_size <= WEIGHT_MAX_BLOCK and payload.data_ptr() % 4 == 0
+            and usable(blocks.device, codec.block_size))
+
+
+def weight_encode(codec, blocks: torch.Tensor, out: torch.Tensor) -> bool:
+    """:meth:`WeightCodec.encode` in one kernel: ``blocks`` are read, not overwritten."""
+    backend.check(out, codec.nbytes(blocks.shape[0]), "payload", torch.uint8, contiguous=True)
+    nonfinite = torch.zeros(1, dtype=torch.int32, device=blocks.device)
+    signs = _signs_on(codec.seed, codec.block_size, blocks.device)
+    _launch(weight_encode_launch(codec, blocks, out, signs, nonfinite), blocks.device)
+    return not bool(nonfinite)  # a host read, as the reference's (the all-gather reads its headers anyway)
+
+
+def weight_decode(codec, payload: torch.Tensor, n_blocks: int, out: torch.Tensor) -> torch.Tensor:
+    """:meth:`WeightCodec.decode` in one kernel, into the float32 ``(n_blocks, B)`` ``out``."""
+    backend.check(payload, codec.nbytes(n_blocks), "payload", torch.uint8, contiguous=True)
+    backend.check(out, n_blocks * codec.block_size, "out", torch.float32, contiguous=True)
+    _launch(weight_decode_launch(codec, payload, n_blocks, out, _signs_on(codec.seed, codec.block_size, out.device)),
+            out.device)
     return out
