@@ -8,6 +8,13 @@ two versions of a kernel, not its run time::
     python measure/kernel_sass.py                                  # this checkout's kernels
     python measure/kernel_sass.py --rev main                       # the source at a git revision
     python measure/kernel_sass.py --source old.cu --kernels hh_prepare_f32,hh_decode_i32_f32
+    python measure/kernel_sass.py --log2b 10 --per 32      # B = 1024 compiled in, per coordinate
+
+``--log2b`` compiles the block size in (every ``a.log2B`` of the source becomes the
+constant), so the paths of other sizes drop out; a thread of prepare holds 32 coordinates
+and runs its code once, so ``--per 32`` gives its instructions per coordinate, an upper
+bound (fallback paths, such as unaligned loads, are counted too; loops, as decode's and
+quantize's, once).
 
 cuobjdump: ``$CUOBJDUMP``, else the one on the PATH or beside nvcc.
 """
@@ -113,6 +120,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rev", default=None, help="the kernels at this git revision instead")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--kernels", default=",".join(DEFAULT_KERNELS), help="comma-separated; 'all' for every kernel")
+    ap.add_argument("--log2b", type=int, default=None, help="compile this log2 of the block size in")
+    ap.add_argument("--per", type=float, default=1.0, help="divide the counts by this (coordinates)")
     args = ap.parse_args(argv)
     source = args.source or SOURCE
     if args.rev:
@@ -120,6 +129,13 @@ def main(argv=None) -> None:
                               capture_output=True, text=True, check=True).stdout
         source = Path(tempfile.mkdtemp()) / "thc_kernels.cu"
         source.write_text(text)
+    if args.log2b is not None:
+        text = source.read_text()
+        fixed = text.replace("a.log2B", f"({args.log2b})")
+        if fixed == text:
+            sys.exit(f"{source} has no a.log2B to fix")
+        source = Path(tempfile.mkdtemp()) / "thc_kernels.cu"
+        source.write_text(fixed)
     rows = measure(source, args.arch)
     names = sorted(rows) if args.kernels == "all" else args.kernels.split(",")
     cols = ["total", *CLASSES, "other"]
@@ -133,7 +149,7 @@ def main(argv=None) -> None:
             continue
         regs, row = rows[found]
         r, st, ld = regs or (0, 0, 0)
-        print(f"{name:28s} {r:>4} {st + ld:>5} " + " ".join(f"{row[c]:>7}" for c in cols))
+        print(f"{name:28s} {r:>4} {st + ld:>5} " + " ".join(f"{row[c] / args.per:>7.4g}" for c in cols))
 
 
 if __name__ == "__main__":

@@ -57,9 +57,11 @@ def test_kernel_sources_exist_and_are_shipped():
     for name in (*cuda_kernels.KERNEL_NAMES, *cuda_kernels.WEIGHT_KERNEL_NAMES):
         assert f"({name}," in source or f" {name}(" in source, name
     structs = cuda_kernels.arg_types()  # the kernels' argument structs, read from the source
-    assert set(structs) >= {"HhPrepareArgs", "HhQuantizeArgs", "HhDecodeArgs"}
+    assert set(structs) == {"HhPrepareArgs", "HhQuantizeArgs", "HhDecodeArgs", "HhWeightArgs"}
     for struct in structs.values():
-        assert all(f"    {name};" in source or f" {name};" in source for name, _ in struct._fields_)
+        names = [name for name, _ in struct.ctype._fields_]
+        assert all(f" {name};" in source for name in names) and list(struct.per_call) == names[: len(struct.per_call)]
+        assert struct.packer.size <= ctypes.sizeof(struct.ctype)
 
 
 @pytest.mark.parametrize("path", CU_FILES, ids=lambda p: p.name)
@@ -93,17 +95,22 @@ def test_nvcc_compiles_without_spills(path, arch, tmp_path):
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 def test_float_arithmetic_keeps_subnormals_under_ftz_and_never_contracts(tmp_path):
-    """Under CuPy's -ftz=true the kernels' float arithmetic is still the CPU's: no add, sub,
-    mul, div or floor that flushes subnormals (.ftz), and no fused multiply-add."""
+    """Under CuPy's -ftz=true the kernels' float operations are still the CPU's (built with
+    -ffp-contract=off): no f32 instruction that flushes subnormals (.ftz: arithmetic,
+    comparisons, negation, conversions), no fused multiply-add, and every add, sub, mul and
+    div with an explicit rounding mode, which ptxas never contracts into an FFMA."""
     import re
 
     for path in CU_FILES:
         done = _nvcc(path, "sm_90", ["--ptx"], tmp_path / "k.ptx")
         assert done.returncode == 0, done.stderr
         ptx = (tmp_path / "k.ptx").read_text()
-        arithmetic = re.findall(r"\b(?:add|sub|mul|div|fma|cvt\.rmi)(?:\.\w+)*\.f32\b", ptx)
-        assert arithmetic and not [op for op in arithmetic if ".ftz" in op or op.startswith("fma")], \
-            sorted(set(arithmetic))
+        ops = re.findall(r"(?<![.%\w])([a-z]+(?:\.\w+)*\.f32)\b", ptx)  # also inside inline asm's braces
+        arithmetic = [op for op in ops if op.split(".")[0] in ("add", "sub", "mul", "div")]
+        assert len(arithmetic) > 100, sorted(set(ops))
+        assert ".ftz" not in ptx and [op for op in ops if op.startswith("setp.lt")]
+        assert [op for op in ops if op.split(".")[0] in ("fma", "mad")] == []
+        assert [op for op in arithmetic if op.split(".")[1] not in ("rn", "rz", "rm", "rp")] == []
 
 
 def _find_nvrtc() -> str | None:
@@ -216,7 +223,7 @@ def test_launch_geometry_fits_the_hardware(block):
         codec = THCCodec(bits=bits, block_size=block, world_size=world)
         x = torch.zeros(3 * cuda_kernels._TILE + 5)
         scales = torch.zeros(HEADER + codec.n_blocks(x.numel()))
-        signs, ws = torch.zeros(max(1, block // 32), dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+        signs, ws = torch.zeros(max(1, block // 32), dtype=torch.int32), torch.zeros(33, dtype=torch.int64)
         words = torch.empty(codec.words_numel(x.numel()), dtype=codec.layout.word_dtype)
         launches = [
             cuda_kernels.prepare_launch(x, signs, scales, None, ws, x.numel(), block, 1),

@@ -120,6 +120,10 @@ static inline float hh_sub(float a, float b) { return a - b; }
 static inline float hh_mul(float a, float b) { return a * b; }
 static inline float hh_div(float a, float b) { return a / b; }
 static inline float hh_floor(float a) { return std::floor(a); }
+static inline bool hh_lt(float a, float b) { return a < b; }
+static inline bool hh_le(float a, float b) { return a <= b; }
+static inline bool hh_eq(float a, float b) { return a == b; }
+static inline unsigned hh_to_u32(float f) { return (unsigned)f; }
 static inline float hh_half_to_float(unsigned short h) { _Float16 x; std::memcpy(&x, &h, 2); return (float)x; }
 static inline unsigned short hh_float_to_half(float f) {
     _Float16 x = (_Float16)f;

@@ -1,25 +1,28 @@
-r"""Fused CUDA kernels for :class:`hhook.codec.THCCodec`, compiled at run time by CuPy.
+r"""Fused CUDA kernels for :class:`hhook.codec.THCCodec` and FSDP2's all-gather codec
+(:class:`hhook.codec.weights.WeightCodec`), compiled at run time by CuPy.
 
 The pure-torch codec is the specification; this module only makes it faster on a GPU.
 :func:`hhook.codec.fused_backend` sends CUDA tensors here when :func:`usable` says so, and
 the codec's three stages call :func:`prepare`, :func:`quantize` and :func:`decode`. Each
-is one kernel from ``csrc/thc_kernels.cu``; none reads a device value on the host.
+is one kernel from ``csrc/thc_kernels.cu``, reading its input once and writing its output
+once; none reads a device value on the host.
 
-1. ``prepare`` reads the input once (fp32/fp16/bf16): sign diagonal, Walsh-Hadamard
-   transform, per-block max ``|y|``, the 48-bit digest of its float32 bits, and the
-   header (:data:`hhook.codec.HEADER`). The last CUDA block to finish writes the header
-   and zeroes the maxima if any was inf/NaN.
-2. ``quantize`` reads the input again and recomputes the rotation instead of storing it
-   (13 bytes of memory traffic per fp32 coordinate for the whole codec, not 17.6), adds
-   the residual, rounds onto the agreed scales and packs the lane words. The agreed
-   header is read on the device: "non-finite" or "identical" makes it copy the old residual.
-3. ``decode`` writes NaN (non-finite, mismatch), the input itself (identical), or the
-   unpacked, dequantized, inverse-rotated mean, in the output's dtype.
+1. ``prepare`` reads the input (fp32/fp16/bf16): sign diagonal, Walsh-Hadamard
+   butterflies, per-block max ``|y|``, the 48-bit digest of its float32 bits, and the
+   header (:data:`hhook.codec.HEADER`) with this rank's copy of it (``Prepared.header``).
+2. ``quantize`` reads the input again and recomputes the rotation instead of storing it,
+   adds the residual, rounds onto the agreed scales and packs the lane words; it can write
+   the message prefix too (``prefix=``). The agreed header is read on the device:
+   "non-finite" or "identical" makes zero words and keeps the old residual.
+3. ``decode`` writes NaN (non-finite, mismatch, or a summed message prefix that is wrong,
+   with ``check=``), the input itself (identical), or the unpacked, dequantized,
+   inverse-rotated mean, in the output's dtype.
 
-Every float operation that the reference also performs is rounded the same way, and the
-transform adds in a fixed order, so the kernels' output is a pure function of the inputs;
-tests reproduce it bit for bit with a torch model of that order. CuPy compiles with
-``-ftz=true``: subnormal intermediates count as zero (the CPU emulator models it).
+Every float operation is the specification's, in its order (docs/guarantees.md): the
+butterflies on strides 1..B/2 ascending, inline PTX arithmetic with a rounding mode and no
+``.ftz`` (no FMA contraction; subnormals kept although CuPy compiles with ``-ftz=true``).
+So a CUDA rank decodes the summed words to the bits of a CPU rank; tests check it on a CPU
+emulator of the same source.
 
 **Streams and lifetimes.** Each launch runs on torch's current stream of the tensor's
 device. A transport that runs a later stage on another stream (NCCL and Gloo futures run
@@ -32,21 +35,21 @@ What each launch touches:
 =========== ============================================ ===============================
 stage       reads                                        writes
 =========== ============================================ ===============================
-prepare     ``source``                                   ``scales`` (header + maxima)
-quantize    ``source``, ``agreed``, ``residual``         ``words``, ``residual_out``
-decode      ``words``, ``agreed``, ``source`` (identical) ``out`` (or a temporary, copied)
+prepare     ``source``                                   ``scales``, ``header``
+quantize    ``source``, ``agreed``, ``residual``,        ``words``, ``residual_out``,
+            ``Prepared.header``                          the prefix
+decode      ``words``, ``agreed``, ``source``            ``out`` (or a temporary, copied),
+            (identical), the summed prefix               the flags
 =========== ============================================ ===============================
 
 ``source`` (``prepared.source``) must not change between ``prepare`` and ``decode``.
 
-**Host cost.** Tensors cross over as raw ``data_ptr()`` integers (no DLPack: works with
-``requires_grad`` tensors and under ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``), stream
-objects and per-stream workspaces are cached, and there are no helper kernels: one launch
-per stage. A bucket's sizes and fingerprint (:func:`_sizes`) and each launch's geometry
-and scalar arguments (:mod:`.cuda_launches`) are computed once per codec configuration
-and length. Per bucket in steady state: three launches, no other torch op, and two
-allocations, the scale vector that ``prepare`` returns and the words that ``quantize``
-returns (none when the caller passes ``out``); both escape to the caller, who may hold
+**Host cost.** Each kernel takes one struct by value: the bytes of a bucket's shape are
+kept (:mod:`.cuda_launches`), a call writes its pointers and rounding stream into a copy
+with one ``pack_into`` and hands CuPy one pointer; stream objects and per-stream workspaces
+are cached; no helper kernels. Per bucket in steady state: three launches, no other torch
+op, and two allocations, the scale vector (the header's copy in the same allocation) and
+the words (none when the caller passes ``out``); both escape to the caller, who may hold
 several buckets of one length in flight, so they are not reused here
 (``tests/codec/test_cuda.py::test_steady_state_host_work_per_bucket_through_thccodec``).
 
@@ -57,7 +60,8 @@ state is built; otherwise the first compressed bucket does. If compiling fails (
 no CUDA headers, an unsupported GPU) it logs one line and the codec falls back to the
 reference for that device; so does a CuPy that does not import (one log line too).
 ``HHOOK_FORCE_REFERENCE=1`` forces the reference everywhere.
-Block sizes above :data:`MAX_BLOCK` use the reference too.
+Block sizes above :data:`MAX_BLOCK` use the reference too (above
+:data:`WEIGHT_MAX_BLOCK` for the all-gather codec).
 """
 
 from __future__ import annotations
@@ -81,13 +85,12 @@ from ..layout import HEADER as _HEADER
 from ..layout import PREFIX, Prepared, expected_prefix
 # The launches' geometry and arguments (named here too: tests read them from this module).
 from .cuda_launches import (_DTYPE_SUFFIX, _SHARED_LIMIT, _THREADS, _TILE, _WORD_SUFFIX, SOURCE_NAME,  # noqa: F401
-                            Launch, arg_types, decode_launch, prepare_launch, quantize_geometry, quantize_launch,
+                            WORKSPACE, Launch, arg_types, decode_launch, prepare_launch, quantize_geometry, quantize_launch,
                             weight_decode_launch, weight_encode_launch)
 
 logger = logging.getLogger(__name__)
 
-#: Largest rotation block the kernels handle: quantize's window of coordinates (up to
-#: 2 blocks of 4096 floats) must fit in 48 KiB of shared memory.
+#: Largest rotation block the kernels handle: four warps' tiles of 1024 coordinates.
 MAX_BLOCK = 4096
 #: NVRTC options; CuPy appends ``-ftz=true`` (and the architecture) itself.
 COMPILE_OPTIONS = ("-std=c++14",)
@@ -235,7 +238,7 @@ _workspaces: dict = {}
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
-    """prepare's running digest and counters: 2 x int64 of zeros per (device, stream).
+    """prepare's running digest (in slots) and counters: int64 zeros per (device, stream).
 
     Launches on one stream run in order and each leaves it zeroed again; launches on
     different streams get different workspaces.
@@ -243,8 +246,19 @@ def _workspace(device: torch.device) -> torch.Tensor:
     key = (device, _stream_pointer(device))
     ws = _workspaces.get(key)
     if ws is None:
-        ws = _workspaces[key] = torch.zeros(2, dtype=torch.int64, device=device)
+        ws = _workspaces[key] = torch.zeros(WORKSPACE, dtype=torch.int64, device=device)
     return ws
+
+
+#: prepare's CUDA blocks per SM (HH_MIN_BLOCKS); the CPU emulator's grid: several tiles each.
+_BLOCKS_PER_SM, _EMULATED_BLOCKS = 4, 3
+
+
+@functools.lru_cache(maxsize=64)
+def _resident(device: torch.device) -> int:
+    on_gpu = device.type == "cuda"
+    return _BLOCKS_PER_SM * torch.cuda.get_device_properties(_device_index(device)).multi_processor_count if on_gpu \
+        else _EMULATED_BLOCKS
 
 
 def _stream_pointer(device: torch.device) -> int:
@@ -278,18 +292,11 @@ def _cupy_stream(index: int, pointer: int):
         return cupy.cuda.ExternalStream(pointer, index)
 
 
-_torch_streams: dict = {}
-
-
+@functools.lru_cache(maxsize=256)
 def _torch_stream(index: int, pointer: int) -> torch.cuda.Stream:
     """torch's object for the current stream (kept per raw pointer: making one per launch
     costs microseconds)."""
-    stream = _torch_streams.get((index, pointer))
-    if stream is None:
-        if len(_torch_streams) >= 256:
-            _torch_streams.clear()
-        stream = _torch_streams[(index, pointer)] = torch.cuda.current_stream(index)
-    return stream
+    return torch.cuda.current_stream(index)
 
 
 def keep_alive(tensors, stream: torch.cuda.Stream | None = None) -> None:
@@ -330,13 +337,6 @@ _launch = _cupy_launch
 
 
 # -- the three codec stages ----------------------------------------------------------
-def _block_of(codec, numel: int) -> int:
-    block = codec.block_for(numel)
-    if not supports(block):
-        raise ValueError(f"hhook CUDA kernels rotate blocks of at most {MAX_BLOCK}, not {block}")
-    return block
-
-
 _sizes_cache: dict = {}
 
 
@@ -344,13 +344,14 @@ def _sizes(codec, numel: int) -> tuple[int, int, int, int]:
     """``(block, n_blocks, words_numel, fingerprint)`` of a bucket of ``numel`` values, kept
     per codec configuration and length (the fingerprint alone is seven hashes in Python)."""
     key = (type(codec), codec.bits, codec.block_size, codec.seed, codec.world_size, codec.rounding, numel)
-    sizes = _sizes_cache.get(key)
-    if sizes is None:
+    if key not in _sizes_cache:
+        block = codec.block_for(numel)
+        if not supports(block):
+            raise ValueError(f"hhook CUDA kernels rotate blocks of at most {MAX_BLOCK}, not {block}")
         if len(_sizes_cache) >= 4096:
             _sizes_cache.clear()
-        sizes = _sizes_cache[key] = (_block_of(codec, numel), codec.n_blocks(numel), codec.words_numel(numel),
-                                     codec.fingerprint(numel))
-    return sizes
+        _sizes_cache[key] = (block, codec.n_blocks(numel), codec.words_numel(numel), codec.fingerprint(numel))
+    return _sizes_cache[key]
 
 
 def prepare(codec, source: torch.Tensor):
@@ -364,8 +365,8 @@ def prepare(codec, source: torch.Tensor):
     both = torch.empty(2 * _HEADER + n_blocks, dtype=torch.float32, device=source.device)
     scales, header = both[: _HEADER + n_blocks], both[_HEADER + n_blocks :]
     signs = _signs_on(codec.seed, block, source.device)
-    _launch(prepare_launch(source, signs, scales, header, _workspace(source.device), numel, block, fingerprint),
-            source.device)
+    _launch(prepare_launch(source, signs, scales, header, _workspace(source.device), numel, block, fingerprint,
+                           _resident(source.device)), source.device)
     return Prepared(numel, source, scales, None, sys.modules[__name__], header)
 
 

@@ -6,9 +6,9 @@ Every kernel takes one argument: a struct (``Hh*Args`` in ``csrc/thc_kernels.cu`
 by value. Its ctypes mirror is built from the kernel source itself (:func:`arg_types`), so
 the two layouts cannot drift apart (ctypes lays out fields by the C rules nvcc follows for
 kernel parameters). Host time: what depends only on the bucket's shape and the codec
-(the kernel's name, the grid, the shared memory, the scalar fields) is computed once per
-shape and kept as the struct's bytes; a call copies them and fills in the pointers, the
-alignment flag and the rounding stream.
+(the kernel's name, the grid, the shared memory, the shape's fields) is computed once per
+shape and kept as the struct's bytes; a call copies them and writes the fields that change
+(pointers, alignment, the rounding stream), which lead the struct, with one ``pack_into``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import math
 import re
+import struct
 
 import numpy as np
 import torch
@@ -39,17 +40,34 @@ SOURCE_NAME = "thc_kernels.cu"
 
 # -- the argument structs, read from the source -----------------------------------------
 _C_TYPES = {"hh_i64": ctypes.c_int64, "int": ctypes.c_int32, "hh_u32": ctypes.c_uint32, "float": ctypes.c_float}
+_PACK_CODES = {ctypes.c_void_p: "Q", ctypes.c_int64: "q", ctypes.c_int32: "i", ctypes.c_uint32: "I",
+               ctypes.c_float: "f"}
+_SHAPE_MARKER = "// -- the same for every call of a shape:"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgStruct:
+    """One kernel's argument struct: its ctypes mirror, and how a call writes the fields
+    that change from call to call (the struct's first ones, up to the source's marker
+    line) into a copy of the shape's bytes in one ``pack_into``."""
+
+    ctype: type
+    per_call: tuple
+    packer: struct.Struct
 
 
 @functools.cache
-def arg_types() -> dict[str, type]:
-    """``{"HhPrepareArgs": ctypes.Structure subclass, ...}`` from the structs of the
-    kernel source: one field per line, ``type name;``; pointers are ``c_void_p``."""
+def arg_types() -> dict[str, ArgStruct]:
+    """``{"HhPrepareArgs": ArgStruct, ...}`` from the structs of the kernel source: one
+    field per line, ``type name;``; pointers are ``c_void_p``."""
     source = backend.source_path(SOURCE_NAME).read_text()
     types = {}
     for name, body in re.findall(r"struct (Hh\w+Args) \{(.*?)\n\};", source, re.S):
-        fields = []
+        fields, per_call = [], None
         for line in body.splitlines():
+            if line.strip() == _SHAPE_MARKER:
+                per_call = len(fields)
+                continue
             decl = line.split("//")[0].strip()
             if not decl:
                 continue
@@ -58,7 +76,15 @@ def arg_types() -> dict[str, type]:
                 raise ValueError(f"hhook: cannot read the field {decl!r} of {name} in {SOURCE_NAME}")
             ctype, pointer, field = match.groups()
             fields.append((field, ctypes.c_void_p if pointer else _C_TYPES[ctype]))
-        types[name] = type(name, (ctypes.Structure,), {"_fields_": fields})
+        if per_call is None:
+            raise ValueError(f"hhook: {name} in {SOURCE_NAME} lacks the line {_SHAPE_MARKER!r}")
+        mirror = type(name, (ctypes.Structure,), {"_fields_": fields})
+        fmt, at = "<", 0
+        for field, ctype in fields[:per_call]:
+            offset = getattr(mirror, field).offset
+            fmt += "x" * (offset - at) + _PACK_CODES[ctype]
+            at = offset + ctypes.sizeof(ctype)
+        types[name] = ArgStruct(mirror, tuple(f for f, _ in fields[:per_call]), struct.Struct(fmt))
     return types
 
 
@@ -66,18 +92,19 @@ def arg_types() -> dict[str, type]:
 @dataclasses.dataclass
 class Launch:
     """One kernel launch: everything but the device, so a test can run it elsewhere.
-    ``args`` is the kernel's argument struct; ``tensors`` what its pointers point into."""
+    ``args`` holds the bytes of the kernel's argument struct; ``tensors`` what its
+    pointers point into."""
 
     name: str
     grid: int
     block: int
     shared_mem: int
-    args: ctypes.Structure
+    args: ctypes.Array
     tensors: tuple
 
 
-def _pointer(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _pointer(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def _aligned(t: torch.Tensor) -> int:
@@ -85,15 +112,17 @@ def _aligned(t: torch.Tensor) -> int:
     return int(t.data_ptr() % 16 == 0)
 
 
-def _static(kind: str, **fields) -> bytes:
-    """The bytes of an argument struct with its scalar fields set (the pointers zero)."""
-    return bytes(arg_types()[kind](**fields))
+def _static(kind: str, **fields) -> tuple:
+    """The bytes of an argument struct with the shape's fields set, and its packer."""
+    layout = arg_types()[kind]
+    return bytes(layout.ctype(**fields)), layout.packer
 
 
-def _fill(kind: str, template: bytes, **pointers) -> ctypes.Structure:
-    args = arg_types()[kind].from_buffer_copy(template)
-    for name, value in pointers.items():
-        setattr(args, name, value)
+def _fill(template: tuple, *per_call) -> ctypes.Array:
+    """A copy of the shape's bytes with the call's fields (in the struct's order) written in."""
+    data, packer = template
+    args = (ctypes.c_char * len(data)).from_buffer_copy(data)
+    packer.pack_into(args, 0, *per_call)
     return args
 
 
@@ -106,19 +135,27 @@ def _norm(block: int) -> float:
     return float(np.float32(1.0 / math.sqrt(block)))
 
 
+#: u64 of prepare's per-stream workspace: HH_SLOTS digest slots and the counters.
+WORKSPACE = 33
+
+
 @functools.lru_cache(maxsize=1024)
-def _prepare_static(dtype, numel: int, block: int, fingerprint: int) -> tuple:
+def _prepare_static(dtype, numel: int, block: int, fingerprint: int, resident: int) -> tuple:
     total = -(-numel // block) * block
-    return (f"hh_prepare_{_DTYPE_SUFFIX[dtype]}", max(1, -(-total // _TILE)), _THREADS, 4 * (_TILE + 16),
+    return (f"hh_prepare_{_DTYPE_SUFFIX[dtype]}", max(1, min(-(-total // _TILE), resident)), _THREADS,
+            4 * (_TILE + 32),
             _static("HhPrepareArgs", numel=numel, total=total, log2B=_log2(block), norm=_norm(block),
                     fingerprint=float(fingerprint)))
 
 
-def prepare_launch(source, signs, scales, header, workspace, numel: int, block: int, fingerprint: int) -> Launch:
-    """``header``: where the header's copy goes (this rank's own, kept from the MAX), or None."""
-    name, grid, threads, shared, template = _prepare_static(source.dtype, numel, block, fingerprint)
-    args = _fill("HhPrepareArgs", template, x=source.data_ptr(), signs=signs.data_ptr(), scales=scales.data_ptr(),
-                 header=_pointer(header), workspace=workspace.data_ptr(), vec=_aligned(source))
+def prepare_launch(source, signs, scales, header, workspace, numel: int, block: int, fingerprint: int,
+                   resident: int = 1 << 20) -> Launch:
+    """``header``: where the header's copy goes (this rank's own, kept from the MAX), or None;
+    ``resident``: at most this many CUDA blocks, each taking every ``grid``-th tile (the
+    CUDA blocks the GPU holds at once: one digest atomic and one counter atomic each)."""
+    name, grid, threads, shared, template = _prepare_static(source.dtype, numel, block, fingerprint, resident)
+    args = _fill(template, source.data_ptr(), signs.data_ptr(), scales.data_ptr(), _pointer(header),
+                 workspace.data_ptr(), _aligned(source))
     return Launch(name, grid, threads, shared, args, (source, signs, scales, header, workspace))
 
 
@@ -144,11 +181,9 @@ def quantize_launch(source, signs, agreed, words, residual, residual_out, block:
     name, grid, threads, shared, template = _quantize_static(
         source.dtype, layout.word_dtype, layout.width, layout.lanes, source.numel(), words.numel(), block, levels)
     head, fps, own = prefix if prefix is not None else (None, (0, 0), None)
-    args = _fill("HhQuantizeArgs", template, x=source.data_ptr(), signs=signs.data_ptr(), agreed=agreed.data_ptr(),
-                 words=words.data_ptr(), residual=_pointer(residual), residual_out=_pointer(residual_out),
-                 prefix=_pointer(head), header=_pointer(own), key=stream.key, shared=stream.shared & rng.MASK32,
-                 row=stream.row, offset=stream.offset, strata_bits=stream.strata_bits, vec=_aligned(source),
-                 fp0=fps[0], fp1=fps[1])
+    args = _fill(template, source.data_ptr(), signs.data_ptr(), agreed.data_ptr(), words.data_ptr(),
+                 _pointer(residual), _pointer(residual_out), _pointer(head), _pointer(own), stream.key,
+                 stream.shared & rng.MASK32, stream.row, stream.offset, stream.strata_bits, _aligned(source), *fps)
     return Launch(name, grid, threads, shared, args, (source, signs, agreed, words, residual, residual_out, head, own))
 
 
@@ -173,8 +208,8 @@ def decode_launch(words, signs, agreed, out_flat, source, block: int, layout, le
     name, grid, threads, shared, template = _decode_static(
         layout.word_dtype, out_flat.dtype, source.dtype, layout.width, layout.lanes, out_flat.numel(), words.numel(),
         block, levels, world_size, tuple(expect))
-    args = _fill("HhDecodeArgs", template, words=words.data_ptr(), signs=signs.data_ptr(), agreed=agreed.data_ptr(),
-                 out=out_flat.data_ptr(), source=source.data_ptr(), prefix=_pointer(head), flags=_pointer(flags))
+    args = _fill(template, words.data_ptr(), signs.data_ptr(), agreed.data_ptr(), out_flat.data_ptr(),
+                 source.data_ptr(), _pointer(head), _pointer(flags))
     return Launch(name, grid, threads, shared, args, (words, signs, agreed, out_flat, source, head, flags))
 
 
@@ -202,12 +237,12 @@ def _weight_static(encode: bool, n_blocks: int, block: int, bits: int, rotate) -
 
 def weight_encode_launch(codec, blocks, payload, signs, nonfinite) -> Launch:
     name, grid, shared, template = _weight_static(True, blocks.shape[0], codec.block_size, codec.bits, codec.rotate)
-    args = _fill("HhWeightArgs", template, blocks=blocks.data_ptr(), payload=payload.data_ptr(),
-                 signs=signs.data_ptr(), nonfinite=nonfinite.data_ptr(), vec=_aligned(blocks))
+    args = _fill(template, blocks.data_ptr(), 0, payload.data_ptr(), signs.data_ptr(), nonfinite.data_ptr(),
+                 _aligned(blocks))
     return Launch(name, grid, _THREADS, shared, args, (blocks, payload, signs, nonfinite))
 
 
 def weight_decode_launch(codec, payload, n_blocks: int, out, signs) -> Launch:
     name, grid, shared, template = _weight_static(False, n_blocks, codec.block_size, codec.bits, codec.rotate)
-    args = _fill("HhWeightArgs", template, out=out.data_ptr(), payload=payload.data_ptr(), signs=signs.data_ptr())
+    args = _fill(template, 0, out.data_ptr(), payload.data_ptr(), signs.data_ptr(), 0, 0)
     return Launch(name, grid, _THREADS, shared, args, (payload, out, signs))

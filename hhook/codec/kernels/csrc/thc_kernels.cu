@@ -34,9 +34,12 @@
 // fp16/bf16 are raw 16-bit patterns (PTX cvt for fp16, bit arithmetic for bf16). Every
 // float operation that must match the CPU is hh_add/hh_sub/hh_mul/hh_div: inline PTX with
 // an explicit rounding mode and no .ftz, so it is never contracted into an FMA and keeps
-// subnormals although CuPy appends -ftz=true (which makes the __f*_rn intrinsics flush).
+// subnormals although CuPy appends -ftz=true (which makes the __f*_rn intrinsics flush);
+// comparisons (hh_lt, hh_le, hh_eq), negation (hh_neg) and float-to-integer (hh_to_u32)
+// likewise do not flush (tests/codec/test_cuda.py reads the PTX for any .ftz or FMA).
 // Kernels take one argument, a struct by value (cuda_launches.py reads the structs from this
-// file), so that a launch passes one pointer from Python.
+// file), so that a launch passes one pointer from Python. Each struct's fields that change
+// from call to call come first, those of the bucket's shape after the marker line.
 
 #define HH_HEADER 7
 #define HH_PREFIX 12                 // hhook/scales/message.py: PREFIX
@@ -46,6 +49,7 @@
 #define HH_CHUNK 1024                // a warp's coordinates: one 32 x 32 tile
 #define HH_TILE (HH_CHUNK * HH_WARPS)  // a CUDA block's coordinates in prepare and decode
 #define HH_WORD_BYTES 16384          // quantize's words in shared memory, per CUDA block
+#define HH_SLOTS 32                  // prepare's digest: CUDA block b adds into slot b % HH_SLOTS
 // At most HH_THREADS threads per CUDA block, and registers for HH_MIN_BLOCKS of them per SM.
 #define HH_MIN_BLOCKS 4
 
@@ -56,26 +60,16 @@ typedef unsigned short hh_u16;
 
 // ---- float32 arithmetic that neither flushes subnormals nor contracts into FMA -----------
 #ifndef HHOOK_HOST_EMULATION
-__device__ __forceinline__ float hh_add(float a, float b) {
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float hh_sub(float a, float b) {
-    float r;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float hh_mul(float a, float b) {
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float hh_div(float a, float b) {
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
+#define HH_FLOP(NAME, OP)                                                   \
+    __device__ __forceinline__ float NAME(float a, float b) {               \
+        float r;                                                            \
+        asm(OP ".rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));           \
+        return r;                                                           \
+    }
+HH_FLOP(hh_add, "add")
+HH_FLOP(hh_sub, "sub")
+HH_FLOP(hh_mul, "mul")
+HH_FLOP(hh_div, "div")
 __device__ __forceinline__ float hh_half_to_float(unsigned short h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -86,7 +80,22 @@ __device__ __forceinline__ unsigned short hh_float_to_half(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#define HH_SETP(NAME, OP)                                                                      \
+    __device__ __forceinline__ bool NAME(float a, float b) {                                   \
+        hh_u32 r;                                                                              \
+        asm("{ .reg .pred p; setp." OP ".f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b)); \
+        return r != 0u;                                                                        \
+    }
+HH_SETP(hh_lt, "lt")  // a < b (false with a NaN, as in C)
+HH_SETP(hh_le, "le")  // a <= b
+HH_SETP(hh_eq, "eq")  // a == b
+__device__ __forceinline__ hh_u32 hh_to_u32(float f) {  // (unsigned)f: truncation
+    hh_u32 u;
+    asm("cvt.rzi.u32.f32 %0, %1;" : "=r"(u) : "f"(f));
+    return u;
+}
 #endif
+__device__ __forceinline__ float hh_neg(float v) { return __uint_as_float(__float_as_uint(v) ^ 0x80000000u); }
 
 __device__ __forceinline__ float hh_bf16_to_float(unsigned short h) { return __uint_as_float(((hh_u32)h) << 16); }
 // Round to nearest even, NaN stays a quiet NaN: what torch does (c10::BFloat16).
@@ -162,9 +171,11 @@ __device__ __forceinline__ bool hh_finite_bits(hh_u32 magnitude) { return magnit
 __device__ __forceinline__ hh_u32 hh_overflow_bits(int log2B) { return (hh_u32)(253 - log2B) << 23; }
 
 // The agreed header's verdicts (layout.agreed_status), read by every thread.
-__device__ __forceinline__ bool hh_nonfinite(const float* h) { return h[0] > 0.0f; }
-__device__ __forceinline__ bool hh_mismatch(const float* h) { return h[1] != -h[2]; }
-__device__ __forceinline__ bool hh_identical(const float* h) { return h[3] == -h[4] && h[5] == -h[6]; }
+__device__ __forceinline__ bool hh_nonfinite(const float* h) { return hh_lt(0.0f, h[0]); }
+__device__ __forceinline__ bool hh_mismatch(const float* h) { return !hh_eq(h[1], hh_neg(h[2])); }
+__device__ __forceinline__ bool hh_identical(const float* h) {
+    return hh_eq(h[3], hh_neg(h[4])) && hh_eq(h[5], hh_neg(h[6]));
+}
 
 // ---- the 32 x 32 tile of a warp -----------------------------------------------------------
 // Element (row, col) of a tile lives at hh_sw(row, col): 16-byte groups XOR-swizzled by the
@@ -261,31 +272,42 @@ __device__ __forceinline__ hh_u32 hh_c_signs(const hh_u32* signs, int t, int log
 // where `vec` (the pointer is aligned) allows; returns the lane's part of the digest of the
 // float32 bits when `digest`.
 template <class E>
+__device__ __forceinline__ void hh_put16(float* tile, int e, const float* v) {
+#pragma unroll
+    for (int q = 0; q < E::PER16; q += 4) {
+        float4 f;
+        f.x = v[q], f.y = v[q + 1], f.z = v[q + 2], f.w = v[q + 3];
+        *reinterpret_cast<float4*>(tile + hh_sw((e + q) >> 5, (e + q) & 31)) = f;
+    }
+}
+template <class E>
 __device__ __forceinline__ hh_u64 hh_load_chunk(const typename E::T* x, hh_i64 u, hh_i64 limit, bool vec,
                                                 float* tile, int lane, bool digest) {
-    const bool fast = vec && (u % E::PER16) == 0 && u + HH_CHUNK <= limit;
     hh_u64 sum = 0;
+    if (vec && (u % E::PER16) == 0 && u + HH_CHUNK <= limit) {  // the whole chunk, 16 bytes at a time
 #pragma unroll
-    for (int it = 0; it < HH_CHUNK / (32 * E::PER16); ++it) {
+        for (int it = 0; it < HH_CHUNK / (32 * E::PER16); ++it) {
+            const int e = (it * 32 + lane) * E::PER16;
+            float v[E::PER16];
+            E::load16(x + u + e, v);
+            if (digest) {
+                const hh_u32 index = (hh_u32)(u + e) * 0x9E3779B9u + 0x44696773u;  // rng.digest's index term
+#pragma unroll
+                for (int q = 0; q < E::PER16; ++q) sum += hh_mix32(__float_as_uint(v[q]) + index + q * 0x9E3779B9u);
+            }
+            hh_put16<E>(tile, e, v);
+        }
+        return sum;
+    }
+    for (int it = 0; it < HH_CHUNK / (32 * E::PER16); ++it) {  // the chunk's end, or an unaligned start
         const int e = (it * 32 + lane) * E::PER16;
         float v[E::PER16];
-        if (fast) {
-            E::load16(x + u + e, v);
-        } else {
 #pragma unroll
-            for (int q = 0; q < E::PER16; ++q) v[q] = u + e + q < limit ? E::load(x, u + e + q) : 0.0f;
+        for (int q = 0; q < E::PER16; ++q) {
+            v[q] = u + e + q < limit ? E::load(x, u + e + q) : 0.0f;
+            if (digest && u + e + q < limit) sum += hh_digest_term(v[q], u + e + q);
         }
-        if (digest) {
-#pragma unroll
-            for (int q = 0; q < E::PER16; ++q)
-                if (u + e + q < limit) sum += hh_digest_term(v[q], u + e + q);
-        }
-#pragma unroll
-        for (int q = 0; q < E::PER16; q += 4) {
-            float4 f;
-            f.x = v[q], f.y = v[q + 1], f.z = v[q + 2], f.w = v[q + 3];
-            *reinterpret_cast<float4*>(tile + hh_sw((e + q) >> 5, (e + q) & 31)) = f;
-        }
+        hh_put16<E>(tile, e, v);
     }
     return sum;
 }
@@ -329,13 +351,14 @@ struct HhPrepareArgs {
     const hh_u32* signs;
     float* scales;        // header + n_blocks maxima
     float* header;        // a copy of the header (this rank's own, kept from the MAX); may be null
-    hh_u64* workspace;    // 2 x u64 of zeros per stream: [digest, blocks done | flag << 32]
+    hh_u64* workspace;    // HH_SLOTS + 1 u64 of zeros per stream: digest slots, [blocks done, flag]
+    int vec;
+    // -- the same for every call of a shape:
     hh_i64 numel;
     hh_i64 total;         // n_blocks * B
     int log2B;
     float norm;
     float fingerprint;
-    int vec;
 };
 
 // Write fl(max * norm) for block blk and say whether it is flagged.
@@ -347,8 +370,8 @@ __device__ __forceinline__ bool hh_put_max(float* scales, hh_i64 blk, hh_i64 n_b
     return (__float_as_uint(m) & 0x7fffffffu) >= hh_overflow_bits(log2B);
 }
 
-// Grid: one CUDA block of HH_THREADS per HH_TILE coordinates (at least one). Shared memory:
-// HH_TILE floats + 8 words.
+// Grid: at most one CUDA block of HH_THREADS per HH_TILE coordinates (at least one), each
+// taking every gridDim.x-th tile. Shared memory: HH_TILE floats + 18 words.
 template <class In>
 __device__ void hh_prepare(const HhPrepareArgs& a) {
     extern __shared__ float hh_smem[];
@@ -358,14 +381,16 @@ __device__ void hh_prepare(const HhPrepareArgs& a) {
     const typename In::T* x = (const typename In::T*)a.x;
     const int log2B = a.log2B;
     const hh_i64 n_blocks = a.total >> log2B;
-    const hh_i64 u0 = (hh_i64)blockIdx.x * HH_TILE, u = u0 + warp * HH_CHUNK;
     bool flagged = false;
     hh_u64 digest = 0;
     float v[32];
+    // Tiles blockIdx.x, + gridDim.x, ...: a grid of the CUDA blocks the GPU holds at once, so
+    // that the atomics below are per CUDA block, not per tile.
+    for (hh_i64 tile_at = blockIdx.x; tile_at == blockIdx.x || tile_at * HH_TILE < a.total; tile_at += gridDim.x) {
+        const hh_i64 u0 = tile_at * HH_TILE, u = u0 + warp * HH_CHUNK;
 
-    if (log2B <= 10) {
-        if (u < a.total) {
-            digest = hh_forward_chunk<In>(x, a.signs, u, a.numel, a.vec != 0, log2B, tile, lane, true, v);
+        if (log2B <= 10) {  // a warp past the end (the last tile) loads zeros and writes nothing
+            digest += hh_forward_chunk<In>(x, a.signs, u, a.numel, a.vec != 0, log2B, tile, lane, true, v);
             // A block is 2^bits consecutive values of a thread: of its row (B <= 32: the row
             // layout again, which hh_forward_chunk left in the tile), else of its column, the
             // block's max then over the warp. A tree over those bits, then one value per block.
@@ -391,34 +416,43 @@ __device__ void hh_prepare(const HhPrepareArgs& a) {
                     }
                 }
             }
-        }
-    } else {
-        digest = hh_forward_chunk<In>(x, a.signs, u, a.numel, a.vec != 0, log2B, tile, lane, true, v);
-        hh_phase_c(hh_smem, lane, t, log2B, v);
-        // B = 4096: one block; 2048: k < 16 and k >= 16
-        hh_u32 m[2] = {0u, 0u};
+        } else {
+            digest += hh_forward_chunk<In>(x, a.signs, u, a.numel, a.vec != 0, log2B, tile, lane, true, v);
+            hh_phase_c(hh_smem, lane, t, log2B, v);
+            // B = 4096: one block; 2048: k < 16 and k >= 16
+            hh_u32 m[2] = {0u, 0u};
 #pragma unroll
-        for (int k = 0; k < 32; ++k) {
-            const int half = log2B == 11 ? k >> 4 : 0;
-            m[half] = hh_umax(m[half], __float_as_uint(v[k]) & 0x7fffffffu);
-        }
+            for (int k = 0; k < 32; ++k) {
+                const int half = log2B == 11 ? k >> 4 : 0;
+                m[half] = hh_umax(m[half], __float_as_uint(v[k]) & 0x7fffffffu);
+            }
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            for (int off = 16; off > 0; off >>= 1) m[h] = hh_umax(m[h], __shfl_xor_sync(0xffffffffu, m[h], off));
-            if (lane == 0) red[2 * warp + h] = m[h];
+            for (int h = 0; h < 2; ++h) {
+                for (int off = 16; off > 0; off >>= 1) m[h] = hh_umax(m[h], __shfl_xor_sync(0xffffffffu, m[h], off));
+                if (lane == 0) red[2 * warp + h] = m[h];
+            }
+            __syncthreads();
+            if (t < (log2B == 11 ? 2 : 1)) {
+                hh_u32 all = 0;
+                for (int w = 0; w < HH_WARPS; ++w) all = hh_umax(all, red[2 * w + t]);
+                flagged |= hh_put_max(a.scales, (u0 >> log2B) + t, n_blocks, all, a.norm, log2B);
+            }
         }
-        __syncthreads();
-        if (t < (log2B == 11 ? 2 : 1)) {
-            hh_u32 all = 0;
-            for (int w = 0; w < HH_WARPS; ++w) all = hh_umax(all, red[2 * w + t]);
-            flagged |= hh_put_max(a.scales, (u0 >> log2B) + t, n_blocks, all, a.norm, log2B);
-        }
+        __syncthreads();  // red[] and the tiles are free for the next tile
     }
 
-    // The digest: a warp sum, one atomic per warp (integer: order independent).
+    // The digest: a warp sum, then the CUDA block's, one atomic into its slot (integer: order
+    // independent; slots spread the atomics over addresses).
+    hh_u64* sums = (hh_u64*)(red + 10);
     for (int off = 16; off > 0; off >>= 1) digest += __shfl_xor_sync(0xffffffffu, digest, off);
-    if (lane == 0 && digest) atomicAdd(&a.workspace[0], digest);
-    hh_u32* counters = (hh_u32*)&a.workspace[1];  // [blocks done, flag]
+    if (lane == 0) sums[warp] = digest;
+    __syncthreads();
+    if (t == 0) {
+        hh_u64 all = 0;
+        for (int w = 0; w < HH_WARPS; ++w) all += sums[w];
+        if (all) atomicAdd(&a.workspace[blockIdx.x % HH_SLOTS], all);
+    }
+    hh_u32* counters = (hh_u32*)&a.workspace[HH_SLOTS];  // [blocks done, flag]
     if (flagged) atomicOr(&counters[1], 1u);
 
     // Last block done: header, zeroed maxima if flagged, workspace back to zero. Thread 0
@@ -431,15 +465,17 @@ __device__ void hh_prepare(const HhPrepareArgs& a) {
         if (atomicAdd(&counters[0], 1u) == gridDim.x - 1) {
             __threadfence();
             const bool nonfinite = atomicOr(&counters[1], 0u) != 0u;
-            const hh_u64 d = atomicAdd(&a.workspace[0], 0ull) & 0xFFFFFFFFFFFFull;
+            hh_u64 d = 0;
+            for (int i = 0; i < HH_SLOTS; ++i) d += atomicAdd(&a.workspace[i], 0ull);
+            d &= 0xFFFFFFFFFFFFull;
             const float lo = (float)(hh_u32)(d & 0xFFFFFFu), hi = (float)(hh_u32)(d >> 24);
-            const float head[HH_HEADER] = {nonfinite ? 1.0f : 0.0f, a.fingerprint, -a.fingerprint, lo, -lo, hi, -hi};
+            const float head[HH_HEADER] = {nonfinite ? 1.0f : 0.0f, a.fingerprint, hh_neg(a.fingerprint), lo, hh_neg(lo), hi,
+                                           hh_neg(hi)};
             for (int i = 0; i < HH_HEADER; ++i) {
                 a.scales[i] = head[i];
                 if (a.header) a.header[i] = head[i];
             }
-            a.workspace[0] = 0ull;
-            a.workspace[1] = 0ull;
+            for (int i = 0; i <= HH_SLOTS; ++i) a.workspace[i] = 0ull;
             red[8] = nonfinite ? 2u : 1u;
         }
     }
@@ -458,22 +494,23 @@ struct HhQuantizeArgs {
     float* residual_out;
     void* prefix;             // the message prefix to write (HH_PREFIX words), or null
     const float* header;      // this rank's own header, for the prefix
-    hh_i64 numel;
-    hh_i64 total;
-    hh_i64 n_words;
     hh_u32 key;               // rng.Stream: key, shared, row, offset, strata_bits
     hh_u32 shared;
     hh_u32 row;
     hh_u32 offset;
     int strata_bits;
+    int vec;
+    int fp0;                  // the prefix's fingerprints (message.fingerprints)
+    int fp1;
+    // -- the same for every call of a shape:
+    hh_i64 numel;
+    hh_i64 total;
+    hh_i64 n_words;
     int log2B;
     int levels;
     int width;
     int lanes;
     float norm;
-    int vec;
-    int fp0;                  // the prefix's fingerprints (message.fingerprints)
-    int fp1;
 };
 
 // The message prefix (hhook/scales/message.py: write_prefix): count 1, status (1 if this
@@ -482,10 +519,10 @@ struct HhQuantizeArgs {
 template <class W>
 __device__ __forceinline__ void hh_write_prefix(W* prefix, const float* header, int fp0, int fp1) {
     prefix[0] = 1;
-    prefix[1] = header[0] > 0.0f ? 1 : 0;
+    prefix[1] = hh_nonfinite(header) ? 1 : 0;
     prefix[2] = (W)fp0;
     prefix[3] = (W)fp1;
-    const hh_u32 halves[2] = {(hh_u32)header[3], (hh_u32)header[5]};
+    const hh_u32 halves[2] = {hh_to_u32(header[3]), hh_to_u32(header[5])};
     for (int i = 0; i < 4; ++i) {
         const W c = (W)((i & 1) ? halves[i >> 1] >> 12 : halves[i >> 1] & 0xFFFu);
         prefix[4 + 2 * i] = c;
@@ -549,7 +586,7 @@ __device__ __forceinline__ void hh_round(const HhQuantizeArgs& a, const hh_u16* 
     // below 1, negative or NaN the shift (capped at 31) leaves 0.
     const hh_u32 bits = __float_as_uint(t);
     const hh_u32 drop = 150u - (bits >> 23);
-    const hh_u32 code = t >= (float)(a.levels - 1) ? (hh_u32)(a.levels - 1)
+    const hh_u32 code = hh_le((float)(a.levels - 1), t) ? (hh_u32)(a.levels - 1)
                                                    : ((bits & 0x7fffffu) | 0x800000u) >> (drop < 31u ? drop : 31u);
     atomicOr(&d.words_s[off - d.lo], ((W)code) << d.shift);
     if (d.residual) d.residual_out[off] = hh_sub(y, hh_sub(hh_mul(hh_small_to_float(code), c.step), c.m));
@@ -669,9 +706,10 @@ struct HhDecodeArgs {
     const float* agreed;
     void* out;
     const void* source;       // read when every rank's input was identical
-    int source_dtype;         // its dtype: 0 float32, 1 float16, 2 bfloat16
     const void* prefix;       // the summed message prefix to check (W), or null
     int* flags;               // [bad, non-finite] of that prefix, written here; may be null
+    // -- the same for every call of a shape:
+    int source_dtype;         // its dtype: 0 float32, 1 float16, 2 bfloat16
     hh_i64 numel;
     hh_i64 total;
     hh_i64 n_words;
@@ -758,8 +796,7 @@ __device__ void hh_decode(const HhDecodeArgs& a) {
 
     float v[32];
     if (log2B <= 10) {
-        if (u >= a.total) return;
-        const hh_u32 mask = hh_col_signs(a.signs, lane, log2B);
+        const hh_u32 mask = hh_col_signs(a.signs, lane, log2B);  // a warp past the end writes nothing
         hh_dequantize_chunk<W>(a, words, u, lane, tile);
         __syncwarp();
         hh_row_read(tile, lane, v);
@@ -804,6 +841,8 @@ struct HhWeightArgs {
     void* payload;            // 4 n_blocks bytes of scales, then the codes
     const hh_u32* signs;
     int* nonfinite;           // encode: set where a scale is not finite (zeroed by the caller)
+    int vec;                  // blocks is 16-byte aligned
+    // -- the same for every call of a shape:
     hh_i64 n_blocks;
     hh_i64 plane;             // P
     int planes;               // k
@@ -811,7 +850,6 @@ struct HhWeightArgs {
     int bits;
     int rotate;               // 0 never, 1 always, 2 "auto"
     float norm;
-    int vec;                  // blocks is 16-byte aligned
 };
 
 // The lane width of a code in a plane word, and a code's bits.
@@ -934,7 +972,7 @@ __device__ void hh_wq_encode(const HhWeightArgs& a) {
             const int nb = HH_CHUNK >> log2B;
             bool any = false;
             for (int b = lane; b < nb; b += 32)
-                any |= a.rotate == 1 || (a.rotate == 2 && __uint_as_float(w.plain(b)) > w.rms2(b));
+                any |= a.rotate == 1 || (a.rotate == 2 && hh_lt(w.rms2(b), __uint_as_float(w.plain(b))));
             __syncwarp();
             any = __ballot_sync(0xffffffffu, any) != 0;
             if (any) {
@@ -968,8 +1006,8 @@ __device__ void hh_wq_encode(const HhWeightArgs& a) {
             // and q / M (0 where not finite), in rms2's place
             for (int b = lane; b < nb; b += 32) {
                 const float plain = __uint_as_float(w.plain(b));
-                const bool turn = a.rotate == 1 || (a.rotate == 2 && plain > w.rms2(b) && any
-                                                    && __uint_as_float(w.turned(b)) < plain);
+                const bool turn = a.rotate == 1 || (a.rotate == 2 && hh_lt(w.rms2(b), plain) && any
+                                                    && hh_lt(__uint_as_float(w.turned(b)), plain));
                 const float scale = turn ? __uint_as_float(w.turned(b) | 0x80000000u) : plain;
                 w.scale(b) = scale;
                 const float inv = hh_div(q, __uint_as_float(__float_as_uint(scale) & 0x7fffffffu));
@@ -990,7 +1028,7 @@ __device__ void hh_wq_encode(const HhWeightArgs& a) {
                     const int b = off >> log2B;
                     const float y = __float_as_uint(w.scale(b)) >> 31 ? v[r] : plain_tile[hh_sw(r, lane)];
                     float tq = hh_add(hh_mul(y, w.rms2(b)), half);
-                    tq = tq >= 0.0f ? (tq <= top ? tq : top) : 0.0f;
+                    tq = hh_le(0.0f, tq) ? (hh_le(tq, top) ? tq : top) : 0.0f;
                     const hh_u32 code = hh_trunc_small(tq);
                     if (a.planes > 1) atomicOr(&words_s[off - from], code << (width * i));
                     else words_s[off - from] = code;
@@ -1044,7 +1082,6 @@ __device__ void hh_wq_decode(const HhWeightArgs& a) {
     const hh_i64 N = a.n_blocks << log2B, u = (hh_i64)blockIdx.x * HH_TILE + warp * HH_CHUNK;
     const float* scales = (const float*)a.payload;
     const unsigned char* codes = (const unsigned char*)a.payload + 4 * a.n_blocks;
-    if (u >= N) return;
     // y = (c - q) * (|M| / q) into the column layout, and whether any block is rotated
     bool any = false;
     hh_i64 cur = -1;
