@@ -29,6 +29,8 @@ This pure-torch codec is the specification: every accelerated backend (a module 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import lanes, quantization, rng, rotation
@@ -72,6 +74,17 @@ def warm_up(device: torch.device) -> None:
         cuda_kernels.warm_up(device)
     elif device.type == "cpu":
         cpu_kernels.available()
+
+
+@functools.lru_cache(maxsize=4096)
+def _fingerprint(bits: int, block_size: int, seed: int, world_size: int, rounding: str, numel: int | None) -> int:
+    h = rng.mix32(CODEC_VERSION)
+    for value in (bits, block_size, seed, world_size, ROUNDINGS.index(rounding)):
+        h = rng.mix32(h ^ value)
+    if numel is not None:
+        h = rng.mix32(h ^ (numel & rng.MASK32))
+        h = rng.mix32(h ^ (numel >> 32))
+    return h >> (32 - _FINGERPRINT_BITS)
 
 
 class THCCodec:
@@ -144,22 +157,8 @@ class THCCodec:
     # -- fingerprints -------------------------------------------------------
     def fingerprint(self, numel: int | None = None) -> int:
         """24-bit hash of everything that must match across ranks (and the length); kept
-        per length (every bucket of a step asks again)."""
-        known = self.__dict__.setdefault("_fingerprints", {})
-        if numel not in known:
-            if len(known) >= 4096:
-                known.clear()
-            known[numel] = self._fingerprint(numel)
-        return known[numel]
-
-    def _fingerprint(self, numel: int | None) -> int:
-        h = rng.mix32(CODEC_VERSION)
-        for value in (self.bits, self.block_size, self.seed, self.world_size, ROUNDINGS.index(self.rounding)):
-            h = rng.mix32(h ^ value)
-        if numel is not None:
-            h = rng.mix32(h ^ (numel & rng.MASK32))
-            h = rng.mix32(h ^ (numel >> 32))
-        return h >> (32 - _FINGERPRINT_BITS)
+        per configuration and length (every bucket of a step asks again)."""
+        return _fingerprint(self.bits, self.block_size, self.seed, self.world_size, self.rounding, numel)
 
     def handshake_vector(self, device=None) -> torch.Tensor:
         """``[f, -f]`` of the configuration alone: MAX-reduce it once before the first call.
@@ -258,10 +257,8 @@ class THCCodec:
     ) -> torch.Tensor:
         """Stage 3: the packed words for the SUM allreduce (written into ``out`` if given:
         a contiguous tensor of :meth:`words_numel` words, e.g. the tail of a message).
-        ``prefix``: ``(words, fingerprints)``: also write the message prefix of this rank
-        (:func:`hhook.codec.layout.write_prefix` of ``prepared.header``) into ``words``
-        (:data:`~hhook.codec.layout.PREFIX` words of the word dtype; the CUDA kernels do it
-        in the same launch).
+        ``prefix``: ``(words, fingerprints)``: also write this rank's message prefix
+        (:func:`hhook.codec.layout.write_prefix`) into those words (CUDA: the same launch).
 
         ``agreed`` is the MAX-reduced scale vector (or, with predicted scales, a header
         and the predicted scales); ``key`` is this rank's rounding stream
