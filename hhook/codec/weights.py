@@ -26,6 +26,11 @@ block's error norm is at most ``sqrt(B) M / (2q)`` either way (:meth:`WeightCode
 
 The payload of ``n`` blocks is ``4 n`` bytes of scales, then ``n B bits / 8`` bytes of
 codes: ``bits`` bits per value, eight codes packed into ``bits`` bytes.
+
+Every float operation is specified, as the THC codec's (docs/guarantees.md), so that the
+torch path and the CUDA kernels (:mod:`hhook.codec.kernels.cuda`: ``hh_wq_encode`` and
+``hh_wq_decode``, one pass each way, used for CUDA tensors with blocks up to 1024) give the
+same bits: the rotation's butterflies, the candidates' RMS (:func:`_rms`), true divisions.
 """
 
 from __future__ import annotations

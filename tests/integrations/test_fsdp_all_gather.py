@@ -331,7 +331,7 @@ def _late_mismatch_and_failure(rank, world):
     comm.codec = WeightCodec(8)
 
     class Broken(WeightCodec):
-        def encode(self, blocks, out, work=(None, None)):
+        def encode(self, blocks, out):
             raise ArithmeticError("rank 1's encoder broke")
 
     model = _shard(_model())  # fresh FSDP state after the raise
