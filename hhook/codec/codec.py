@@ -29,12 +29,15 @@ This pure-torch codec is the specification: every accelerated backend (a module 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import lanes, quantization, rng, rotation
 from .kernels import cpu as cpu_kernels
 from .kernels import cuda as cuda_kernels
-from .layout import HEADER, SUPPORTED_DTYPES, Prepared, agreed_status, constant
+from .layout import (HEADER, SUPPORTED_DTYPES, Prepared, agreed_status, constant, overflow_limit, prefix_verdict,
+                     write_prefix)
 from ..errors import ConfigMismatchError
 
 #: Bumped whenever the bits on the wire change meaning; part of the fingerprint.
@@ -71,6 +74,17 @@ def warm_up(device: torch.device) -> None:
         cuda_kernels.warm_up(device)
     elif device.type == "cpu":
         cpu_kernels.available()
+
+
+@functools.lru_cache(maxsize=4096)
+def _fingerprint(bits: int, block_size: int, seed: int, world_size: int, rounding: str, numel: int | None) -> int:
+    h = rng.mix32(CODEC_VERSION)
+    for value in (bits, block_size, seed, world_size, ROUNDINGS.index(rounding)):
+        h = rng.mix32(h ^ value)
+    if numel is not None:
+        h = rng.mix32(h ^ (numel & rng.MASK32))
+        h = rng.mix32(h ^ (numel >> 32))
+    return h >> (32 - _FINGERPRINT_BITS)
 
 
 class THCCodec:
@@ -142,14 +156,9 @@ class THCCodec:
 
     # -- fingerprints -------------------------------------------------------
     def fingerprint(self, numel: int | None = None) -> int:
-        """24-bit hash of everything that must match across ranks (and the length)."""
-        h = rng.mix32(CODEC_VERSION)
-        for value in (self.bits, self.block_size, self.seed, self.world_size, ROUNDINGS.index(self.rounding)):
-            h = rng.mix32(h ^ value)
-        if numel is not None:
-            h = rng.mix32(h ^ (numel & rng.MASK32))
-            h = rng.mix32(h ^ (numel >> 32))
-        return h >> (32 - _FINGERPRINT_BITS)
+        """24-bit hash of everything that must match across ranks (and the length); kept
+        per configuration and length (every bucket of a step asks again)."""
+        return _fingerprint(self.bits, self.block_size, self.seed, self.world_size, self.rounding, numel)
 
     def handshake_vector(self, device=None) -> torch.Tensor:
         """``[f, -f]`` of the configuration alone: MAX-reduce it once before the first call.
@@ -230,10 +239,10 @@ class THCCodec:
         for first in range(0, n_blocks, rows):
             y = rotation.rotate(rows_in[first : first + rows], self.seed, out=blocks[first : first + rows])
             torch.amax(y.abs(), dim=1, out=maxima[first : first + rows])
-        nonfinite = ~torch.isfinite(maxima).all()
+        nonfinite = ~(maxima < overflow_limit(block)).all()  # inf, NaN, or too large to sum (layout.overflow_limit)
         maxima.masked_fill_(nonfinite, 0.0)
         scales[:HEADER] = self.header(numel, nonfinite, rng.digest(bits), device=x.device)
-        return Prepared(numel, source, scales, blocks)
+        return Prepared(numel, source, scales, blocks, header=scales[:HEADER].clone())
 
     # -- stage 3 ------------------------------------------------------------
     def quantize(
@@ -244,9 +253,12 @@ class THCCodec:
         residual: torch.Tensor | None = None,
         residual_out: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        prefix: tuple | None = None,
     ) -> torch.Tensor:
         """Stage 3: the packed words for the SUM allreduce (written into ``out`` if given:
         a contiguous tensor of :meth:`words_numel` words, e.g. the tail of a message).
+        ``prefix``: ``(words, fingerprints)``: also write this rank's message prefix
+        (:func:`hhook.codec.layout.write_prefix`) into those words (CUDA: the same launch).
 
         ``agreed`` is the MAX-reduced scale vector (or, with predicted scales, a header
         and the predicted scales); ``key`` is this rank's rounding stream
@@ -268,6 +280,10 @@ class THCCodec:
                 f"{self.words_numel(prepared.numel)} words on {prepared.source.device}, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
+        if prepared.backend is cuda_kernels:
+            return cuda_kernels.quantize(self, prepared, agreed, key, residual, residual_out, out, prefix)
+        if prefix is not None:
+            write_prefix(prefix[0], prefix[1], prepared.header)
         if prepared.backend is not None:
             return prepared.backend.quantize(self, prepared, agreed, key, residual, residual_out, out)
         nonfinite, _, identical = agreed_status(agreed)
@@ -284,13 +300,27 @@ class THCCodec:
         return words if out is None else out.copy_(words)
 
     # -- stage 5 ------------------------------------------------------------
-    def decode(self, prepared: Prepared, agreed: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def decode(self, prepared: Prepared, agreed: torch.Tensor, words: torch.Tensor, out: torch.Tensor,
+               check: tuple | None = None) -> torch.Tensor:
         """Stage 5: write the mean over ranks into ``out`` (shaped like the input).
 
         NaN everywhere if any rank was non-finite or the fingerprints differ (see
         :meth:`verify` for the error); the input itself, exactly, if every rank's input
-        had the same bits.
+        had the same bits. ``check``: ``(summed prefix, world size, fingerprints, flags)``:
+        NaN too unless the summed message prefix is right
+        (:func:`hhook.codec.layout.prefix_verdict`), and its verdict into the int32
+        ``flags`` (``[bad, nonfinite]``, or None); no host read (the CUDA kernel checks it
+        in the same launch).
         """
+        if prepared.backend is cuda_kernels:
+            return cuda_kernels.decode(self, prepared, agreed, words, out, check)
+        if check is not None:
+            bad, nonfinite = prefix_verdict(*check[:3])
+            self.decode(prepared, agreed, words, out)
+            out.masked_fill_(bad, float("nan"))
+            if check[3] is not None:
+                check[3].copy_(torch.stack((bad, nonfinite)))
+            return out
         if prepared.backend is not None:
             return prepared.backend.decode(self, prepared, agreed, words, out)
         n_blocks = self.n_blocks(prepared.numel)

@@ -9,7 +9,8 @@ with ``u`` uniform in [0, 1) from :mod:`hhook.codec.rng`: independent across ran
 correlated (:class:`hhook.codec.rng.Stream`: the ranks' thresholds for one coordinate spread
 over the ``n`` strata of [0, 1), each still uniform). ``E[c s - M] = y``: unbiased. The
 float32 operations are, in this order: ``a = y + M``, ``b = a * inv``, ``t = b + u``,
-``floor(t)``, clamp to ``[0, L - 1]`` (guards rounding at ``y = M``). A kernel that
+``floor(t)``, clamp to ``[0, L - 1]`` (guards rounding at ``y = M``; a NaN ``t`` gives
+code 0). A kernel that
 performs the same rounded operations (no fused multiply-add) gives the same codes.
 
 Decoding the sum ``S`` of ``n`` ranks' codes gives the mean: ``S * (s / n) - M``.
@@ -72,7 +73,7 @@ def quantize_into(
         m = scales[first:last, None]
         t = (y + m).mul_(inv[first:last, None])
         t.add_(rng.thresholds(stream, first * block, (last - first) * block, block, y.device).view_as(t))
-        c = t.floor_().clamp_(0, levels - 1)
+        c = t.floor_().clamp_(0, levels - 1).nan_to_num_(0.0)  # NaN: code 0, as every backend
         codes[first * block : last * block] = c.view(-1)
         if residual is not None:
             torch.sub(y, c.mul_(step[first:last, None]).sub_(m), out=residual[first:last])

@@ -26,6 +26,11 @@ block's error norm is at most ``sqrt(B) M / (2q)`` either way (:meth:`WeightCode
 
 The payload of ``n`` blocks is ``4 n`` bytes of scales, then ``n B bits / 8`` bytes of
 codes: ``bits`` bits per value, eight codes packed into ``bits`` bytes.
+
+Every float operation is specified, as the THC codec's (docs/guarantees.md), so that the
+torch path and the CUDA kernels (:mod:`hhook.codec.kernels.cuda`: ``hh_wq_encode`` and
+``hh_wq_decode``, one pass each way, used for CUDA tensors with blocks up to 1024) give the
+same bits: the rotation's butterflies, the candidates' RMS (:func:`_rms`), true divisions.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ import math
 import torch
 
 from . import rng
-from .rotation import check_block_size, rotate, unrotate
+from .kernels import cuda as cuda_kernels
+from .rotation import check_block_size, norm, rotate, unrotate
 
 #: Widths the all-gather takes: 8 by default; 6 and 4 measured (docs/fsdp.md).
 WIDTHS = (2, 3, 4, 5, 6, 7, 8)
@@ -90,7 +96,7 @@ class WeightCodec:
         bits on any CPU."""
         return (unrotate if inverse else rotate)(blocks, self.seed, out=blocks)
 
-    def _choose(self, blocks: torch.Tensor, work) -> tuple[torch.Tensor, torch.Tensor]:
+    def _choose(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``blocks`` (in place) as they will be quantized, and their signed scales (the
         sign bit set where the block is rotated)."""
         if self.rotate is False:
@@ -100,12 +106,10 @@ class WeightCodec:
         plain = _maxabs(blocks)
         # Candidates: a block whose max is under twice its RMS stays as it is (uniform: 1.7);
         # rotated, its max would not be lower (about Gaussian: near 3 RMS at B = 256).
-        rms = torch.linalg.vector_norm(blocks, dim=1).mul_(1 / math.sqrt(self.block_size))
-        rows = (plain > 2 * rms).nonzero().view(-1)
+        rows = (plain > 2 * _rms(blocks)).nonzero().view(-1)
         if rows.numel() == 0:
             return blocks, plain
-        n = rows.numel()
-        rotated = torch.index_select(blocks, 0, rows, out=work[1][:n]) if work[1] is not None else blocks[rows]
+        rotated = blocks[rows]
         self._rotate(rotated, False)
         turned = _maxabs(rotated)
         use = turned < plain[rows]
@@ -113,17 +117,19 @@ class WeightCodec:
         blocks.index_copy_(0, rows, rotated[use])
         return blocks, plain.index_copy_(0, rows, turned.neg_())
 
-    def encode(self, blocks: torch.Tensor, out: torch.Tensor, work=(None, None)) -> bool:
-        """Quantize float32 ``(n, B)`` ``blocks`` (overwritten) into the uint8 payload
-        ``out`` of :meth:`nbytes` bytes; ``work``: up to two float32 buffers shaped like
-        ``blocks`` (None: temporaries; only the second is used, for the blocks tried
-        rotated under ``rotate="auto"``). Returns whether every value was finite (an inf or
-        NaN makes its block's scale inf or NaN: ``amax`` propagates NaN).
+    def encode(self, blocks: torch.Tensor, out: torch.Tensor) -> bool:
+        """Quantize float32 ``(n, B)`` ``blocks`` (overwritten, except by the CUDA kernel)
+        into the uint8 payload ``out`` of :meth:`nbytes` bytes. Returns whether every value
+        was finite (an inf or NaN makes its block's scale inf or NaN: ``amax`` propagates
+        NaN); a host read.
 
         Codes are ``floor(y q / M + q + 1/2)``, clamped to ``0..2q``: round to nearest,
-        ties up, in three passes and the conversion (``to(uint8)`` truncates)."""
+        ties up, in three passes and the conversion (``to(uint8)`` truncates). On a GPU one
+        kernel (``hh_wq_encode``) computes the same bits in one pass."""
+        if cuda_kernels.weights_usable(self, blocks, out):
+            return cuda_kernels.weight_encode(self, blocks, out)
         n = blocks.shape[0]
-        blocks, scales = self._choose(blocks, work)
+        blocks, scales = self._choose(blocks)
         out[: 4 * n].view(torch.float32).copy_(scales)
         inv = torch.full_like(scales, float(self.q)).div_(scales.abs())
         inv.masked_fill_(~torch.isfinite(inv), 0.0)  # M == 0: every code q (zero)
@@ -135,15 +141,17 @@ class WeightCodec:
         """The signed scales of a payload: ``|s|`` the block's max, ``signbit(s)`` rotated."""
         return payload[: 4 * n_blocks].view(torch.float32)
 
-    def decode(self, payload: torch.Tensor, n_blocks: int, out: torch.Tensor | None = None,
-               work: torch.Tensor | None = None) -> torch.Tensor:
-        """The float32 ``(n_blocks, B)`` values of a payload (into ``out`` if given;
-        ``work``: accepted for callers, not needed: the inverse rotation runs in place)."""
+    def decode(self, payload: torch.Tensor, n_blocks: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 ``(n_blocks, B)`` values of a payload (into ``out`` if given): ``(c -
+        q) (|M| / q)`` (a true division), then the inverse rotation of the rotated blocks,
+        in place. On a GPU one kernel (``hh_wq_decode``), the same bits."""
+        y = torch.empty(n_blocks, self.block_size, dtype=torch.float32, device=payload.device) if out is None else out
+        if cuda_kernels.weights_usable(self, y, payload):
+            return cuda_kernels.weight_decode(self, payload, n_blocks, y)
         scales = self.scales(payload, n_blocks)
         codes = unpack(payload[4 * n_blocks:], self.bits, n_blocks * self.block_size)
-        y = torch.empty(n_blocks, self.block_size, dtype=torch.float32, device=payload.device) if out is None else out
         y.view(-1).copy_(codes)
-        y.sub_(self.q).mul_((scales.abs() / float(self.q))[:, None])
+        y.sub_(self.q).mul_(scales.abs().div_(torch.full_like(scales, float(self.q)))[:, None])
         turned = torch.signbit(scales).nonzero().view(-1) if self.rotate == "auto" else None
         if self.rotate is True or turned is not None and turned.numel() == n_blocks:
             return self._rotate(y, True)
@@ -154,8 +162,18 @@ class WeightCodec:
 
 
 def _maxabs(blocks: torch.Tensor) -> torch.Tensor:
-    """max ``|y|`` per row without a ``|y|`` temporary (NaN propagates)."""
-    return torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
+    """max ``|y|`` per row without a ``|y|`` temporary (NaN propagates; +0, never -0)."""
+    return torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).abs_()
+
+
+def _rms(blocks: torch.Tensor) -> torch.Tensor:
+    """The root mean square of each row, in a specified order (the kernel's): the squares,
+    summed by adjacent pairs (``s[i] = s[2i] + s[2i + 1]``) down to one, its square root,
+    times ``float32(1/sqrt(B))``."""
+    s = blocks * blocks
+    while s.shape[1] > 1:
+        s = s[:, 0::2] + s[:, 1::2]
+    return s.view(-1).sqrt_().mul_(norm(blocks.shape[1]))
 
 
 def pack(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:

@@ -248,24 +248,23 @@ def host_time_per_bucket(codec: THCCodec, x: torch.Tensor, iters: int) -> float:
 def weight_codec_times(codec, x: torch.Tensor, iters: int) -> dict:
     """Median seconds of FSDP2's all-gather codec (:class:`hhook.codec.weights.WeightCodec`)
     on the flat float32 shard ``x``, as :mod:`hhook.fsdp.all_gather` runs it: encode (the
-    shard copied into the block workspace, which encode overwrites, then quantized into
-    the payload with two work buffers) and decode (the payload into float32 blocks), and
-    a copy of the same bytes. ``x.numel()`` must be a multiple of the block size."""
+    shard copied into the block workspace, then quantized into the payload) and decode
+    (the payload into float32 blocks), and a copy of the same bytes. ``x.numel()`` must be
+    a multiple of the block size."""
     n = x.numel() // codec.block_size
     if n * codec.block_size != x.numel():
         raise ValueError(f"{x.numel()} values are not whole blocks of {codec.block_size}")
     blocks = torch.empty(n, codec.block_size, dtype=torch.float32, device=x.device)
-    work = tuple(torch.empty_like(blocks) for _ in range(2))
     payload = torch.empty(codec.nbytes(n), dtype=torch.uint8, device=x.device)
     out = torch.empty_like(blocks)
 
     def encode():
         blocks.view(-1).copy_(x)
-        codec.encode(blocks, payload, work)
+        codec.encode(blocks, payload)
 
     encode()
     d = x.device
     return {"copy_s": median_seconds(lambda: out.view(-1).copy_(x), iters, device=d),
             "encode_s": median_seconds(encode, iters, device=d),
-            "decode_s": median_seconds(lambda: codec.decode(payload, n, out, work[0]), iters, device=d),
+            "decode_s": median_seconds(lambda: codec.decode(payload, n, out), iters, device=d),
             "payload_bytes": payload.numel()}

@@ -28,54 +28,28 @@ word   meaning (each rank sends; the sum over ``n`` ranks is what decode reads)
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from ..codec import rng
-from ..codec.layout import constant
+# The prefix's writer and device-side check live beside the header they encode (the fused
+# CUDA kernels write and check it in the same launches as the words).
+from ..codec.layout import PREFIX, RANK_FAILED, digest_chunks, prefix_verdict, wrap, write_prefix  # noqa: F401
 from ..errors import ConfigMismatchError, OpMismatchError, RankFailedError
 
-#: Words at the front of every message.
-PREFIX = 12
-#: Added to the status word by a rank that failed locally (more than any count of
-#: non-finite ranks can reach).
-RANK_FAILED = 1 << 20
 _SALT = 0x54484348  # "THCH"
 
 
-def wrap(value: int, word_bits: int) -> int:
-    """``value`` as the two's-complement integer of ``word_bits`` bits that holds it."""
-    value &= (1 << word_bits) - 1
-    return value - (1 << word_bits) if value >> (word_bits - 1) else value
-
-
+@functools.lru_cache(maxsize=4096)
 def fingerprints(*parts: int) -> tuple[int, int]:
-    """Two 31-bit hashes of ``parts`` (non-negative integers below 2**64)."""
+    """Two 31-bit hashes of ``parts`` (non-negative integers below 2**64); kept, since
+    every bucket of a step asks again (a few microseconds of Python each)."""
     h = rng.mix32(_SALT)
     for part in parts:
         h = rng.mix32(h ^ (part & rng.MASK32))
         h = rng.mix32(h ^ (part >> 32))
     return h & 0x7FFFFFFF, rng.mix32(h ^ _SALT) & 0x7FFFFFFF
-
-
-def digest_chunks(header: torch.Tensor) -> torch.Tensor:
-    """The four 12-bit chunks of the 48-bit digest in a prepared header
-    (:data:`hhook.codec.HEADER`), each followed by its square."""
-    halves = header[3:6:2].to(torch.int64)  # a view: indexing with a list would copy the list to the GPU and wait
-    chunks = torch.stack((halves & 0xFFF, halves >> 12), dim=1).reshape(-1)
-    return torch.stack((chunks, chunks * chunks), dim=1).reshape(-1)
-
-
-def write_prefix(words: torch.Tensor, fps: tuple[int, int], header: torch.Tensor | None, failed: bool = False) -> None:
-    """Fill ``words[:PREFIX]``. ``header`` is the codec's prepared header (flag and
-    digest); None (a failed rank) sends no flag and a digest no other rank matches."""
-    prefix = words[:PREFIX]
-    prefix[:4] = constant([1, RANK_FAILED if failed else 0, fps[0], fps[1]], words.dtype, words.device)
-    if header is not None:
-        prefix[1] += (header[0] > 0).to(words.dtype)
-        prefix[4:] = digest_chunks(header)
-    else:
-        prefix[4:] = constant([1, 1, 0, 0, 0, 0, 0, 0], words.dtype, words.device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,14 +91,3 @@ def check_prefix(count, status, fp_a, fp_b, chunks, world_size, fps, dtype, what
         )
     identical = all(n * chunks[i + 1] == chunks[i] * chunks[i] for i in range(0, 8, 2))
     return Verdict(nonfinite=status > 0, identical=identical)
-
-
-def device_verdict(sums: torch.Tensor, world_size: int, fps: tuple[int, int]):
-    """``(bad, nonfinite)`` of a summed prefix as 0-d bool tensors, without a host read:
-    ``bad`` covers a wrong op, a failed rank and a mismatch (decode writes NaN; the
-    caller raises later, where reading the flag is free)."""
-    word_bits = 32 if sums.dtype == torch.int32 else 64
-    p = sums[:PREFIX]
-    bad = (p[0] != world_size) | (p[1] >= RANK_FAILED)
-    bad = bad | (p[2] != wrap(world_size * fps[0], word_bits)) | (p[3] != wrap(world_size * fps[1], word_bits))
-    return bad, p[1] > 0

@@ -260,7 +260,7 @@ class ScalePolicy:
             if error is None:
                 plan.prepared = codec.prepare(tensor.detach())
                 # This rank's flag and digest, for the prefix: the MAX round overwrites the scales.
-                plan.header = plan.prepared.scales[:HEADER].clone()
+                plan.header = plan.prepared.header
         except Exception as exc:  # noqa: BLE001 - sent on as filler, raised on every rank
             plan.error = exc
         if plan.kind == AGREED:
@@ -298,8 +298,8 @@ class ScalePolicy:
             agreed = torch.cat([codec.header(numel, prepared.scales[0], device=plan.scales.device), plan.scales])
             words[PREFIX : PREFIX + plan.n_meta] = thermometer.encode(prepared.scales[HEADER:], plan.scales, codec)
         plan.agreed = agreed
-        codec.quantize(prepared, agreed, plan.stream, residual, plan.new_residual, out=words[PREFIX + plan.n_meta :])
-        message.write_prefix(words, plan.fps, plan.header)
+        codec.quantize(prepared, agreed, plan.stream, residual, plan.new_residual, out=words[PREFIX + plan.n_meta :],
+                       prefix=(words[:PREFIX], plan.fps))
         return words
 
     # -- stage 5 -------------------------------------------------------------------
@@ -318,9 +318,9 @@ class ScalePolicy:
         codec = plan.codec
         body = sums[PREFIX + plan.n_meta :]
         if plan.kind == AGREED and defer is not None:
-            bad, nonfinite = message.device_verdict(sums, plan.world_size, plan.fps)
-            codec.decode(plan.prepared, plan.agreed, body, out)
-            out.masked_fill_(bad, float("nan"))
+            flags = torch.empty(2, dtype=torch.int32, device=out.device)  # [bad, nonfinite] of the summed prefix
+            codec.decode(plan.prepared, plan.agreed, body, out, check=(sums[:PREFIX], plan.world_size, plan.fps, flags))
+            bad, nonfinite = flags[0], flags[1]
             defer(bad, nonfinite, plan.describe())
             if plan.new_residual is not None:
                 plan.state.residual = plan.new_residual

@@ -1,10 +1,10 @@
 """What the CUDA kernels' checks share: tests/codec/test_cuda.py (CPU emulator and GPU) and
 ci/gpu_check.py (the prepared run on a GPU, and its dry run anywhere).
 
-* :func:`reference`: the torch reference codec, also for CUDA tensors, with the kernels'
-  transform order (:func:`kernel_order_hadamard`), so every stage must agree bit for bit;
+* :func:`reference`: the torch reference codec, also for CUDA tensors: every stage of the
+  kernels must give its bits;
 * :func:`build_emulator` / :func:`emulated_launch`: the very kernel source run on the CPU
-  (g++, one std::thread per CUDA thread, flush-to-zero intrinsics as CuPy's ``-ftz=true``);
+  (g++, one std::thread per CUDA thread, a barrier for ``__syncthreads``);
 * test data (:func:`gradient`, :func:`agreed_from`, :func:`adversarial`) and
   :func:`parity_case`, one case of the bit-parity sweep over every stage.
 """
@@ -22,48 +22,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hhook.codec import rotation
 from hhook.codec.kernels import cuda as cuda_kernels
 from hhook.codec import HEADER
 
 GXX = shutil.which("g++")
-LOG2R = cuda_kernels._R.bit_length() - 1
-
-# -- the kernels' transform order, as a torch model --------------------------------------------
-def kernel_order_hadamard(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``rotation._hadamard`` computed as the kernels do: radix-2 steps in hh_fwht's bit
-    order (passes of LOG2R bits from the top, ascending within a pass), then one fp32
-    multiply by ``1/sqrt(B)``. Each step is an exact-rounded add/sub, so this equals the
-    kernels bit for bit (barring subnormals, which the GPU flushes)."""
-    n, block = blocks.shape
-    x = blocks.to(torch.float32).clone()
-    hi = block.bit_length() - 1
-    while hi > 0:
-        lo = max(hi - LOG2R, 0)
-        for bit in range(lo, hi):
-            v = x.view(n, block >> (bit + 1), 2, 1 << bit)
-            a, b = v[:, :, 0].clone(), v[:, :, 1].clone()
-            v[:, :, 0] = a + b
-            v[:, :, 1] = a - b
-        hi -= LOG2R
-    x.mul_(torch.tensor(np.float32(1.0 / math.sqrt(block)), device=x.device))
-    if out is None:
-        return x
-    out.copy_(x)
-    return out
-
 
 @contextlib.contextmanager
 def reference():
-    """The reference codec, also for CUDA tensors, with the kernels' transform order."""
+    """The torch reference codec, also for CUDA tensors (the kernels must give its bits)."""
     old = os.environ.get(cuda_kernels.FORCE_REFERENCE_ENV)
     os.environ[cuda_kernels.FORCE_REFERENCE_ENV] = "1"
-    saved = rotation._hadamard
-    rotation._hadamard = kernel_order_hadamard
     try:
         yield
     finally:
-        rotation._hadamard = saved
         if old is None:
             del os.environ[cuda_kernels.FORCE_REFERENCE_ENV]
         else:
@@ -76,6 +47,7 @@ _SHIM = r"""
 #include <barrier>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -91,28 +63,41 @@ _SHIM = r"""
 
 struct hh_dim3 { unsigned x = 0, y = 0, z = 0; };
 struct alignas(16) float4 { float x, y, z, w; };
-struct alignas(8) ushort4 { unsigned short x, y, z, w; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
 static thread_local hh_dim3 threadIdx, blockIdx;
 static hh_dim3 blockDim, gridDim;
 static std::barrier<>* hh_bar;
+static std::vector<std::barrier<>*> hh_warp_bars;
 static std::vector<unsigned long long> hh_slots;
 alignas(16) float hh_smem[16384];  // dynamic shared memory, above the 48 KiB kernels use
 
 static inline void __syncthreads() { hh_bar->arrive_and_wait(); }
 static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-// Every thread of the block calls the shuffles together (as the kernels do), so a
-// block-wide exchange through memory stands in for the warp's.
-template <class T> static inline T __shfl_xor_sync(unsigned, T v, int off) {
+// Warp-level operations: every lane of the warp calls them together (as the kernels do); an
+// exchange through memory between two arrivals at the warp's barrier stands in for the warp's.
+static inline void __syncwarp(unsigned = 0xffffffffu) { hh_warp_bars[threadIdx.x / 32]->arrive_and_wait(); }
+template <class T> static inline T hh_exchange(T v, unsigned src) {
     unsigned long long bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
     hh_slots[threadIdx.x] = bits;
-    hh_bar->arrive_and_wait();
-    bits = hh_slots[threadIdx.x ^ off];
-    hh_bar->arrive_and_wait();
+    __syncwarp();
+    bits = hh_slots[(threadIdx.x & ~31u) | (src & 31u)];
+    __syncwarp();
     T r;
     std::memcpy(&r, &bits, sizeof(T));
     return r;
 }
+template <class T> static inline T __shfl_xor_sync(unsigned, T v, int off) { return hh_exchange(v, (threadIdx.x & 31) ^ off); }
+template <class T> static inline T __shfl_sync(unsigned, T v, int src) { return hh_exchange(v, src); }
+static inline unsigned __ballot_sync(unsigned, int pred) {
+    hh_slots[threadIdx.x] = pred != 0;
+    __syncwarp();
+    unsigned mask = 0;
+    for (unsigned i = 0; i < 32; ++i) mask |= (unsigned)hh_slots[(threadIdx.x & ~31u) | i] << i;
+    __syncwarp();
+    return mask;
+}
+static inline int __popc(unsigned x) { return __builtin_popcount(x); }
 static inline unsigned atomicMax(unsigned* p, unsigned v) {
     unsigned old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
     while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
@@ -123,14 +108,22 @@ static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long 
     return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
 }
 static inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
+static inline unsigned long long atomicOr(unsigned long long* p, unsigned long long v) {
+    return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST);
+}
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-// CuPy compiles with -ftz=true: the intrinsics flush subnormal inputs and results to zero.
-static inline float hh_ftz(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x; }
-static inline float __fadd_rn(float a, float b) { return hh_ftz(hh_ftz(a) + hh_ftz(b)); }
-static inline float __fsub_rn(float a, float b) { return hh_ftz(hh_ftz(a) - hh_ftz(b)); }
-static inline float __fmul_rn(float a, float b) { return hh_ftz(hh_ftz(a) * hh_ftz(b)); }
-static inline float __fdiv_rn(float a, float b) { return hh_ftz(hh_ftz(a) / hh_ftz(b)); }
+// The kernels' non-flushing PTX arithmetic: IEEE float32 operations (compiled without
+// contraction; SSE keeps subnormals).
+static inline float hh_add(float a, float b) { return a + b; }
+static inline float hh_sub(float a, float b) { return a - b; }
+static inline float hh_mul(float a, float b) { return a * b; }
+static inline float hh_div(float a, float b) { return a / b; }
+static inline float hh_floor(float a) { return std::floor(a); }
+static inline bool hh_lt(float a, float b) { return a < b; }
+static inline bool hh_le(float a, float b) { return a <= b; }
+static inline bool hh_eq(float a, float b) { return a == b; }
+static inline unsigned hh_to_u32(float f) { return (unsigned)f; }
 static inline float hh_half_to_float(unsigned short h) { _Float16 x; std::memcpy(&x, &h, 2); return (float)x; }
 static inline unsigned short hh_float_to_half(float f) {
     _Float16 x = (_Float16)f;
@@ -143,7 +136,8 @@ static inline unsigned short hh_float_to_half(float f) {
 
 template <class A> static std::string hh_code() {
     using T = std::remove_cv_t<A>;
-    const char kind = std::is_pointer_v<T> ? 'p' : std::is_floating_point_v<T> ? 'f' : std::is_signed_v<T> ? 'i' : 'u';
+    const char kind = std::is_class_v<T> ? 's' : std::is_pointer_v<T> ? 'p' : std::is_floating_point_v<T> ? 'f'
+                      : std::is_signed_v<T> ? 'i' : 'u';
     return kind + std::to_string(sizeof(T));
 }
 
@@ -164,6 +158,12 @@ static int hh_run(void (*k)(A...), int grid, int block, void** args, const char*
     blockDim.x = block;
     std::barrier<> bar(block);
     hh_bar = &bar;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    hh_warp_bars.clear();
+    for (int w = 0; w < block / 32; ++w) {
+        warps.emplace_back(new std::barrier<>(32));
+        hh_warp_bars.push_back(warps.back().get());
+    }
     hh_slots.assign(block, 0);
     std::vector<std::thread> threads;
     for (int t = 0; t < block; ++t)
@@ -195,7 +195,7 @@ def build_emulator(folder: Path) -> ctypes.CDLL:
     """Compile the kernel source for the CPU into ``folder`` and load it."""
     entry = 'extern "C" int emu_{0}(int g, int b, void** a, const char* s, char* e)'
     entry += " {{ return hh_run({0}, g, b, a, s, e); }}\n"
-    entries = "".join(entry.format(n) for n in cuda_kernels.KERNEL_NAMES)
+    entries = "".join(entry.format(n) for n in (*cuda_kernels.KERNEL_NAMES, *cuda_kernels.WEIGHT_KERNEL_NAMES))
     src = Path(folder) / "emu.cpp"
     src.write_text(_SHIM.replace("#include KERNELS", f'#include "{cuda_kernels.source_path()}"') + entries)
     lib = Path(folder) / "emu.so"
@@ -217,30 +217,16 @@ def emulated(lib: ctypes.CDLL):
         cuda_kernels._launch = saved
 
 
-def _signature_code(arg) -> str:
-    if isinstance(arg, torch.Tensor):
-        return "p8"
-    kind = {"f": "f", "i": "i", "u": "u"}[arg.dtype.kind]
-    return f"{kind}{arg.dtype.itemsize}"
-
-
 def emulated_launch(lib, launch: cuda_kernels.Launch, device) -> None:
     assert launch.shared_mem <= cuda_kernels._SHARED_LIMIT, "needs the opt-in for more than 48 KiB"
-    assert launch.block % 32 == 0 and launch.block <= cuda_kernels._MAX_THREADS
-    keep = []
-    pointers = (ctypes.c_void_p * len(launch.args))()
-    for i, arg in enumerate(launch.args):
-        if isinstance(arg, torch.Tensor):
-            assert arg.device.type == "cpu" and (arg.is_contiguous() or arg.numel() == 0)
-            value = ctypes.c_void_p(arg.data_ptr())
-        else:
-            value = ctypes.create_string_buffer(arg.tobytes(), arg.nbytes)
-        keep.append(value)
-        pointers[i] = ctypes.cast(ctypes.pointer(value), ctypes.c_void_p)
-    sig = "".join(_signature_code(a) for a in launch.args)
+    assert launch.block == cuda_kernels._THREADS
+    for t in launch.tensors:
+        assert t is None or (t.device.type == "cpu" and (t.is_contiguous() or t.numel() == 0))
+    pointers = (ctypes.c_void_p * 1)(ctypes.addressof(launch.args))
+    sig = f"s{ctypes.sizeof(launch.args)}"
     expected = ctypes.create_string_buffer(256)
     rc = getattr(lib, f"emu_{launch.name}")(launch.grid, launch.block, pointers, sig.encode(), expected)
-    assert rc == 0, f"{launch.name}: arguments {sig}, kernel expects {expected.value.decode()}"
+    assert rc == 0, f"{launch.name}: argument {sig}, kernel expects {expected.value.decode()}"
 
 
 def gradient(numel: int, seed: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
@@ -290,12 +276,6 @@ def adversarial(kind: str, numel: int, dtype: torch.dtype, seed: int, device="cp
     return x.to(dtype)
 
 
-def _flushed(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with float32 subnormals zeroed, as CuPy's -ftz=true kernels read them."""
-    wide = x.to(torch.float32)
-    return torch.where(wide.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(wide), wide).to(x.dtype)
-
-
 def differing(got: torch.Tensor, want: torch.Tensor) -> int:
     """Elements whose bits differ (NaN against NaN counts as equal, any payload)."""
     if got.shape != want.shape or got.dtype != want.dtype:
@@ -311,9 +291,7 @@ def parity_case(kind: str, numel: int, dtype: torch.dtype, bits: int, rounding: 
     """One case of every stage against the reference on ``device``: prepare's scales,
     quantize's words and residual (error feedback) for each of ``world`` ranks' rounding
     streams, and decode of their summed words. Returns the differing elements per stage
-    (0 everywhere is parity). Subnormal inputs are compared with the reference on the
-    flushed input (the kernels flush them, ``-ftz=true``), except the header's digest,
-    which hashes the bits themselves."""
+    (0 everywhere is parity), subnormal inputs included."""
     from hhook.codec import rng
     from hhook.codec import THCCodec
 
@@ -321,10 +299,8 @@ def parity_case(kind: str, numel: int, dtype: torch.dtype, bits: int, rounding: 
     x = adversarial(kind, numel, dtype, seed=numel + bits, device=device).to(device)
     ours = mine(codec, x)
     with reference():
-        raw = codec.prepare(x)
-        want = codec.prepare(_flushed(x)) if kind == "subnormal" else raw
-    diff = {"scales": differing(ours.scales[HEADER:], want.scales[HEADER:])
-            + differing(ours.scales[:HEADER], raw.scales[:HEADER])}
+        want = codec.prepare(x)
+    diff = {"scales": differing(ours.scales, want.scales)}
     agreed = agreed_from(want, seed=numel)
     residual = 0.01 * gradient(want.blocks.numel(), seed=5, device=device).view_as(want.blocks)
     total_want = total_got = None

@@ -344,7 +344,7 @@ def prepare(codec, source: torch.Tensor):
     if nonfinite:
         maxima.zero_()
     head = codec.header(numel, float(nonfinite), digest)
-    return spec.Prepared(numel, source, torch.cat((head, maxima)), blocks, backend=_module())
+    return spec.Prepared(numel, source, torch.cat((head, maxima)), blocks, backend=_module(), header=head)
 
 
 def _verdicts(agreed: torch.Tensor) -> tuple[bool, bool, bool]:

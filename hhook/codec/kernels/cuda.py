@@ -1,25 +1,28 @@
-r"""Fused CUDA kernels for :class:`hhook.codec.THCCodec`, compiled at run time by CuPy.
+r"""Fused CUDA kernels for :class:`hhook.codec.THCCodec` and FSDP2's all-gather codec
+(:class:`hhook.codec.weights.WeightCodec`), compiled at run time by CuPy.
 
 The pure-torch codec is the specification; this module only makes it faster on a GPU.
 :func:`hhook.codec.fused_backend` sends CUDA tensors here when :func:`usable` says so, and
 the codec's three stages call :func:`prepare`, :func:`quantize` and :func:`decode`. Each
-is one kernel from ``csrc/thc_kernels.cu``; none reads a device value on the host.
+is one kernel from ``csrc/thc_kernels.cu``, reading its input once and writing its output
+once; none reads a device value on the host.
 
-1. ``prepare`` reads the input once (fp32/fp16/bf16): sign diagonal, Walsh-Hadamard
-   transform, per-block max ``|y|``, the 48-bit digest of its float32 bits, and the
-   header (:data:`hhook.codec.HEADER`). The last CUDA block to finish writes the header
-   and zeroes the maxima if any was inf/NaN.
-2. ``quantize`` reads the input again and recomputes the rotation instead of storing it
-   (13 bytes of memory traffic per fp32 coordinate for the whole codec, not 17.6), adds
-   the residual, rounds onto the agreed scales and packs the lane words. The agreed
-   header is read on the device: "non-finite" or "identical" makes it copy the old residual.
-3. ``decode`` writes NaN (non-finite, mismatch), the input itself (identical), or the
-   unpacked, dequantized, inverse-rotated mean, in the output's dtype.
+1. ``prepare`` reads the input (fp32/fp16/bf16): sign diagonal, Walsh-Hadamard
+   butterflies, per-block max ``|y|``, the 48-bit digest of its float32 bits, and the
+   header (:data:`hhook.codec.HEADER`) with this rank's copy of it (``Prepared.header``).
+2. ``quantize`` reads the input again and recomputes the rotation instead of storing it,
+   adds the residual, rounds onto the agreed scales and packs the lane words; it can write
+   the message prefix too (``prefix=``). The agreed header is read on the device:
+   "non-finite" or "identical" makes zero words and keeps the old residual.
+3. ``decode`` writes NaN (non-finite, mismatch, or a summed message prefix that is wrong,
+   with ``check=``), the input itself (identical), or the unpacked, dequantized,
+   inverse-rotated mean, in the output's dtype.
 
-Every float operation that the reference also performs is rounded the same way, and the
-transform adds in a fixed order, so the kernels' output is a pure function of the inputs;
-tests reproduce it bit for bit with a torch model of that order. CuPy compiles with
-``-ftz=true``: subnormal intermediates count as zero (the CPU emulator models it).
+Every float operation is the specification's, in its order (docs/guarantees.md): the
+butterflies on strides 1..B/2 ascending, inline PTX arithmetic with a rounding mode and no
+``.ftz`` (no FMA contraction; subnormals kept although CuPy compiles with ``-ftz=true``).
+So a CUDA rank decodes the summed words to the bits of a CPU rank; tests check it on a CPU
+emulator of the same source.
 
 **Streams and lifetimes.** Each launch runs on torch's current stream of the tensor's
 device. A transport that runs a later stage on another stream (NCCL and Gloo futures run
@@ -32,21 +35,21 @@ What each launch touches:
 =========== ============================================ ===============================
 stage       reads                                        writes
 =========== ============================================ ===============================
-prepare     ``source``                                   ``scales`` (header + maxima)
-quantize    ``source``, ``agreed``, ``residual``         ``words``, ``residual_out``
-decode      ``words``, ``agreed``, ``source`` (identical) ``out`` (or a temporary, copied)
+prepare     ``source``                                   ``scales``, ``header``
+quantize    ``source``, ``agreed``, ``residual``,        ``words``, ``residual_out``,
+            ``Prepared.header``                          the prefix
+decode      ``words``, ``agreed``, ``source``            ``out`` (or a temporary, copied),
+            (identical), the summed prefix               the flags
 =========== ============================================ ===============================
 
 ``source`` (``prepared.source``) must not change between ``prepare`` and ``decode``.
 
-**Host cost.** Tensors cross over as raw ``data_ptr()`` integers (no DLPack: works with
-``requires_grad`` tensors and under ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``), stream
-objects and per-stream workspaces are cached, and there are no helper kernels: one launch
-per stage. A bucket's sizes and fingerprint (:func:`_sizes`) and each launch's geometry
-and scalar arguments (:mod:`.cuda_launches`) are computed once per codec configuration
-and length. Per bucket in steady state: three launches, no other torch op, and two
-allocations, the scale vector that ``prepare`` returns and the words that ``quantize``
-returns (none when the caller passes ``out``); both escape to the caller, who may hold
+**Host cost.** Each kernel takes one struct by value: the bytes of a bucket's shape are
+kept (:mod:`.cuda_launches`), a call writes its pointers and rounding stream into a copy
+with one ``pack_into`` and hands CuPy one pointer; stream objects and per-stream workspaces
+are cached; no helper kernels. Per bucket in steady state: three launches, no other torch
+op, and two allocations, the scale vector (the header's copy in the same allocation) and
+the words (none when the caller passes ``out``); both escape to the caller, who may hold
 several buckets of one length in flight, so they are not reused here
 (``tests/codec/test_cuda.py::test_steady_state_host_work_per_bucket_through_thccodec``).
 
@@ -57,11 +60,13 @@ state is built; otherwise the first compressed bucket does. If compiling fails (
 no CUDA headers, an unsupported GPU) it logs one line and the codec falls back to the
 reference for that device; so does a CuPy that does not import (one log line too).
 ``HHOOK_FORCE_REFERENCE=1`` forces the reference everywhere.
-Block sizes above :data:`MAX_BLOCK` use the reference too.
+Block sizes above :data:`MAX_BLOCK` use the reference too (above
+:data:`WEIGHT_MAX_BLOCK` for the all-gather codec).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -77,27 +82,28 @@ from .. import rng
 from . import backend
 from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by tests/codec/test_cuda.py
 from ..layout import HEADER as _HEADER
-from ..layout import Prepared
+from ..layout import PREFIX, Prepared, expected_prefix
 # The launches' geometry and arguments (named here too: tests read them from this module).
-from .cuda_launches import (_DTYPE_SUFFIX, _MAX_THREADS, _MIN_TILE, _QUANTIZE_THREADS, _R,  # noqa: F401
-                            _SHARED_LIMIT, _WORD_SUFFIX, _WORDS_PER_THREAD, Launch, _aligned, _pad,
-                            _quantize_geometry, _tile, decode_launch, prepare_launch, quantize_launch)
+from .cuda_launches import (_DTYPE_SUFFIX, _SHARED_LIMIT, _THREADS, _TILE, _WORD_SUFFIX, SOURCE_NAME,  # noqa: F401
+                            WORKSPACE, Launch, arg_types, decode_launch, prepare_launch, quantize_geometry, quantize_launch,
+                            weight_decode_launch, weight_encode_launch)
 
 logger = logging.getLogger(__name__)
 
-#: Largest rotation block the kernels handle: quantize's window of coordinates (up to
-#: 2 blocks of 4096 floats) must fit in 48 KiB of shared memory.
+#: Largest rotation block the kernels handle: four warps' tiles of 1024 coordinates.
 MAX_BLOCK = 4096
-SOURCE_NAME = "thc_kernels.cu"
 #: NVRTC options; CuPy appends ``-ftz=true`` (and the architecture) itself.
 COMPILE_OPTIONS = ("-std=c++14",)
 
 KERNEL_NAMES = (
     *(f"hh_prepare_{d}" for d in _DTYPE_SUFFIX.values()),
     *(f"hh_quantize_{d}_{w}" for d in _DTYPE_SUFFIX.values() for w in _WORD_SUFFIX.values()),
-    *(f"hh_decode_{w}_{o}_{i}" for w in _WORD_SUFFIX.values() for o in _DTYPE_SUFFIX.values()
-      for i in _DTYPE_SUFFIX.values()),
+    *(f"hh_decode_{w}_{o}" for w in _WORD_SUFFIX.values() for o in _DTYPE_SUFFIX.values()),
 )
+#: FSDP2's all-gather codec (:class:`hhook.codec.weights.WeightCodec`), from the same source.
+WEIGHT_KERNEL_NAMES = ("hh_wq_encode_f32", "hh_wq_decode_f32")
+#: Largest block of the all-gather codec's kernels (a warp's chunk of 1024 holds whole blocks).
+WEIGHT_MAX_BLOCK = 1024
 
 
 # -- availability ----------------------------------------------------------------
@@ -232,7 +238,7 @@ _workspaces: dict = {}
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
-    """prepare's running digest and counters: 2 x int64 of zeros per (device, stream).
+    """prepare's running digest (in slots) and counters: int64 zeros per (device, stream).
 
     Launches on one stream run in order and each leaves it zeroed again; launches on
     different streams get different workspaces.
@@ -240,8 +246,19 @@ def _workspace(device: torch.device) -> torch.Tensor:
     key = (device, _stream_pointer(device))
     ws = _workspaces.get(key)
     if ws is None:
-        ws = _workspaces[key] = torch.zeros(2, dtype=torch.int64, device=device)
+        ws = _workspaces[key] = torch.zeros(WORKSPACE, dtype=torch.int64, device=device)
     return ws
+
+
+#: prepare's CUDA blocks per SM (HH_MIN_BLOCKS); the CPU emulator's grid: several tiles each.
+_BLOCKS_PER_SM, _EMULATED_BLOCKS = 4, 3
+
+
+@functools.lru_cache(maxsize=64)
+def _resident(device: torch.device) -> int:
+    on_gpu = device.type == "cuda"
+    return _BLOCKS_PER_SM * torch.cuda.get_device_properties(_device_index(device)).multi_processor_count if on_gpu \
+        else _EMULATED_BLOCKS
 
 
 def _stream_pointer(device: torch.device) -> int:
@@ -263,7 +280,7 @@ def _functions(index: int) -> dict:
         module.compile()
         # RawKernel.kernel: the driver function for the current device, whose call takes
         # (grid, block, args, shared_mem, stream) with no per-call conversions.
-        return {name: module.get_function(name).kernel for name in KERNEL_NAMES}
+        return {name: module.get_function(name).kernel for name in (*KERNEL_NAMES, *WEIGHT_KERNEL_NAMES)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -275,23 +292,44 @@ def _cupy_stream(index: int, pointer: int):
         return cupy.cuda.ExternalStream(pointer, index)
 
 
+@functools.lru_cache(maxsize=256)
+def _torch_stream(index: int, pointer: int) -> torch.cuda.Stream:
+    """torch's object for the current stream (kept per raw pointer: making one per launch
+    costs microseconds)."""
+    return torch.cuda.current_stream(index)
+
+
 def keep_alive(tensors, stream: torch.cuda.Stream | None = None) -> None:
     """Keep CUDA ``tensors`` from being reused before the work now queued on ``stream``
     (default: the current one) is done: ``record_stream`` for each. A tensor allocated on
     that very stream needs nothing (the allocator ignores it then)."""
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.is_cuda:
+        if t is not None and t.is_cuda:
             t.record_stream(stream if stream is not None else torch.cuda.current_stream(t.device))
 
 
+@functools.cache
+def _argument_passer():
+    """How a struct goes to CuPy's launch as one argument passed by value: a
+    ``CPointer`` to its bytes (no conversion at all), or else a one-element numpy array of
+    them (which CuPy passes by value too)."""
+    try:
+        from cupy.cuda.function import CPointer
+
+        CPointer(0)
+        return lambda args: CPointer(ctypes.addressof(args))
+    except Exception:  # another CuPy: its documented way
+        return lambda args: np.frombuffer(args, dtype=np.dtype((np.void, ctypes.sizeof(args))))
+
+
 def _cupy_launch(launch: Launch, device: torch.device) -> None:
-    """Run ``launch`` on torch's current stream of ``device``; tensors as raw pointers."""
+    """Run ``launch`` on torch's current stream of ``device``: one argument, the struct."""
     index = _device_index(device)
+    pointer = _stream_pointer(device)
     function = _functions(index)[launch.name]
-    stream = _cupy_stream(index, _stream_pointer(device))
-    args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in launch.args)
-    function((launch.grid, 1, 1), (launch.block, 1, 1), args, launch.shared_mem, stream)
-    keep_alive((a for a in launch.args if isinstance(a, torch.Tensor)), torch.cuda.current_stream(index))
+    function((launch.grid, 1, 1), (launch.block, 1, 1), (_argument_passer()(launch.args),), launch.shared_mem,
+             _cupy_stream(index, pointer))
+    keep_alive(launch.tensors, _torch_stream(index, pointer))
 
 
 #: How launches run; tests replace it with a CPU emulator of the kernels.
@@ -299,13 +337,6 @@ _launch = _cupy_launch
 
 
 # -- the three codec stages ----------------------------------------------------------
-def _block_of(codec, numel: int) -> int:
-    block = codec.block_for(numel)
-    if not supports(block):
-        raise ValueError(f"hhook CUDA kernels rotate blocks of at most {MAX_BLOCK}, not {block}")
-    return block
-
-
 _sizes_cache: dict = {}
 
 
@@ -313,50 +344,62 @@ def _sizes(codec, numel: int) -> tuple[int, int, int, int]:
     """``(block, n_blocks, words_numel, fingerprint)`` of a bucket of ``numel`` values, kept
     per codec configuration and length (the fingerprint alone is seven hashes in Python)."""
     key = (type(codec), codec.bits, codec.block_size, codec.seed, codec.world_size, codec.rounding, numel)
-    sizes = _sizes_cache.get(key)
-    if sizes is None:
+    if key not in _sizes_cache:
+        block = codec.block_for(numel)
+        if not supports(block):
+            raise ValueError(f"hhook CUDA kernels rotate blocks of at most {MAX_BLOCK}, not {block}")
         if len(_sizes_cache) >= 4096:
             _sizes_cache.clear()
-        sizes = _sizes_cache[key] = (_block_of(codec, numel), codec.n_blocks(numel), codec.words_numel(numel),
-                                     codec.fingerprint(numel))
-    return sizes
+        _sizes_cache[key] = (block, codec.n_blocks(numel), codec.words_numel(numel), codec.fingerprint(numel))
+    return _sizes_cache[key]
 
 
 def prepare(codec, source: torch.Tensor):
-    """:meth:`THCCodec.prepare` in one kernel. ``source`` is the flattened input."""
+    """:meth:`THCCodec.prepare` in one kernel. ``source`` is the flattened input. The scale
+    vector and this rank's own copy of its header (``Prepared.header``) share one allocation."""
 
     if not source.is_contiguous() or source.dtype not in _DTYPE_SUFFIX:
         raise ValueError("hhook: prepare needs a contiguous float32/float16/bfloat16 source")
     numel = source.numel()
     block, n_blocks, _, fingerprint = _sizes(codec, numel)
-    scales = torch.empty(_HEADER + n_blocks, dtype=torch.float32, device=source.device)
+    both = torch.empty(2 * _HEADER + n_blocks, dtype=torch.float32, device=source.device)
+    scales, header = both[: _HEADER + n_blocks], both[_HEADER + n_blocks :]
     signs = _signs_on(codec.seed, block, source.device)
-    launch = prepare_launch(source, signs, scales, _workspace(source.device), numel, block, fingerprint)
-    _launch(launch, source.device)
-    return Prepared(numel, source, scales, None, sys.modules[__name__])
+    _launch(prepare_launch(source, signs, scales, header, _workspace(source.device), numel, block, fingerprint,
+                           _resident(source.device)), source.device)
+    return Prepared(numel, source, scales, None, sys.modules[__name__], header)
 
 
-def quantize(codec, prepared, agreed: torch.Tensor, key, residual=None, residual_out=None, out=None) -> torch.Tensor:
-    """:meth:`THCCodec.quantize`: the lane words; the residual as described there."""
+def quantize(codec, prepared, agreed: torch.Tensor, key, residual=None, residual_out=None, out=None,
+             prefix=None) -> torch.Tensor:
+    """:meth:`THCCodec.quantize`: the lane words; the residual as described there.
+    ``prefix``: ``(words, fingerprints)``: the message prefix
+    (:func:`hhook.codec.layout.write_prefix` of ``prepared.header``), written by the same kernel."""
     source = prepared.source
     block, n_blocks, n_words, _ = _sizes(codec, prepared.numel)
     layout = codec.layout
     words = torch.empty(n_words, dtype=layout.word_dtype, device=source.device) if out is None else out
-    if words.numel() == 0:
-        return words
     backend.check(agreed, _HEADER + n_blocks, "agreed scales", torch.float32, contiguous=True)
     if residual is not None:
         residual_out = residual if residual_out is None else residual_out
         backend.check(residual, n_blocks * block, "residual", torch.float32, contiguous=True)
         backend.check(residual_out, n_blocks * block, "residual_out", torch.float32, contiguous=True)
+    if prefix is not None:
+        backend.check(prefix[0], PREFIX, "prefix", layout.word_dtype, contiguous=True)
+        prefix = (prefix[0], prefix[1], prepared.header)
+    elif words.numel() == 0:
+        return words
     signs = _signs_on(codec.seed, block, source.device)
-    launch = quantize_launch(source, signs, agreed, words, residual, residual_out, block, layout, codec.levels, key)
-    _launch(launch, source.device)
+    _launch(quantize_launch(source, signs, agreed, words, residual, residual_out, block, layout, codec.levels, key,
+                            prefix), source.device)
     return words
 
 
-def decode(codec, prepared, agreed: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """:meth:`THCCodec.decode`: the mean (or NaN, or the input) written into ``out``."""
+def decode(codec, prepared, agreed: torch.Tensor, words: torch.Tensor, out: torch.Tensor, check=None) -> torch.Tensor:
+    """:meth:`THCCodec.decode`: the mean (or NaN, or the input) written into ``out``.
+    ``check``: ``(summed prefix, world size, fingerprints, flags)``: NaN too unless the
+    summed message prefix is right (:func:`hhook.codec.layout.prefix_verdict`), and its
+    verdict into the int32 ``flags`` (``[bad, nonfinite]``; may be None)."""
     numel = prepared.numel
     if out.numel() != numel:
         raise ValueError(f"hhook: out has {out.numel()} elements, expected {numel}")
@@ -365,13 +408,43 @@ def decode(codec, prepared, agreed: torch.Tensor, words: torch.Tensor, out: torc
     block, n_blocks, n_words, _ = _sizes(codec, numel)
     backend.check(agreed, _HEADER + n_blocks, "agreed scales", torch.float32, contiguous=True)
     backend.check(words, n_words, "words", codec.layout.word_dtype, contiguous=True)
+    if check is not None:
+        sums, world_size, fps, flags = check
+        backend.check(sums, PREFIX, "summed prefix", codec.layout.word_dtype, contiguous=True)
+        check = (sums, expected_prefix(world_size, fps, codec.layout.word_bits), flags)
     direct = out.is_contiguous() and out.dtype in _DTYPE_SUFFIX
     target = out.view(-1) if direct else torch.empty(numel, dtype=torch.float32, device=out.device)
     signs = _signs_on(codec.seed, block, out.device)
-    launch = decode_launch(
-        words, signs, agreed, target, prepared.source, block, codec.layout, codec.levels, codec.world_size
-    )
-    _launch(launch, out.device)
+    _launch(decode_launch(words, signs, agreed, target, prepared.source, block, codec.layout, codec.levels,
+                          codec.world_size, check), out.device)
     if not direct:
         out.copy_(target.view(out.shape))
+    return out
+
+
+# -- FSDP2's all-gather codec ---------------------------------------------------------------
+def weights_usable(codec, blocks: torch.Tensor, payload: torch.Tensor) -> bool:
+    """Whether :class:`hhook.codec.weights.WeightCodec` runs ``blocks`` (float32 ``(n, B)``,
+    contiguous, on a GPU whose kernels compiled) and ``payload`` (its scales aligned as
+    float32) through the kernels."""
+    return (blocks.is_cuda and blocks.dtype == torch.float32 and blocks.is_contiguous()
+            and codec.block_size <= WEIGHT_MAX_BLOCK and payload.data_ptr() % 4 == 0
+            and usable(blocks.device, codec.block_size))
+
+
+def weight_encode(codec, blocks: torch.Tensor, out: torch.Tensor) -> bool:
+    """:meth:`WeightCodec.encode` in one kernel: ``blocks`` are read, not overwritten."""
+    backend.check(out, codec.nbytes(blocks.shape[0]), "payload", torch.uint8, contiguous=True)
+    nonfinite = torch.zeros(1, dtype=torch.int32, device=blocks.device)
+    signs = _signs_on(codec.seed, codec.block_size, blocks.device)
+    _launch(weight_encode_launch(codec, blocks, out, signs, nonfinite), blocks.device)
+    return not bool(nonfinite)  # a host read, as the reference's (the all-gather reads its headers anyway)
+
+
+def weight_decode(codec, payload: torch.Tensor, n_blocks: int, out: torch.Tensor) -> torch.Tensor:
+    """:meth:`WeightCodec.decode` in one kernel, into the float32 ``(n_blocks, B)`` ``out``."""
+    backend.check(payload, codec.nbytes(n_blocks), "payload", torch.uint8, contiguous=True)
+    backend.check(out, n_blocks * codec.block_size, "out", torch.float32, contiguous=True)
+    _launch(weight_decode_launch(codec, payload, n_blocks, out, _signs_on(codec.seed, codec.block_size, out.device)),
+            out.device)
     return out

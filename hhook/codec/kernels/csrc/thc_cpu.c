@@ -249,17 +249,26 @@ static inline void digest_halves(const float *y, int64_t count, uint32_t index_h
     }
 }
 
+/* The bits of layout.overflow_limit(block), 2^(126 - log2 B): a block maximum at or above it
+ * (inf and NaN included: their bits sort above) counts as non-finite. */
+static inline uint32_t overflow_bits(int64_t block) {
+    int log2b = 0;
+    while (((int64_t)1 << log2b) < block) log2b++;
+    return (uint32_t)(253 - log2b) << 23;
+}
+
 /* -- stage 1 ---------------------------------------------------------------------- */
 /* Rotated blocks [first_block, last_block) into blocks_out (float32, n_blocks x B), their
  * max |y| into maxima; returns through digest_out the sum of this range's element hashes
  * (mod 2^64; the caller reduces mod 2^48) and through nonfinite_out whether any rotated
- * value is not finite. signs holds D (+-1), norm is float32(1/sqrt(B)), applied after the
+ * value is not finite or too large to sum (overflow_bits). signs holds D (+-1), norm is float32(1/sqrt(B)), applied after the
  * butterflies. */
 void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_t first_block,
                 int64_t last_block, const float *signs, float norm, float *blocks_out, float *maxima,
                 uint64_t *digest_out, int32_t *nonfinite_out) {
     uint64_t digest = 0;
     int32_t bad = 0;
+    const uint32_t limit = overflow_bits(block);
 #ifdef __AVX2__
     float scratch[HH_SCRATCH] __attribute__((aligned(32)));
     const int big = (last_block - first_block) * block * 4 >= HH_STREAM_BYTES && block <= HH_SCRATCH;
@@ -317,7 +326,7 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
         }
         digest += (uint64_t)lo + ((uint64_t)hi << 16);
         memcpy(maxima + b, &top, 4);
-        bad |= top >= 0x7F800000u;
+        bad |= top >= limit;
     }
 #ifdef __AVX2__
     _mm_sfence(); /* the streamed stores are visible before the caller reads */
@@ -368,8 +377,8 @@ round_segment_as(const float *y, const float *r, float *ro, float m, float top, 
     int64_t i = 0;
 #ifdef __AVX2__
     {
-        /* the scalar loop's operations, 8 at a time: max(0, c) and min(top, c) are
-         * `c < 0 ? 0 : c` and `c > top ? top : c`, NaN included */
+        /* the scalar loop's operations, 8 at a time: max(c, 0) and min(top, c) are
+         * `c >= 0 ? c : 0` and `c > top ? top : c`, NaN included (a NaN t gives code 0) */
         const __m256 m8 = _mm256_set1_ps(m), inv8 = _mm256_set1_ps(inv), step8 = _mm256_set1_ps(step);
         const __m256 top8 = _mm256_set1_ps(top), zero = _mm256_setzero_ps();
         const __m128i count = _mm_cvtsi32_si128(shift);
@@ -391,7 +400,7 @@ round_segment_as(const float *y, const float *r, float *ro, float m, float top, 
             __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(bits), unit);
             index = _mm256_add_epi32(index, eight);
             __m256 c = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_add_ps(v, m8), inv8), u));
-            c = _mm256_min_ps(top8, _mm256_max_ps(zero, c));
+            c = _mm256_min_ps(top8, _mm256_max_ps(c, zero)); /* maxps returns its second operand on NaN: 0 */
             if (ro) _mm256_storeu_ps(ro + i, _mm256_sub_ps(v, _mm256_sub_ps(_mm256_mul_ps(c, step8), m8)));
             __m256i codes = _mm256_cvttps_epi32(c);
             if (word_bits == 32) {
@@ -416,7 +425,7 @@ round_segment_as(const float *y, const float *r, float *ro, float m, float top, 
         float v = r ? y[i] + r[i] : y[i];
         float u = threshold(st, (uint32_t)(base + i), table ? table[i] + block_part : 0);
         float c = floorf((v + m) * inv + u);
-        c = c < 0.0f ? 0.0f : c;
+        c = c >= 0.0f ? c : 0.0f; /* NaN: 0, as every backend */
         c = c > top ? top : c;
         if (ro) ro[i] = v - (c * step - m);
         uint32_t code = (uint32_t)(int32_t)c;
