@@ -1176,15 +1176,13 @@ def kernel_smoke(device: str, odd_blocks: bool = True) -> list[str]:
     and int64 words, blocks of 64/1024/4096 and, with int32 words, of 8/128/2048 (odd log2 B:
     where a butterfly pass could reach past its block; not in the dry run, whose parity
     stage runs them on the emulator), residual in place and into another
-    buffer, decode into each output dtype; then FSDP2's all-gather codec through the
-    throughput stage's timer (whatever kernels its CUDA path launches). Returns the
-    kernels launched."""
+    buffer, decode into each output dtype; then FSDP2's all-gather codec's two kernels.
+    Returns the kernels launched."""
     import torch
 
     from hhook.codec import THCCodec
     from hhook.codec.kernels import cuda as cuda_kernels
     from hhook.codec.weights import WeightCodec
-    from hhook.profile import codec_bench
 
     launched = set()
     run = cuda_kernels._launch
@@ -1208,8 +1206,11 @@ def kernel_smoke(device: str, odd_blocks: bool = True) -> list[str]:
                     words = codec.quantize(p, agreed, 2, residual, torch.empty_like(residual))
                     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
                         codec.decode(p, agreed, words, torch.empty(5003, dtype=out_dtype, device=device))
-        codec_bench.weight_codec_times(WeightCodec(bits=8, block_size=256, seed=3), torch.randn(256 * 19, device=device),
-                                       iters=1)
+        for rotate in (True, False, "auto"):  # FSDP2's all-gather codec, each way
+            weights = WeightCodec(bits=8, block_size=256, rotate=rotate, seed=3)
+            payload = torch.empty(weights.nbytes(19), dtype=torch.uint8, device=device)
+            cuda_kernels.weight_encode(weights, torch.randn(19, 256, device=device), payload)
+            cuda_kernels.weight_decode(weights, payload, 19, torch.empty(19, 256, device=device))
         if device != "cpu":
             torch.cuda.synchronize()
     finally:
