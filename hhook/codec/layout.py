@@ -1,7 +1,7 @@
 r"""The codec's data layout, shared by the torch reference and the fused backends.
 
 Only formats live here (the scale vector's header, what stage 1 hands to stages 3 and 5,
-the dtypes the codec takes), so :mod:`hhook.codec` can dispatch to the backends and the
+the lanes of the summed words, the dtypes the codec takes), so :mod:`hhook.codec` can dispatch to the backends and the
 backends can read these formats without importing the codec: each layer looks down.
 """
 
@@ -48,6 +48,32 @@ class Prepared:
     scales: torch.Tensor  # header + local block maxima; the transport MAX-reduces it
     blocks: torch.Tensor | None = None
     backend: object = None  # the fused module that prepared it; None: this reference
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneLayout:
+    """How codes sit in the summed words: ``lanes`` lanes of ``width`` bits per
+    ``word_dtype`` word (:mod:`hhook.codec.lanes` packs them, and chooses the layout for a
+    world size and level count)."""
+
+    width: int  # bits per lane, w
+    lanes: int  # lanes per word, k
+    word_dtype: torch.dtype  # torch.int32 or torch.int64
+
+    @property
+    def word_bits(self) -> int:
+        return 32 if self.word_dtype == torch.int32 else 64
+
+    @property
+    def mask(self) -> int:
+        return (1 << self.width) - 1
+
+    @property
+    def bits_per_code(self) -> float:
+        return self.word_bits / self.lanes
+
+    def n_words(self, count: int) -> int:
+        return -(-count // self.lanes)
 
 
 def agreed_status(agreed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

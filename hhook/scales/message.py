@@ -37,10 +37,49 @@ from ..errors import ConfigMismatchError, OpMismatchError, RankFailedError
 
 #: Words at the front of every message.
 PREFIX = 12
+#: Where the status word is in a message (:func:`status_word`).
+STATUS = 1
 #: Added to the status word by a rank that failed locally (more than any count of
 #: non-finite ranks can reach).
 RANK_FAILED = 1 << 20
 _SALT = 0x54484348  # "THCH"
+
+
+def status_word(nonfinite, failed: bool):
+    """The failure protocol, one definition for every exchange (the prefix of a summed
+    message, FSDP2's reduce-scatter, which says every chunk's in each message, its
+    all-gather's payload header, the shards of two-level's gather): what a rank sends
+    is 1 if its tensor held inf/NaN (a bool or a 0-d tensor), plus :data:`RANK_FAILED` if
+    it failed locally and sends filler. Summed over ranks, :func:`any_failed`,
+    :func:`failed_ranks` and :func:`any_nonfinite` read it (a count of non-finite ranks stays below
+    :data:`RANK_FAILED`)."""
+    return nonfinite + (RANK_FAILED if failed else 0)
+
+
+def any_failed(status):
+    """Whether a status word (one rank's, or a sum) says some rank failed (a number or a
+    tensor; inf, a sum that overflowed a float16, says so too)."""
+    return status >= RANK_FAILED
+
+
+def failed_ranks(status: int) -> int:
+    """How many ranks failed, from a summed status word read on the host."""
+    return int(status // RANK_FAILED)
+
+
+def any_nonfinite(status):
+    """Whether a status word says some rank's tensor held inf/NaN."""
+    return status % RANK_FAILED > 0
+
+
+def share_status(messages: torch.Tensor, headers: list, failed_here: bool, ok: torch.Tensor) -> None:
+    """One status for every message of one rank's buffer (FSDP2's reduce-scatter: a row of
+    ``messages`` per destination chunk): inf/NaN in any chunk (``headers``: the prepared
+    headers of those encoded) or a local failure is said in the status word of every
+    chunk's message, so every rank learns of it whichever chunk it receives. Rows not
+    ``ok`` (their encoding failed) keep the filler's status."""
+    flag = torch.stack(headers).gt(0).any().to(messages.dtype) if headers else messages.new_zeros(())
+    messages[:, STATUS] = torch.where(ok, status_word(flag, failed_here), messages[:, STATUS])
 
 
 def wrap(value: int, word_bits: int) -> int:
@@ -70,9 +109,9 @@ def write_prefix(words: torch.Tensor, fps: tuple[int, int], header: torch.Tensor
     """Fill ``words[:PREFIX]``. ``header`` is the codec's prepared header (flag and
     digest); None (a failed rank) sends no flag and a digest no other rank matches."""
     prefix = words[:PREFIX]
-    prefix[:4] = constant([1, RANK_FAILED if failed else 0, fps[0], fps[1]], words.dtype, words.device)
+    prefix[:4] = constant([1, status_word(0, failed), fps[0], fps[1]], words.dtype, words.device)
     if header is not None:
-        prefix[1] += (header[0] > 0).to(words.dtype)
+        prefix[STATUS] += (header[0] > 0).to(words.dtype)
         prefix[4:] = digest_chunks(header)
     else:
         prefix[4:] = constant([1, 1, 0, 0, 0, 0, 0, 0], words.dtype, words.device)
@@ -103,9 +142,9 @@ def check_prefix(count, status, fp_a, fp_b, chunks, world_size, fps, dtype, what
             "it was averaged, or reduced with Min/Max/Adasum, or over a different set of ranks. THC's "
             "packed integer lanes need a plain SUM (the division by the world size happens in decode)."
         )
-    if status >= RANK_FAILED:
+    if any_failed(status):
         raise RankFailedError(
-            f"hhook: {status // RANK_FAILED} rank(s) failed while encoding this tensor ({what}); "
+            f"hhook: {failed_ranks(status)} rank(s) failed while encoding this tensor ({what}); "
             "see that rank's own exception"
         )
     word_bits = 32 if dtype == torch.int32 else 64
@@ -116,7 +155,7 @@ def check_prefix(count, status, fp_a, fp_b, chunks, world_size, fps, dtype, what
             "same steps."
         )
     identical = all(n * chunks[i + 1] == chunks[i] * chunks[i] for i in range(0, 8, 2))
-    return Verdict(nonfinite=status > 0, identical=identical)
+    return Verdict(nonfinite=any_nonfinite(status), identical=identical)
 
 
 def device_verdict(sums: torch.Tensor, world_size: int, fps: tuple[int, int]):
@@ -125,6 +164,6 @@ def device_verdict(sums: torch.Tensor, world_size: int, fps: tuple[int, int]):
     caller raises later, where reading the flag is free)."""
     word_bits = 32 if sums.dtype == torch.int32 else 64
     p = sums[:PREFIX]
-    bad = (p[0] != world_size) | (p[1] >= RANK_FAILED)
+    bad = (p[0] != world_size) | any_failed(p[STATUS])
     bad = bad | (p[2] != wrap(world_size * fps[0], word_bits)) | (p[3] != wrap(world_size * fps[1], word_bits))
-    return bad, p[1] > 0
+    return bad, any_nonfinite(p[STATUS])

@@ -523,8 +523,12 @@ def _message_mismatch(rank, world):
     from hhook.errors import ConfigMismatchError
     from hhook.state import THCState
 
-    comm = THCReduceScatter(THCState(bits=4, seed=rank), "x", None)  # differing rotation seeds
-    comm._verified.add((id(dist.group.WORLD), "cpu"))  # skip the handshake: the messages must catch it
+    from hhook.schedule.context import GroupRuntime
+
+    state = THCState(bits=4, seed=rank)  # differing rotation seeds
+    comm = THCReduceScatter(state, "x", None)
+    state.runtimes[dist.group.WORLD] = GroupRuntime()
+    state.runtimes[dist.group.WORLD].agreed = True  # skip the handshake: the messages must catch it
     try:
         comm(torch.empty(3000), torch.randn(world * 3000), dist.group.WORLD, dist.ReduceOp.SUM)
     except ConfigMismatchError:
