@@ -122,6 +122,60 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0, backend: str =
     return [out[r] for r in range(world_size)]
 
 
+def _outcome_worker(rank, world_size, port, pg_timeout_s, job, environ, cwd, results):
+    """:func:`_worker` for :func:`run_outcomes`: the group's timeout is ``pg_timeout_s``."""
+    import datetime
+
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    torch.set_num_threads(1)
+    try:
+        fn, args = pickle.loads(job)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        atexit._run_exitfuncs()
+
+
+def run_outcomes(fn, world_size: int, *args, pg_timeout_s: float = 10.0, timeout: float = 120.0) -> list[dict]:
+    """How each rank of ``fn(rank, world_size, *args)`` ended, for jobs whose ranks may fail:
+    ``[{"value": what fn returned (None if it raised), "error": its traceback (or None),
+    "exitcode": the process's exit code (negative: the signal that ended it; None: still
+    running at the deadline, then killed)}]``, over Gloo with a group timeout of
+    ``pg_timeout_s``. A rank that never answers has value and error None."""
+    results = _CONTEXT.Queue()
+    port = free_port()
+    job = pickle.dumps((fn, args))
+    procs = [_CONTEXT.Process(target=_outcome_worker, args=(r, world_size, port, pg_timeout_s, job, dict(os.environ),
+                                                            os.getcwd(), results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out = [{"value": None, "error": None, "exitcode": None} for _ in range(world_size)]
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout)
+            out[rank]["value" if ok else "error"] = pickle.loads(value) if ok else value
+    except queue.Empty:
+        pass
+    for rank, p in enumerate(procs):
+        p.join(timeout=pg_timeout_s + 30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        else:
+            out[rank]["exitcode"] = p.exitcode
+    return out
+
+
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
