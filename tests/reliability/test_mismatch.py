@@ -51,24 +51,21 @@ def case_auto_and_fixed(rank, start):
     _steps(ddp)
 
 
-def case_one_rank_plain_ddp(rank, start):
-    ddp = DDP(_net())
-    start()
-    if rank == 0:
-        hhook.register(ddp, bits=4)
-    _steps(ddp)
-
-
-def case_one_rank_fp16_hook(rank, start):
+def case_one_rank_plain_ddp(rank, start, fp16_hook=False):
+    """hhook on rank 0 only; rank 1 runs DDP without a hook (or with torch's fp16 hook)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     ddp = DDP(_net())
     start()
     if rank == 0:
         hhook.register(ddp, bits=4)
-    else:
+    elif fp16_hook:
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     _steps(ddp)
+
+
+def case_one_rank_fp16_hook(rank, start):
+    case_one_rank_plain_ddp(rank, start, fp16_hook=True)
 
 
 def case_thc_allreduce_and_plain_allreduce(rank, start):

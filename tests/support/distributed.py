@@ -47,7 +47,10 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "hhook"])
 
 
-def _worker(rank, world_size, port, backend, cuda, job, environ, cwd, results):
+def _worker(rank, world_size, port, backend, cuda, job, environ, cwd, results, pg_timeout_s=None):
+    """One rank: ``pg_timeout_s`` (None: torch's default) is the default group's timeout."""
+    import datetime
+
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
@@ -57,8 +60,9 @@ def _worker(rank, world_size, port, backend, cuda, job, environ, cwd, results):
         if cuda:
             # Gloo ranks share GPU 0; NCCL refuses two ranks on one GPU, so rank r takes GPU r.
             torch.cuda.set_device(rank if backend == "nccl" else 0)
+        timeout = {} if pg_timeout_s is None else {"timeout": datetime.timedelta(seconds=pg_timeout_s)}
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **timeout
         )
         # Plain pickle copies tensors by value. The queue's own pickler would send a tensor
         # as a shared-memory handle, which dies with this process: under load the parent
@@ -122,29 +126,6 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0, backend: str =
     return [out[r] for r in range(world_size)]
 
 
-def _outcome_worker(rank, world_size, port, pg_timeout_s, job, environ, cwd, results):
-    """:func:`_worker` for :func:`run_outcomes`: the group's timeout is ``pg_timeout_s``."""
-    import datetime
-
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(cwd)
-    torch.set_num_threads(1)
-    try:
-        fn, args = pickle.loads(job)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
-        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        results.close()
-        results.join_thread()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        atexit._run_exitfuncs()
-
-
 def run_outcomes(fn, world_size: int, *args, pg_timeout_s: float = 10.0, timeout: float = 120.0) -> list[dict]:
     """How each rank of ``fn(rank, world_size, *args)`` ended, for jobs whose ranks may fail:
     ``[{"value": what fn returned (None if it raised), "error": its traceback (or None),
@@ -154,8 +135,8 @@ def run_outcomes(fn, world_size: int, *args, pg_timeout_s: float = 10.0, timeout
     results = _CONTEXT.Queue()
     port = free_port()
     job = pickle.dumps((fn, args))
-    procs = [_CONTEXT.Process(target=_outcome_worker, args=(r, world_size, port, pg_timeout_s, job, dict(os.environ),
-                                                            os.getcwd(), results), daemon=True)
+    procs = [_CONTEXT.Process(target=_worker, args=(r, world_size, port, "gloo", False, job, dict(os.environ),
+                                                    os.getcwd(), results, pg_timeout_s), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
