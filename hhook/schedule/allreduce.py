@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from .context import check_deferred
 from .dense import check_dtype
 from .flat import check_tensor
 from .handshake import agree
@@ -60,5 +59,5 @@ def thc_allreduce(tensor: torch.Tensor, state, key=None) -> torch.Tensor:
         >>> hhook.thc_allreduce(grad, state, key="layer1.weight")
     """
     out = thc_allreduce_async(tensor, state, key).wait()
-    check_deferred(state.context().deferred, wait=True)
+    state.check_deferred(wait=True)  # the device flags of its decodes (GPUs), read now
     return out
