@@ -1,10 +1,11 @@
 r"""Host time of the DDP hook's Python path, per bucket, two checkouts of hhook A/B in one run.
 
-Two ranks over Gloo train a small MLP in many small buckets (``hhook.register(ddp,
-bits=4)``, agreed scales, or ``--scales predicted``); each rank times every call of the
-hook on the autograd thread (``thc_hook``, wrapped) and the backward pass around it. The
-checkouts take turns, one world each, ``--rounds`` times; each prints the median over its
-steps of the hook's host time per bucket and of the step, and the summary gives, per
+Two ranks over Gloo train a small MLP in many small buckets (``THCState(bits=4)`` on
+``thc_hook``, agreed scales, or ``--scales predicted``); each rank times every call of the
+hook on the autograd thread (``thc_hook``, wrapped): the CPU time of that thread
+(``time.thread_time``, which other processes on a loaded host inflate least) and the wall
+time, and the step around it. The checkouts take turns, one world each, ``--rounds``
+times; each prints the median over its steps, per bucket, and the summary gives, per
 round, head over base, and the median of those ratios.
 
     python3 measure/measure_host_time.py --base /tmp/base [--head .] [--rounds 6]
@@ -29,10 +30,10 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 def _timed_hook(state, bucket):
     """``thc_hook`` with its host time added to ``_TIMES`` (the hook's own call only: the
-    continuations run on Gloo's threads)."""
-    start = time.perf_counter()
+    continuations run on Gloo's threads): (thread CPU seconds, wall seconds)."""
+    cpu, wall = time.thread_time(), time.perf_counter()
     fut = _HOOK(state, bucket)
-    _TIMES.append(time.perf_counter() - start)
+    _TIMES.append((time.thread_time() - cpu, time.perf_counter() - wall))
     return fut
 
 
@@ -62,7 +63,7 @@ def _rank(rank, world, port, steps, scales, results):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(16, 48, generator=g)
-    hook_ms, step_ms, buckets = [], [], 0
+    hook_ms, wall_ms, step_ms, buckets = [], [], [], 0
     for step in range(steps):
         _TIMES.clear()
         start = time.perf_counter()
@@ -70,11 +71,12 @@ def _rank(rank, world, port, steps, scales, results):
         ddp(x).square().mean().backward()
         step_ms.append((time.perf_counter() - start) * 1e3)
         if step >= 10:  # after DDP's rebuild, the handshake and the first compiles
-            hook_ms.extend(t * 1e3 for t in _TIMES)
+            hook_ms.extend(cpu * 1e3 for cpu, _ in _TIMES)
+            wall_ms.extend(wall * 1e3 for _, wall in _TIMES)
             buckets = len(_TIMES)
         opt.step()
-    results.put((rank, {"hook_ms_per_bucket": statistics.median(hook_ms), "step_ms": statistics.median(step_ms[10:]),
-                        "buckets": buckets, "hhook": hhook.__file__}))
+    results.put((rank, {"hook_ms_per_bucket": statistics.median(hook_ms), "wall_ms_per_bucket": statistics.median(wall_ms),
+                        "step_ms": statistics.median(step_ms[10:]), "buckets": buckets, "hhook": hhook.__file__}))
     dist.destroy_process_group()
 
 
@@ -125,16 +127,16 @@ def main() -> None:
         if i % 2:
             order.reverse()  # neither always first
         row = {label: run_world(os.path.abspath(root), args.steps, args.scales) for label, root in order}
-        row["hook_ratio"] = row["head"]["hook_ms_per_bucket"] / row["base"]["hook_ms_per_bucket"]
-        row["step_ratio"] = row["head"]["step_ms"] / row["base"]["step_ms"]
+        for name in ("hook_ms_per_bucket", "wall_ms_per_bucket", "step_ms"):
+            row[name] = row["head"][name] / row["base"][name]
         rows.append(row)
-        print(f"round {i}: hook ms/bucket base {row['base']['hook_ms_per_bucket']:.4f} head "
-              f"{row['head']['hook_ms_per_bucket']:.4f} (x{row['hook_ratio']:.3f}); step ms base "
-              f"{row['base']['step_ms']:.2f} head {row['head']['step_ms']:.2f} (x{row['step_ratio']:.3f}); "
-              f"{row['head']['buckets']} buckets", flush=True)
+        print(f"round {i}: hook CPU ms/bucket base {row['base']['hook_ms_per_bucket']:.4f} head "
+              f"{row['head']['hook_ms_per_bucket']:.4f} (x{row['hook_ms_per_bucket']:.3f}); wall x"
+              f"{row['wall_ms_per_bucket']:.3f}; step x{row['step_ms']:.3f}; {row['head']['buckets']} buckets",
+              flush=True)
     print(json.dumps({"scales": args.scales, "rounds": args.rounds, "steps": args.steps,
-                      "hook_ratio_median": statistics.median(r["hook_ratio"] for r in rows),
-                      "step_ratio_median": statistics.median(r["step_ratio"] for r in rows),
+                      **{f"{name}_ratio_median": statistics.median(r[name] for r in rows)
+                         for name in ("hook_ms_per_bucket", "wall_ms_per_bucket", "step_ms")},
                       "load": os.getloadavg()}))
 
 
