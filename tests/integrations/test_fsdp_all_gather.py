@@ -35,10 +35,10 @@ def test_weight_codec_bound_and_zeros(bits, rotate, workspaces):
     codec = WeightCodec(bits, 64, rotate, seed=3)
     x = torch.randn(5, 64) * torch.tensor([1.0, 1e-30, 0.0, 1e4, 1.0])[:, None]
     x[4, 7] = 50.0  # an outlier
-    work = (torch.empty(5, 64), torch.empty(5, 64)) if workspaces else (None, None)
+    work = torch.empty(5, 64) if workspaces else None
     payload = torch.empty(codec.nbytes(5), dtype=torch.uint8)
     assert codec.encode(x.clone(), payload, work)
-    y = codec.decode(payload, 5, *((torch.empty(5, 64), torch.empty(5, 64)) if workspaces else ()))
+    y = codec.decode(payload, 5, torch.empty(5, 64) if workspaces else None)
     err = (y - x).norm(dim=1)
     assert (err <= codec.bound(codec.scales(payload, 5)) * (1 + 1e-5) + 1e-6 * x.norm(dim=1)).all()
     assert torch.equal(y[2], torch.zeros(64))  # a zero block decodes to exact zeros
@@ -124,7 +124,7 @@ def _block_ratios(exact, decoded, world, codec, dtype):
             shards.append(blocks.view(-1, B))
         x, y = shards
         payload = torch.empty(codec.nbytes(x.shape[0]), dtype=torch.uint8)
-        codec.encode(x.clone(), payload, (torch.empty_like(x), torch.empty_like(x)))  # the comm's CPU path
+        codec.encode(x.clone(), payload, torch.empty_like(x))  # the comm's CPU path
         bound = codec.bound(codec.scales(payload, x.shape[0]))
         err = (y - x).norm(dim=1)
         slack = y.norm(dim=1) * (2.0 ** -8 if dtype == torch.bfloat16 else 1e-6) + 1e-12
@@ -296,14 +296,15 @@ def _mismatch(rank, world, what):
     from hhook.fsdp import AllGatherOptions
     from hhook.errors import ConfigMismatchError
 
-    options = {"bits": dict(bits=8 if rank == 0 else 6), "rotate": dict(rotate=rank == 0),
-               "min_numel": dict(min_numel=4096 if rank else 5000), "seed": dict(seed=rank)}[what]
+    values = {"bits": (8, 6), "rotate": (True, False), "min_numel": (5000, 4096), "seed": (0, 1)}[what]
     model = _shard(_model())
     try:  # at registration: a blocking handshake on every shard group
-        hhook.fsdp.register(model, bits=8, all_gather=AllGatherOptions(**options))
+        hhook.fsdp.register(model, bits=8, all_gather=AllGatherOptions(**{what: values[rank]}))
     except ConfigMismatchError as e:
         changed = type(param_group(model[0])._reduce_scatter_comm).__name__
-        return "raised" if "all-gather" in str(e) and changed == "DefaultReduceScatter" else str(e)
+        # the all-gather's option (ag_...) with each rank's value; registration left FSDP's comms alone
+        named = f"ag_{what}: {values[0]} on rank 0, {values[1]} on rank 1" in str(e)
+        return "raised" if named and changed == "DefaultReduceScatter" else str(e)
     return "ok"
 
 
