@@ -90,7 +90,7 @@ class WeightCodec:
         bits on any CPU."""
         return (unrotate if inverse else rotate)(blocks, self.seed, out=blocks)
 
-    def _choose(self, blocks: torch.Tensor, work) -> tuple[torch.Tensor, torch.Tensor]:
+    def _choose(self, blocks: torch.Tensor, work: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``blocks`` (in place) as they will be quantized, and their signed scales (the
         sign bit set where the block is rotated)."""
         if self.rotate is False:
@@ -105,7 +105,7 @@ class WeightCodec:
         if rows.numel() == 0:
             return blocks, plain
         n = rows.numel()
-        rotated = torch.index_select(blocks, 0, rows, out=work[1][:n]) if work[1] is not None else blocks[rows]
+        rotated = torch.index_select(blocks, 0, rows, out=work[:n]) if work is not None else blocks[rows]
         self._rotate(rotated, False)
         turned = _maxabs(rotated)
         use = turned < plain[rows]
@@ -113,11 +113,10 @@ class WeightCodec:
         blocks.index_copy_(0, rows, rotated[use])
         return blocks, plain.index_copy_(0, rows, turned.neg_())
 
-    def encode(self, blocks: torch.Tensor, out: torch.Tensor, work=(None, None)) -> bool:
+    def encode(self, blocks: torch.Tensor, out: torch.Tensor, work: torch.Tensor | None = None) -> bool:
         """Quantize float32 ``(n, B)`` ``blocks`` (overwritten) into the uint8 payload
-        ``out`` of :meth:`nbytes` bytes; ``work``: up to two float32 buffers shaped like
-        ``blocks`` (None: temporaries; only the second is used, for the blocks tried
-        rotated under ``rotate="auto"``). Returns whether every value was finite (an inf or
+        ``out`` of :meth:`nbytes` bytes; ``work``: a float32 buffer shaped like ``blocks``
+        for the blocks tried rotated under ``rotate="auto"`` (None: a temporary). Returns whether every value was finite (an inf or
         NaN makes its block's scale inf or NaN: ``amax`` propagates NaN).
 
         Codes are ``floor(y q / M + q + 1/2)``, clamped to ``0..2q``: round to nearest,
@@ -135,10 +134,9 @@ class WeightCodec:
         """The signed scales of a payload: ``|s|`` the block's max, ``signbit(s)`` rotated."""
         return payload[: 4 * n_blocks].view(torch.float32)
 
-    def decode(self, payload: torch.Tensor, n_blocks: int, out: torch.Tensor | None = None,
-               work: torch.Tensor | None = None) -> torch.Tensor:
-        """The float32 ``(n_blocks, B)`` values of a payload (into ``out`` if given;
-        ``work``: accepted for callers, not needed: the inverse rotation runs in place)."""
+    def decode(self, payload: torch.Tensor, n_blocks: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 ``(n_blocks, B)`` values of a payload (into ``out`` if given; the
+        inverse rotation runs in place)."""
         scales = self.scales(payload, n_blocks)
         codes = unpack(payload[4 * n_blocks:], self.bits, n_blocks * self.block_size)
         y = torch.empty(n_blocks, self.block_size, dtype=torch.float32, device=payload.device) if out is None else out

@@ -159,14 +159,15 @@ class AllGatherState:
         self.options = options
         self.counters = Counters()
         self._logged: set = set()
-        self._workspaces: list = [None, None, None]
+        self._workspaces: list = [None, None]
         self.switch = None  # bits="auto" (hhook.fsdp.auto.Switch): dense while it says so
 
     def workspace(self, n_blocks: int, device: torch.device, slot: int = 0) -> torch.Tensor | None:
-        """A float32 ``(n_blocks, B)`` buffer, from one of three slots. On CPU the slots
-        are kept and reused (sized for the largest param group's shard; why: docs/fsdp.md).
-        Elsewhere slot 0 is a fresh tensor (the caching allocator reuses memory) and the
-        others None (the codec then makes its own temporaries)."""
+        """A float32 ``(n_blocks, B)`` buffer, from one of two slots: 0 the blocks (encoded,
+        then decoded into), 1 the codec's rotated candidates. On CPU the slots are kept and
+        reused (sized for the largest param group's shard; why: docs/fsdp.md). Elsewhere
+        slot 0 is a fresh tensor (the caching allocator reuses memory) and slot 1 None (the
+        codec then makes its own temporary)."""
         B = self.options.block_size
         if device.type != "cpu":
             return torch.empty(n_blocks, B, dtype=torch.float32, device=device) if slot == 0 else None
@@ -263,7 +264,7 @@ class THCAllGather(AllGather):
                     start, end = s.block * codec.block_size, (s.block + codec.n_blocks(s.numel)) * codec.block_size
                     flat[start:start + s.numel].copy_(src[s.offset:s.offset + s.numel])
                     flat[start + s.numel:end].zero_()
-            work = tuple(self.state.workspace(self.layout.n_blocks, src.device, slot) for slot in (1, 2))
+            work = self.state.workspace(self.layout.n_blocks, src.device, 1)
             if not codec.encode(blocks, self._codec_bytes(payload, dtype), work):
                 status = message.status_word(True, False)  # dense parameters carry their own inf/NaN
         except Exception as exc:  # noqa: BLE001 - said in the header, raised after the all-gather on every rank
@@ -292,8 +293,7 @@ class THCAllGather(AllGather):
         dtype, codec = out.dtype, self.codec
         dense = row[HEADER_BYTES:HEADER_BYTES + self.layout.dense_numel * dtype.itemsize].view(dtype)
         values = codec.decode(self._codec_bytes(row, dtype), self.layout.n_blocks,
-                              self.state.workspace(self.layout.n_blocks, row.device),
-                              self.state.workspace(self.layout.n_blocks, row.device, 1)).view(-1)
+                              self.state.workspace(self.layout.n_blocks, row.device)).view(-1)
         at = 0
         for s in self.layout.segments:
             if s.block < 0:

@@ -255,7 +255,7 @@ def weight_codec_times(codec, x: torch.Tensor, iters: int) -> dict:
     if n * codec.block_size != x.numel():
         raise ValueError(f"{x.numel()} values are not whole blocks of {codec.block_size}")
     blocks = torch.empty(n, codec.block_size, dtype=torch.float32, device=x.device)
-    work = tuple(torch.empty_like(blocks) for _ in range(2))
+    work = torch.empty_like(blocks)
     payload = torch.empty(codec.nbytes(n), dtype=torch.uint8, device=x.device)
     out = torch.empty_like(blocks)
 
@@ -267,5 +267,5 @@ def weight_codec_times(codec, x: torch.Tensor, iters: int) -> dict:
     d = x.device
     return {"copy_s": median_seconds(lambda: out.view(-1).copy_(x), iters, device=d),
             "encode_s": median_seconds(encode, iters, device=d),
-            "decode_s": median_seconds(lambda: codec.decode(payload, n, out, work[0]), iters, device=d),
+            "decode_s": median_seconds(lambda: codec.decode(payload, n, out), iters, device=d),
             "payload_bytes": payload.numel()}
