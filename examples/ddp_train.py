@@ -42,7 +42,7 @@ RESULT_HEADER = """\
 #   ranks          processes in the job; launcher: what started them (torchrun, openmpi, ...)
 #   steps          optimizer steps, one gradient exchange each
 #   test_accuracy  on the held-out 25% of the digits; final_loss: training loss of the last batch
-#   wire           MiB each rank handed to collectives over the whole run
+#   wire           MiB each rank handed to collectives over the training (after registration)
 #   dense          MiB the same steps would send as fp32 (4 bytes x parameters x steps)
 #   ratio          dense / wire: how many times fewer bytes than fp32
 #   time           training wall time. On one machine the ranks talk over loopback (memory copies, no
@@ -76,6 +76,8 @@ def main():
     model = digits.make_model(args.hidden)
     ddp = DDP(model)
     state = register_hook(ddp, args)
+    if state is not None:
+        state.reset_stats()  # the training's bytes, as counted below (registration's handshake left out)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
 
     steps, counter = 0, {"bytes": 0}

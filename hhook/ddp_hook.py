@@ -4,6 +4,7 @@ r"""The DDP communication hook: THC compression for every gradient bucket."""
 # and compares them with dist.GradBucket and Future[Tensor] objects, not strings.
 import dataclasses
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -11,14 +12,15 @@ import torch.distributed as dist
 from .codec import warm_up
 from .decision import live_decision, reduce_bucket_as_decided
 from .decision.hook import one_host, skip_measuring
-from .schedule.allreduce import thc_allreduce_async
-from .schedule.context import ensure_checked
-from .schedule.flat import dense_allreduce
+from .schedule.dense import dense_allreduce
 from .schedule.futures import completed, then
-from .state import THCState, checkpoint
+from .state import THCState
 from .state.advice import one_process
 
 logger = logging.getLogger(__name__)
+
+#: DDP models :func:`register` was called on (DDP takes one comm hook, once).
+_REGISTERED: "weakref.WeakSet" = weakref.WeakSet()
 
 
 @dataclasses.dataclass
@@ -58,14 +60,12 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     if isinstance(bucket, tuple):
         return _per_parameter(state, *bucket)
     buffer = bucket.buffer()
-    deciding = state.bits == "auto" and state.world_size > 1
-    if deciding:
-        live_decision(state)  # before the handshake, which checks its options
-    # Before anything else, so that ranks with different options (start_iter above all:
-    # its plain iterations would pair one rank's SUM with another's MAX) fail on every
-    # rank rather than mis-pair collectives.
-    ctx = state.context()  # what the schedule is given of this state, for this bucket
-    ensure_checked(ctx, buffer.device)
+    # Made once (a checkpoint loaded since makes it again): at the first bucket, before
+    # anything else, the options handshake (hhook.register ran it already), so that ranks
+    # with different options (start_iter above all: its plain iterations would pair one
+    # rank's SUM with another's MAX) fail on every rank rather than mis-pair collectives.
+    ctx = state.contexts.get((None, None)) or state.context()
+    deciding = state.options.bits == "auto" and ctx.world_size > 1
     # The key's state is checked against the bucket's parameter layout: when DDP rebuilds
     # its buckets an index may name other parameters, whose residual and scales must
     # start afresh.
@@ -74,14 +74,15 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     registration = state.registration
     first = registration is not None and registration.iterations == 0 and not buffer.is_sparse
     if deciding:  # bits="auto": the exchange this iteration's decision says (hhook.decision)
+        live_decision(state)
         fut = reduce_bucket_as_decided(state, bucket, layout,
                                        (lambda reduce: _before_rebuild(state, bucket, layout, reduce)) if first else None)
-    elif state.iter < state.start_iter or buffer.is_sparse:
+    elif state.iter < state.options.start_iter or buffer.is_sparse:
         fut = dense_allreduce(ctx, buffer)
     else:
         fut = _before_rebuild(state, bucket, layout, _fixed_width(ctx)) if first else None
         if fut is None:
-            fut = thc_allreduce_async(buffer, ctx, key=bucket.index(), layout=layout)
+            fut = ctx.schedule(ctx, buffer, bucket.index(), layout)
     if bucket.is_last():  # one iteration per backward pass
         state.iter += 1
         if registration is not None:
@@ -96,12 +97,12 @@ def _from_state_dict(saved: dict, process_group) -> THCState:
                         f"{sorted(saved)[:8]} (a framework's checkpoint of every rank's state, {{'ranks': [...]}}, "
                         "is loaded by that framework's adapter)")
     state = THCState(process_group=process_group)
-    checkpoint.load(state, saved, announce=False)  # its options replace the defaults
+    state.load_state_dict(saved, announce=False)  # its options replace the defaults
     return state
 
 
 def _fixed_width(ctx):
-    return lambda key, tensor, layout: thc_allreduce_async(tensor, ctx, key=key, layout=layout)
+    return lambda key, tensor, layout: ctx.schedule(ctx, tensor, key, layout)
 
 
 def _value_or_raise(fut: torch.futures.Future) -> torch.Tensor:
@@ -211,7 +212,8 @@ def _per_parameter(state: THCState, grad: torch.Tensor, param: torch.Tensor) -> 
     # Keyed per parameter (no buckets to rebuild, so no plain iterations are needed).
     with torch.no_grad():
         layout = (tuple(param.shape), str(grad.dtype))
-        thc_allreduce_async(grad, state, key=("param", id(param)), layout=layout).wait()
+        ctx = state.context()
+        ctx.schedule(ctx, grad, ("param", id(param)), layout).wait()
     state.check_deferred(wait=True)
     return completed(grad)
 
@@ -234,9 +236,16 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
 
     ``state`` is a :class:`THCState` or what its ``state_dict()`` returned (a checkpoint's
     part; any other object raises :class:`TypeError`). The process group defaults to the
-    model's own (also for a state dict, which holds none). With ``topology="auto"`` (or a
-    number of ranks per node) the node layout is found here, on every rank, so a bad
-    layout raises :class:`~hhook.schedule.topology.TopologyError` at registration. The state
+    model's own (also for a state dict, which holds none). Registration runs the options
+    handshake (:mod:`hhook.schedule.handshake`) on every rank, before anything else is
+    exchanged: ranks with other options raise
+    :class:`~hhook.errors.ConfigMismatchError` here, on every rank, naming each option and
+    each rank's value, and so do the ranks that call it where another rank does not (that
+    one runs DDP without hhook, or another comm hook) once the group's timeout has passed.
+    With ``topology="auto"`` (or a number of ranks per node) the node layout is found next,
+    on every rank, so a bad layout raises
+    :class:`~hhook.schedule.topology.TopologyError` at registration. A DDP model takes one
+    registration (:class:`RuntimeError` for a second one, whatever the options). The state
     learns the model's parameter names, so that a run resumed from a checkpoint of the
     state continues bit for bit through DDP's first iteration, whose buckets are not
     yet the rebuilt ones the saved state describes.
@@ -250,46 +259,68 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
         >>> torch.save({"hook": state.state_dict(), ...}, path)
         >>> state = hhook.register(new_ddp_model, state=torch.load(path, weights_only=True)["hook"])  # resume
     """
+    state = _state_for(ddp_model, state, options)
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        return _not_ddp(ddp_model, state)
+    if ddp_model in _REGISTERED:
+        raise RuntimeError(
+            "hhook.register can be called once per DDP model (DDP takes one comm hook, once); this one is registered "
+            "already. Keep the THCState the first call returned (state.load_state_dict resumes it from a checkpoint), "
+            "or wrap a new DDP model")
+    module = getattr(ddp_model, "module", ddp_model)
+    state.registration = Registration({id(p): name for name, p in module.named_parameters()})
+    if dist.is_initialized():
+        # On every rank, here, before anything else is exchanged: the options handshake (a
+        # rank without hhook, or with other options, raises here on every rank that runs
+        # it), then the node layout (a layout that cannot hold raises now).
+        ctx = state.context()
+        if state.options.bits == "auto" and ctx.world_size > 1:
+            reason = one_host(state, ddp_model)
+            if reason is not None:  # nothing to measure: DDP's own allreduce, no Python hook
+                skip_measuring(state, reason)
+                _REGISTERED.add(ddp_model)
+                return state
+            live_decision(state)
+    ddp_model.register_comm_hook(state, thc_hook)
+    _REGISTERED.add(ddp_model)
+    for param in ddp_model.parameters():
+        warm_up(param.device)  # compile the fused codec now, not in the first backward pass
+        break
+    return state
+
+
+def _state_for(ddp_model, state, options: dict) -> THCState:
+    """:func:`register`'s state: built of ``options``, or ``state`` (a state dict loads)."""
     if state is not None and options:
         raise TypeError(f"hhook.register: pass options or a state, not both (got {sorted(options)})")
     if state is None:
         options.setdefault("process_group", getattr(ddp_model, "process_group", None))
         options.setdefault("bits", "auto")
-        state = THCState(**options)
-    elif isinstance(state, dict):  # a THCState.state_dict(), e.g. torch.load(path, weights_only=True)["hook"]
-        state = _from_state_dict(state, getattr(ddp_model, "process_group", None))
-    elif not isinstance(state, THCState):
+        return THCState(**options)
+    if isinstance(state, dict):  # a THCState.state_dict(), e.g. torch.load(path, weights_only=True)["hook"]
+        return _from_state_dict(state, getattr(ddp_model, "process_group", None))
+    if not isinstance(state, THCState):
         raise TypeError(f"hhook.register: state must be a THCState or a THCState.state_dict() dict (what "
                         f"state.state_dict() saved), got {type(state).__name__}")
-    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
-        got = type(ddp_model).__name__
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world == 1:
-            logger.warning(
-                "hhook.register got a %s, not a DistributedDataParallel model, in a world of one process "
-                "(torch.distributed %s): there is nothing to exchange, so nothing will be compressed. A launcher "
-                "or framework that starts one process does not wrap the model in DDP. Here %s",
-                got, "initialized, world size 1" if dist.is_initialized() else "not initialized", one_process())
-            return state
-        raise TypeError(
-            f"hhook.register needs a torch.nn.parallel.DistributedDataParallel model, got {got} (world of {world} "
-            "processes): nothing would be compressed and the ranks' gradients would not even be averaged. Wrap "
-            "the model in DDP first (Accelerate: after accelerator.prepare; Ray Train: after prepare_model; "
-            "Lightning: hhook.lightning.THCCallback; torch.compile: register on the DDP model, then compile)."
-        )
-    module = getattr(ddp_model, "module", ddp_model)
-    state.registration = Registration({id(p): name for name, p in module.named_parameters()})
-    if dist.is_initialized():
-        state.node_layout()  # on every rank, here: a layout that cannot hold raises now
-        if state.bits == "auto" and state.world_size > 1:
-            reason = one_host(state, ddp_model)
-            if reason is not None:  # nothing to measure: DDP's own allreduce, no Python hook
-                skip_measuring(state, reason)
-                return state
-            live_decision(state)
-    ddp_model.register_comm_hook(state, thc_hook)
-    for param in ddp_model.parameters():
-        warm_up(param.device)  # compile the fused codec now, not in the first backward pass
-        break
     return state
+
+
+def _not_ddp(ddp_model, state: THCState) -> THCState:
+    """:func:`register` of a model DDP did not wrap: in a world of one, the state with one
+    log line (nothing to exchange); else a :class:`TypeError` saying what to do."""
+    got = type(ddp_model).__name__
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        logger.warning(
+            "hhook.register got a %s, not a DistributedDataParallel model, in a world of one process "
+            "(torch.distributed %s): there is nothing to exchange, so nothing will be compressed. A launcher "
+            "or framework that starts one process does not wrap the model in DDP. Here %s",
+            got, "initialized, world size 1" if dist.is_initialized() else "not initialized", one_process())
+        return state
+    raise TypeError(
+        f"hhook.register needs a torch.nn.parallel.DistributedDataParallel model, got {got} (world of {world} "
+        "processes): nothing would be compressed and the ranks' gradients would not even be averaged. Wrap "
+        "the model in DDP first (Accelerate: after accelerator.prepare; Ray Train: after prepare_model; "
+        "Lightning: hhook.lightning.THCCallback; torch.compile: register on the DDP model, then compile)."
+    )
 

@@ -14,11 +14,21 @@ FIELDS = ("dense_bytes", "wire_bytes", "compressed_calls", "dense_calls", "local
 
 
 class Counters:
-    """Thread-safe counters (continuations count from the process group's threads)."""
+    """Thread-safe counters (continuations count from the process group's threads): the
+    bytes and calls of :data:`FIELDS`, and ``calls``, the number of the next call, which
+    selects its rounding stream (never reset: no two calls of a run may draw the same
+    stream). A ``bits="auto"`` width shares its parent's (:mod:`hhook.decision.widths`)."""
 
     def __init__(self, saved: dict | None = None):
         self._lock = threading.Lock()
+        self.calls = 0
         self.load_state_dict(saved or {})
+
+    def next_call(self) -> int:
+        """A number no earlier call counted here had."""
+        with self._lock:
+            self.calls += 1
+            return self.calls - 1
 
     def add(self, kind: str | None, dense_bytes: int = 0, wire_bytes: int = 0) -> None:
         """One call of ``kind`` (None: bytes that are not a call, e.g. a handshake)."""
@@ -52,7 +62,7 @@ class Counters:
         return self.state_dict()
 
     def __setstate__(self, saved):
-        self.__init__(saved)
+        self.__init__(saved)  # (an older hhook's pickle: the call number is the state's, loaded with it)
 
 
 def two_level_stats(inter_stats: dict, intra: Counters, parent: dict | None = None) -> dict:

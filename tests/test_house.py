@@ -5,6 +5,7 @@ lines and without methods that only hand ``self`` to another module's function."
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "hhook"
 MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 450, 250, 80
@@ -102,3 +103,112 @@ def test_every_hhook_import_names_a_module_of_this_checkout():
             if not exists(target):
                 missing.append((str(path.relative_to(ROOT)), target))
     assert missing == []
+
+
+# -- THCState's own methods, and what the schedule's functions take ------------------------
+def _state_classes():
+    """THCState and its bases in hhook/state/ (its checkpoint and its reports)."""
+    found = {}
+    for path in (ROOT / "state").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name in ("THCState", "Checkpointed", "Reporting"):
+                found[node.name] = node
+    return found
+
+
+def _borrowed(cls: ast.ClassDef) -> list[str]:
+    """Class-level names that are not the class's own code: a lambda (``bits =
+    property(lambda self: self.options.bits)``), a function of another module bound as a
+    method (``state_dict = checkpoint.state_dict``), or a property built of them."""
+    own = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    out = []
+    for node in cls.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        names = [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
+        value = node.value
+        if any(isinstance(n, ast.Lambda) for n in ast.walk(value)):
+            out += [f"{name} (a lambda)" for name in names]
+        elif isinstance(value, ast.Attribute) or (isinstance(value, ast.Name) and value.id not in own):
+            out += [f"{name} = {ast.unparse(value)}" for name in names]
+        elif isinstance(value, ast.Call) and ast.unparse(value.func) in ("property", "staticmethod", "classmethod"):
+            out += [f"{name} = {ast.unparse(value)}" for name in names]
+    return out
+
+
+def test_the_borrowing_check_finds_lambdas_and_bound_functions():
+    source = ("class C:\n    bits = property(lambda self: self.options.bits)\n    state_dict = checkpoint.state_dict\n"
+              "    stats = report_stats\n    def own(self):\n        return 1\n    alias = own\n    __slots__ = ('a',)\n")
+    assert _borrowed(ast.parse(source).body[0]) == [
+        "bits (a lambda)", "state_dict = checkpoint.state_dict", "stats = report_stats"]
+
+
+def test_thc_state_has_no_bound_module_functions_and_no_lambdas():
+    classes = _state_classes()
+    assert set(classes) == {"THCState", "Checkpointed", "Reporting"}
+    assert {name: _borrowed(cls) for name, cls in classes.items()} == dict.fromkeys(classes, [])
+    methods = [n for cls in classes.values() for n in cls.body if isinstance(n, ast.FunctionDef)]
+    assert [m.name for m in methods if _forwards(m)] == []
+
+
+MAX_SCHEDULE_PARAMETERS = 6
+
+
+def test_no_function_of_the_schedule_takes_more_than_6_parameters():
+    """The schedule takes plain data (a CallContext), not long argument lists."""
+    wide = []
+    for path in sorted((ROOT / "schedule").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                names += [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+                if len(names) > MAX_SCHEDULE_PARAMETERS:
+                    wide.append((path.name, node.name, len(names)))
+    assert wide == []
+
+
+# -- one definition each: the options handshake, the dense fallback, the status word ------
+def _sources(skip=("profile/",)):
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith(skip):
+            yield rel, path.read_text()
+
+
+def test_one_options_handshake():
+    """hhook/schedule/handshake.py is the one options handshake of every path (DDP,
+    two-level, thc_allreduce, FSDP2's reduce-scatter and all-gather): nothing else
+    defines one, keeps a record of one, or runs the MAX of a fingerprint that it is made of
+    (the decision's own check of its state, decision/prober.py, uses the same primitive)."""
+    defining = re.compile(r"def \w*(handshake|check_options|ensure_checked|agree_without|verify_options)\w*\(")
+    records = re.compile(r"_verified\b|\.verified\.add|\.checked\.add|\.checked\b")
+    seconds = [(rel, m.group(0)) for rel, text in _sources() if rel != "schedule/handshake.py"
+               for m in defining.finditer(text)]
+    kept = [(rel, m.group(0)) for rel, text in _sources() for m in records.finditer(text)]
+    maxes = sorted(rel for rel, text in _sources() if re.search(r"\bagrees\(", text) and "def agrees(" not in text)
+    assert seconds == [] and kept == [] and maxes == ["decision/prober.py", "schedule/handshake.py"]
+
+
+def test_one_dense_fallback():
+    """One byte count for what THC does not compress: every dense exchange of the schedule
+    and of FSDP2's reduce-scatter is counted by hhook/schedule/dense.py's ``count``. The
+    others that say "dense_calls": the counters' fields, the report that reads them,
+    Horovod's warm-up step (a message of its own kind) and the parameter all-gather
+    (counted in its own dtype, docs/fsdp.md)."""
+    saying = sorted(rel for rel, text in _sources() if '"dense_calls"' in text)
+    assert saying == ["fsdp/all_gather.py", "horovod.py", "schedule/dense.py", "state/report.py", "stats.py"]
+    counting = sorted(rel for rel, text in _sources() if re.search(r"\bcount\([\w.]*counters", text))
+    assert counting == ["fsdp/reduce_scatter.py", "schedule/dense.py", "schedule/two_level.py"]
+
+
+def test_one_failure_status_word():
+    """The message status word (inf/NaN, a rank that failed) is written and read by
+    hhook/scales/message.py alone, for every exchange: nothing else names its value or
+    its place, or keeps status bits of its own."""
+    own = re.compile(r"RANK_FAILED|1 << 20|\b(NONFINITE|FAILED)\s*=|\[:, *1\]\s*=|def (status_word|any_failed|"
+                     r"any_nonfinite|failed_ranks|share_status)\(")
+    assert [(rel, m.group(0)) for rel, text in _sources(("profile/", "scales/message.py", "simulation.py"))
+            for m in own.finditer(text)] == []
+    users = sorted(rel for rel, text in _sources() if re.search(r"message\.(status_word|any_failed|share_status)", text))
+    assert users == ["fsdp/all_gather.py", "schedule/reduce_scatter.py", "schedule/two_level.py"]

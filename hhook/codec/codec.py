@@ -40,9 +40,13 @@ from .layout import (HEADER, SUPPORTED_DTYPES, Prepared, agreed_status, constant
                      write_prefix)
 from ..errors import ConfigMismatchError
 
-#: Bumped whenever the bits on the wire change meaning; part of the fingerprint.
-#: 3: the rounding mode (correlated by default) joined the fingerprint.
-CODEC_VERSION = 3
+#: Bumped whenever any decoded bit changes (the bits on the wire change meaning, or the
+#: same summed words decode to other values): part of the fingerprint and of the options
+#: handshake, which names both versions. 3: the rounding mode (correlated by default)
+#: joined the fingerprint. 4: the rotation's specification (one butterfly order, one
+#: multiply by float32(1/sqrt B): docs/codec.md), whose change decoded the same words to
+#: other bits under version 3.
+CODEC_VERSION = 4
 #: How ranks draw their rounding thresholds (:class:`hhook.codec.rng.Stream`): spread over the
 #: unit interval across ranks (about half the error of the mean, docs/codec.md), or each
 #: rank on its own. Part of the fingerprint.
@@ -159,22 +163,6 @@ class THCCodec:
         """24-bit hash of everything that must match across ranks (and the length); kept
         per configuration and length (every bucket of a step asks again)."""
         return _fingerprint(self.bits, self.block_size, self.seed, self.world_size, self.rounding, numel)
-
-    def handshake_vector(self, device=None) -> torch.Tensor:
-        """``[f, -f]`` of the configuration alone: MAX-reduce it once before the first call.
-
-        The per-call header cannot catch a differing ``block_size`` by itself, because
-        that changes the length of the scale vector the ranks reduce together.
-        """
-        f = float(self.fingerprint())
-        return torch.tensor([f, -f], dtype=torch.float32, device=device)
-
-    def check_handshake(self, agreed: torch.Tensor) -> None:
-        if agreed[0].item() != -agreed[1].item():
-            raise ConfigMismatchError(
-                "hhook: ranks use different codec configurations; this rank has "
-                f"{self.describe()}. Every rank must build THCState with the same options."
-            )
 
     def verify(self, agreed: torch.Tensor, numel: int) -> None:
         """Raise :class:`ConfigMismatchError` if the ranks' fingerprints differ.

@@ -6,42 +6,21 @@ Adding two words adds every lane at once and no carry crosses a lane boundary, b
 every lane's final sum stays below ``2**w``. Signed wraparound of the top lane is
 harmless: the bit pattern of the word is that of the unsigned sum.
 
-Layout is planar: a bucket of ``count`` codes is padded to ``k * n_words`` and lane ``j``
+The layout of the words (:class:`~hhook.codec.layout.LaneLayout`, with the codec's other
+formats) is planar: a bucket of ``count`` codes is padded to ``k * n_words`` and lane ``j``
 of word ``i`` holds code ``j * n_words + i``, so packing and unpacking are ``k``
 shift-or passes over contiguous slices (and coalesced loads on a GPU).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
+
+from .layout import LaneLayout
 
 
 #: Widest lane: lane sums are decoded through float32, exact up to 2**24.
 MAX_WIDTH = 24
-
-
-@dataclasses.dataclass(frozen=True)
-class LaneLayout:
-    width: int  # bits per lane, w
-    lanes: int  # lanes per word, k
-    word_dtype: torch.dtype  # torch.int32 or torch.int64
-
-    @property
-    def word_bits(self) -> int:
-        return 32 if self.word_dtype == torch.int32 else 64
-
-    @property
-    def mask(self) -> int:
-        return (1 << self.width) - 1
-
-    @property
-    def bits_per_code(self) -> float:
-        return self.word_bits / self.lanes
-
-    def n_words(self, count: int) -> int:
-        return -(-count // self.lanes)
 
 
 def lane_width(world_size: int, levels: int) -> int:

@@ -67,6 +67,32 @@ class Prepared:
     header: torch.Tensor | None = None  # this rank's header (HEADER floats), kept from the reduction
 
 
+@dataclasses.dataclass(frozen=True)
+class LaneLayout:
+    """How codes sit in the summed words: ``lanes`` lanes of ``width`` bits per
+    ``word_dtype`` word (:mod:`hhook.codec.lanes` packs them, and chooses the layout for a
+    world size and level count)."""
+
+    width: int  # bits per lane, w
+    lanes: int  # lanes per word, k
+    word_dtype: torch.dtype  # torch.int32 or torch.int64
+
+    @property
+    def word_bits(self) -> int:
+        return 32 if self.word_dtype == torch.int32 else 64
+
+    @property
+    def mask(self) -> int:
+        return (1 << self.width) - 1
+
+    @property
+    def bits_per_code(self) -> float:
+        return self.word_bits / self.lanes
+
+    def n_words(self, count: int) -> int:
+        return -(-count // self.lanes)
+
+
 def agreed_status(agreed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(nonfinite, mismatch, identical)`` of a MAX-reduced header, as 0-d bool tensors.
 
@@ -83,9 +109,38 @@ def agreed_status(agreed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 # -- the message prefix (hhook.scales.message describes its words) -----------------------
 #: Words at the front of every message.
 PREFIX = 12
+#: Where the status word is in a message (:func:`status_word`).
+STATUS = 1
 #: Added to the status word by a rank that failed locally (more than any count of
 #: non-finite ranks can reach).
 RANK_FAILED = 1 << 20
+
+
+def status_word(nonfinite, failed: bool):
+    """The failure protocol, one definition for every exchange (the prefix of a summed
+    message, FSDP2's reduce-scatter, which says every chunk's in each message, its
+    all-gather's payload header, the shards of two-level's gather, the CUDA kernels' prefix):
+    what a rank sends is 1 if its tensor held inf/NaN (a bool or a 0-d tensor), plus
+    :data:`RANK_FAILED` if it failed locally and sends filler. Summed over ranks,
+    :func:`any_failed`, :func:`failed_ranks` and :func:`any_nonfinite` read it (a count of
+    non-finite ranks stays below :data:`RANK_FAILED`)."""
+    return nonfinite + (RANK_FAILED if failed else 0)
+
+
+def any_failed(status):
+    """Whether a status word (one rank's, or a sum) says some rank failed (a number or a
+    tensor; inf, a sum that overflowed a float16, says so too)."""
+    return status >= RANK_FAILED
+
+
+def failed_ranks(status: int) -> int:
+    """How many ranks failed, from a summed status word read on the host."""
+    return int(status // RANK_FAILED)
+
+
+def any_nonfinite(status):
+    """Whether a status word says some rank's tensor held inf/NaN."""
+    return status % RANK_FAILED > 0
 
 
 def wrap(value: int, word_bits: int) -> int:
@@ -106,9 +161,9 @@ def write_prefix(words: torch.Tensor, fps: tuple[int, int], header: torch.Tensor
     """Fill ``words[:PREFIX]``. ``header`` is the codec's prepared header (flag and
     digest); None (a failed rank) sends no flag and a digest no other rank matches."""
     prefix = words[:PREFIX]
-    prefix[:4] = constant([1, RANK_FAILED if failed else 0, fps[0], fps[1]], words.dtype, words.device)
+    prefix[:4] = constant([1, status_word(0, failed), fps[0], fps[1]], words.dtype, words.device)
     if header is not None:
-        prefix[1] += (header[0] > 0).to(words.dtype)
+        prefix[STATUS] += (header[0] > 0).to(words.dtype)
         prefix[4:] = digest_chunks(header)
     else:
         prefix[4:] = constant([1, 1, 0, 0, 0, 0, 0, 0], words.dtype, words.device)
@@ -125,5 +180,5 @@ def prefix_verdict(sums: torch.Tensor, world_size: int, fps: tuple[int, int]):
     caller raises later, where reading the flag is free)."""
     count, fp_a, fp_b = expected_prefix(world_size, fps, 32 if sums.dtype == torch.int32 else 64)
     p = sums[:PREFIX]
-    bad = (p[0] != count) | (p[1] >= RANK_FAILED) | (p[2] != fp_a) | (p[3] != fp_b)
-    return bad, p[1] > 0
+    bad = (p[0] != count) | any_failed(p[STATUS]) | (p[2] != fp_a) | (p[3] != fp_b)
+    return bad, any_nonfinite(p[STATUS])

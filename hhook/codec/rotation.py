@@ -50,6 +50,7 @@ def _hadamard_cpu(n: int) -> torch.Tensor:
     return h
 
 
+@functools.lru_cache(maxsize=64)
 def norm(block_size: int) -> float:
     """``1/sqrt(B)`` rounded to float32 (returned as the Python float of that value)."""
     return torch.tensor(1.0 / math.sqrt(block_size), dtype=torch.float32).item()

@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec.error_model import auto_bits
-from ..schedule.allreduce import thc_allreduce_async
-from ..schedule.flat import cast_allreduce, dense_allreduce
+from ..schedule.dense import cast_allreduce, dense_allreduce
 from ..schedule.topology import TopologyError, node_census
 from ..state import THCState, report
 from .decision import Decision
@@ -126,14 +125,14 @@ def new_decision(state: THCState) -> Decision:
     """The decision of a ``bits="auto"`` state, its candidates sized by the node layout:
     THC from the auto rule's width for the node count (two-level) or the world size
     (flat) down, bf16, fp32."""
-    topo = state.node_layout()
-    if topo.two_level and state.error_feedback:
+    topo, options = state.node_layout(), state.options
+    if topo.two_level and options.error_feedback:
         raise ValueError("hhook: bits='auto' with error_feedback=True on two-level layouts is not supported yet; "
                          "pass an integer bits= (THC always) or error_feedback=False")
-    participants = topo.n_nodes if topo.two_level else state.world_size
-    width = auto_bits(participants, topo.ranks_per_node if topo.two_level else 1, rounding=state.rounding)
+    participants = topo.n_nodes if topo.two_level else topo.world_size
+    width = auto_bits(participants, topo.ranks_per_node if topo.two_level else 1, rounding=options.rounding)
     names = candidates(width)
-    return Decision(names, wire_bits=wire_bits(names, participants, state.block_size))
+    return Decision(names, wire_bits=wire_bits(names, participants, options.block_size))
 
 
 def reduce_bucket_as_decided(state: THCState, bucket, layout, split=None) -> torch.futures.Future:
@@ -148,7 +147,7 @@ def reduce_bucket_as_decided(state: THCState, bucket, layout, split=None) -> tor
     if not prober.verified:
         prober.verify(state, state.decision, buffer.device)
     if prober.first:
-        prober.method = prober.begin(state, state.decision, state.iter)
+        prober.method = prober.begin(state, state.decision, state.iter, plain=state.iter < state.options.start_iter)
     prober.first = bucket.is_last()
     method = prober.method
     fut = split(lambda key, tensor, lay: _reduce_as(method, state, key, tensor, lay)) if split is not None else None
@@ -162,11 +161,12 @@ def reduce_bucket_as_decided(state: THCState, bucket, layout, split=None) -> tor
 def _reduce_as(method: str, state: THCState, key: int, buffer: torch.Tensor, layout) -> torch.futures.Future:
     bits = thc_bits(method)
     if buffer.is_sparse:
-        return dense_allreduce(state, buffer)
+        return dense_allreduce(state.context(), buffer)
     if method != PLAIN:
         release_other_widths(state, key, buffer, keep=bits)
     if bits is not None:
-        return thc_allreduce_async(buffer, variant(state, bits), key=key, layout=layout)
+        ctx = variant(state, bits).context()
+        return ctx.schedule(ctx, buffer, key, layout)
     if method == BF16 and buffer.dtype == torch.float32:
-        return cast_allreduce(state, buffer, torch.bfloat16)
-    return dense_allreduce(state, buffer)
+        return cast_allreduce(state.context(), buffer, torch.bfloat16)
+    return dense_allreduce(state.context(), buffer)

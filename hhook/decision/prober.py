@@ -53,10 +53,10 @@ class Prober:
                                       "from the same checkpoint (torch.save of the THCState of the same step)")
         self.verified = True
 
-    def begin(self, state: THCState, decision: Decision, iteration: int) -> str:
+    def begin(self, state: THCState, decision: Decision, iteration: int, plain: bool = False) -> str:
         """At an iteration's first bucket: read the reductions that are due, measure the
         period that just ended (:meth:`launch` reduces it), and return this iteration's
-        method."""
+        method (``plain``: an iteration before the caller's ``start_iter``, exchanged plain)."""
         now = self.clock()
         # The period of iteration j is reduced behind a later iteration's last bucket (j + 1,
         # or while a choice is held the next multiple of EXPLOIT_BATCH) and fed here LAG
@@ -69,7 +69,7 @@ class Prober:
             started = self.start is not None and self.start[0] == iteration - 1
             self.measured.append([iteration - 1, now - self.start[1] if started else -1.0])
         self.start = (iteration, now)
-        self.method = decision.method_for(iteration, plain=iteration < state.start_iter)
+        self.method = decision.method_for(iteration, plain=plain)
         return self.method
 
     def launch(self, state: THCState, decision: Decision, iteration: int, device: torch.device) -> None:

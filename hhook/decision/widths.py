@@ -1,11 +1,10 @@
 r"""``bits="auto"``'s THC widths (:mod:`hhook.decision`): one :class:`~hhook.state.THCState`
 per width it tried, held in the parent state's ``variants``.
 
-A width shares the parent's options, byte counters and group runtime (node layout, second
-communicators, launch order, handshake), and its **call counter**: every call of every
-width (and of the parent itself) takes the next number of one counter per group (the
-parent's, and on two-level layouts the parent's ``inter`` state's for the shards'
-rings). The rounding streams are keyed by the seed, the rank and that number
+A width shares the parent's options, group runtime (node layout, second communicators,
+launch order, handshake) and counters, whose **call number** is the one every call of
+every width (and of the parent itself) takes the next of: one per group (the parent's,
+and on two-level layouts the parent's ``inter`` state's for the shards' rings). The rounding streams are keyed by the seed, the rank and that number
 (:func:`hhook.codec.rng.stream_key`, :func:`~hhook.codec.rng.shared_key`), so no two calls
 of a run draw the same stream, whichever widths they ran at: the rounding errors of
 different steps stay independent. A fixed ``bits`` has no widths: its streams are its own
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..schedule.context import GroupRuntime
+from ..schedule.flat import pieces
 from ..state import report
 
 if TYPE_CHECKING:
@@ -27,26 +27,26 @@ if TYPE_CHECKING:
 
 def variant(state: THCState, bits: int) -> THCState:
     """THC at ``bits`` over ``state``'s group: its own per-key state; ``state``'s options,
-    counters (calls included) and group runtime. On two-level layouts its inter-node state
-    sends on the parent's inter-node communicators and counters, and checks its own
-    options over the nodes' ring."""
+    counters and group runtime. On two-level layouts its inter-node state sends on the
+    parent's inter-node communicators and counters, and checks its own options over the
+    nodes' ring."""
     width = state.variants.get(bits)
+    o = state.options
     if width is None:
-        width = state.variants[bits] = type(state)(None, bits, state.block_size, state.seed, state.error_feedback,
-                                                   state.start_iter, state.scales, state.chunk_mb, state.topology,
-                                                   rounding=state.rounding)
+        width = state.variants[bits] = type(state)(None, bits, o.block_size, o.seed, o.error_feedback, o.start_iter,
+                                                   o.scales, o.chunk_mb, o.topology, rounding=o.rounding)
         report.covered_by_parent(width)
     if width.runtime is not state.runtime:
         topo = state.node_layout()
-        width.process_group, width.runtime, width.calls_from = state.process_group, state.runtime, state
+        width.process_group, width.runtime, width.contexts = state.process_group, state.runtime, {}
         width.counters, width.intra_counters = state.counters, state.intra_counters
         if topo.two_level:
             if width.inter is None:
-                width.inter = type(state)(topo.inter_group, bits, state.block_size, state.seed, state.error_feedback,
-                                          state.start_iter, state.scales, state.chunk_mb, rounding=state.rounding)
+                width.inter = type(state)(topo.inter_group, bits, o.block_size, o.seed, o.error_feedback, o.start_iter,
+                                          o.scales, o.chunk_mb, rounding=o.rounding)
                 report.covered_by_parent(width.inter)
             inter = width.inter
-            inter.process_group, inter.counters, inter.calls_from = topo.inter_group, state.inter.counters, state.inter
+            inter.process_group, inter.counters, inter.contexts = topo.inter_group, state.inter.counters, {}
             inter.runtime = GroupRuntime()
             inter.runtime.share_transport(state.inter.runtime)
     return width
@@ -60,10 +60,10 @@ def release_other_widths(state: THCState, key, tensor: torch.Tensor, keep: int |
     for bits, width in state.variants.items():
         if bits == keep or not any(policy.keys for policy in width.keys.policies.values()):
             continue
-        pieces = width.options.chunks(tensor.numel(), tensor.device)
+        parts = pieces(tensor.numel(), tensor.device, width.options.piece_limit(), width.options.block_size)
         flat = tensor.view(-1)
         for policy in width.keys.policies.values():
-            for i, (start, stop) in enumerate(pieces):
-                residual = policy.release(key if len(pieces) == 1 else (key, i), stop - start)
+            for i, (start, stop) in enumerate(parts):
+                residual = policy.release(key if len(parts) == 1 else (key, i), stop - start)
                 if residual is not None:
                     flat[start:stop].add_(residual.to(flat.dtype))

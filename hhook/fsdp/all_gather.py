@@ -18,18 +18,21 @@ One call, on every rank of the shard group:
    (options fingerprint, status), the parameters that stay dense as they are, then the
    quantized ones (:class:`hhook.codec.weights.WeightCodec`: one float32 scale per block,
    rotation blocks inside each parameter's shard).
-2. ``all_gather_into_tensor`` of the uint8 payloads (equal lengths on every rank).
+2. An all-gather of the uint8 payloads (equal lengths on every rank).
 3. Read every rank's header: a different fingerprint raises ``ConfigMismatchError`` and
    a rank that failed to encode ``RankFailedError`` (its own exception on that rank) on
-   every rank; if any rank's quantized parameters held inf/NaN, the call re-runs as a
-   plain all-gather of the input, so every rank gets exactly what plain FSDP2 gives.
+   every rank (the status word is the failure protocol of every exchange,
+   :func:`hhook.scales.message.status_word`); if any rank's quantized parameters held
+   inf/NaN, the call re-runs as a plain all-gather of the input, so every rank gets
+   exactly what plain FSDP2 gives.
 4. Decode every rank's payload into FSDP's output, this rank's own included: all ranks
    compute with the same unsharded parameters, bit for bit.
 
-Registration ends with a handshake on every shard group (:func:`plan`: a MAX all-reduce
-of a fingerprint of the options and of every module's plan, as ``THCState.check_options``
-does for the reduce-scatter): ranks that would quantize different parameters, or send
-payloads of different lengths, raise ``ConfigMismatchError`` there, on every rank, instead
+Registration ends with the options handshake on every shard group
+(:mod:`hhook.schedule.handshake`, one for the reduce-scatter's state and the all-gather:
+:func:`fields` says what the all-gather adds, its options and a digest of every module's
+plan): ranks that would quantize different parameters, or send payloads of different
+lengths, raise ``ConfigMismatchError`` there, on every rank, naming what differs, instead
 of meeting in one all-gather with different lengths or another collective.
 """
 
@@ -40,12 +43,12 @@ import logging
 import zlib
 
 import torch
-import torch.distributed as dist
 
 from ..codec import rng
 from ..codec.weights import WeightCodec
 from ..errors import ConfigMismatchError, RankFailedError
-from ..schedule.groups import agrees, all_gather_flat
+from ..scales import message
+from ..schedule.groups import all_gather_flat
 from ..stats import Counters
 from .modules import param_groups, group_key
 
@@ -59,9 +62,7 @@ logger = logging.getLogger(__name__)
 #: Input dtypes the comm quantizes; any other (float64, or uint8 when FSDP mixes dtypes
 #: in one buffer) is all-gathered as it is.
 QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_NO_ALL_GATHER = 0x4E4F4147  # "NOAG": a registration's handshake without a compressed all-gather
-HEADER_BYTES = 16  # int32 [fingerprint, status, 0, 0]; keeps the scales 4-byte aligned
-NONFINITE, FAILED = 1, 2
+HEADER_BYTES = 16  # int32 [fingerprint, status word, 0, 0]; keeps the scales 4-byte aligned
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
@@ -89,9 +90,6 @@ class AllGatherOptions:
     @property
     def codec(self) -> WeightCodec:
         return WeightCodec(self.bits, self.block_size, self.rotate, self.seed)
-
-    def fingerprint(self) -> int:
-        return rng.mix32(self.codec.fingerprint() ^ (self.min_numel & rng.MASK32))
 
     def quantizes(self, shape: torch.Size) -> bool:
         """The dense rule: a parameter is quantized when it has at least two dimensions
@@ -224,7 +222,7 @@ class THCAllGather(AllGather):
         headers = rows[:, :HEADER_BYTES].view(torch.int32)[:, :2].tolist()  # a host read (free on CPU)
         self.state.count("compressed_calls", output_tensor.nbytes, gathered.nbytes)
         self._check(headers, fp, rank, failure)
-        if any(status & NONFINITE for _, status in headers):
+        if any(message.any_nonfinite(status) for _, status in headers):
             return self._dense(output_tensor, input_tensor, group, "nonfinite_calls")
         out = output_tensor.view(world, -1)
         for j in range(world):
@@ -265,9 +263,9 @@ class THCAllGather(AllGather):
                     flat[start:start + s.numel].copy_(src[s.offset:s.offset + s.numel])
                     flat[start + s.numel:end].zero_()
             if not codec.encode(blocks, self._codec_bytes(payload, dtype)):
-                status = NONFINITE  # dense parameters carry their own inf/NaN
+                status = message.status_word(True, False)  # dense parameters carry their own inf/NaN
         except Exception as exc:  # noqa: BLE001 - said in the header, raised after the all-gather on every rank
-            status, failure = FAILED, exc
+            status, failure = message.status_word(False, True), exc
         payload[:8].view(torch.int32).copy_(torch.tensor([rng._to_int32(fp), status], dtype=torch.int32))
         return payload, failure
 
@@ -278,7 +276,7 @@ class THCAllGather(AllGather):
     def _check(self, headers: list, fp: int, rank: int, failure: BaseException | None) -> None:
         if failure is not None:
             raise failure
-        failed = [j for j, (_, status) in enumerate(headers) if status & FAILED]
+        failed = [j for j, (_, status) in enumerate(headers) if message.any_failed(status)]
         if failed:
             raise RankFailedError(f"hhook.fsdp: rank(s) {failed} of the shard group failed while encoding the "
                                   f"parameters of {self.name} for the all-gather (their own exception is raised there)")
@@ -320,46 +318,45 @@ def _dense_reason(module, group, layout: Layout) -> str | None:
     return None
 
 
-def plan(entries, state: AllGatherState, extra: int = 0) -> list[tuple[str, object, THCAllGather | None, str | None]]:
-    """``[(name, module, comm or None, why dense)]`` for ``entries`` of ``(name, FSDPModule,
-    param group)``, then the handshake (:func:`handshake`; ``extra``: 32 bits more of the
-    registration's options to agree on, bits="auto"'s). Raises before anything changes:
-    ``RuntimeError`` when this torch has no ``set_custom_all_gather``, ``ValueError`` when a
-    module's all-gather is customised already, ``ConfigMismatchError`` on every rank when
-    the ranks' options or plans differ."""
+def plan(entries, state: AllGatherState | None) -> tuple[list, dict]:
+    """``([(name, module, comm or None, why dense)], {group key: (shard group, digest)})``
+    for ``entries`` of ``(name, FSDPModule, param group)``: the comms (none without a
+    ``state``: no compressed all-gather) and, per shard group, a digest of its modules'
+    plans for the registration's handshake (:func:`fields`). Raises before anything
+    changes: ``RuntimeError`` when this torch has no ``set_custom_all_gather``,
+    ``ValueError`` when a module's all-gather is customised already."""
     out, groups = [], {}
     for name, module, group in entries:
-        if not hasattr(module, "set_custom_all_gather"):
-            raise RuntimeError("hhook.fsdp: this torch's FSDP2 has no FSDPModule.set_custom_all_gather (torch >= 2.11 "
-                               f"has it; this is torch {torch.__version__}): the all-gather cannot be compressed. Leave "
-                               "all_gather unset to compress the reduce-scatter only")
-        comm = getattr(group, "_all_gather_comm", None)
-        if comm is not None and type(comm).__name__ != "DefaultAllGather":
-            raise ValueError(f"hhook.fsdp: {name} ({type(module).__name__}) already has a custom all-gather "
-                             f"({type(comm).__name__}); hhook cannot combine with it")
-        layout = layout_of(group.fsdp_params, state.options)
-        reason = _dense_reason(module, group, layout)
-        out.append((name, module, None if reason else THCAllGather(state, layout, name), reason))
         pg = group.mesh_info.shard_process_group
-        dtypes = [_DTYPE_CODES.get(_gathered_dtype(p, group), 0) for p in group.fsdp_params]
-        h = groups.get(group_key(pg), (pg, group.device, rng.mix32(state.options.fingerprint() ^ extra)))[2]
-        for value in (zlib.crc32(name.encode()), reason is None, layout.digest(), *dtypes):
-            h = rng.mix32(h ^ (int(value) & rng.MASK32))
-        groups[group_key(pg)] = (pg, group.device, h)
-    for pg, device, h in groups.values():
-        handshake(pg, device, h, state)
-    return out
+        h = groups.get(group_key(pg), (pg, rng.mix32(len(entries))))[1]
+        if state is not None:
+            if not hasattr(module, "set_custom_all_gather"):
+                raise RuntimeError("hhook.fsdp: this torch's FSDP2 has no FSDPModule.set_custom_all_gather (torch >= "
+                                   f"2.11 has it; this is torch {torch.__version__}): the all-gather cannot be "
+                                   "compressed. Leave all_gather unset to compress the reduce-scatter only")
+            comm = getattr(group, "_all_gather_comm", None)
+            if comm is not None and type(comm).__name__ != "DefaultAllGather":
+                raise ValueError(f"hhook.fsdp: {name} ({type(module).__name__}) already has a custom all-gather "
+                                 f"({type(comm).__name__}); hhook cannot combine with it")
+            layout = layout_of(group.fsdp_params, state.options)
+            reason = _dense_reason(module, group, layout)
+            out.append((name, module, None if reason else THCAllGather(state, layout, name), reason))
+            dtypes = [_DTYPE_CODES.get(_gathered_dtype(p, group), 0) for p in group.fsdp_params]
+            for value in (zlib.crc32(name.encode()), reason is None, layout.digest(), *dtypes):
+                h = rng.mix32(h ^ (int(value) & rng.MASK32))
+        groups[group_key(pg)] = (pg, h)
+    return out, groups
 
 
-def agree_without(entries, extra: int = 0) -> None:
-    """The handshake of a registration without a compressed all-gather, on every shard
-    group of ``entries`` (``(name, FSDPModule, param group)``): a rank that compresses its
-    all-gather (or decides per job) where another does not raises ``ConfigMismatchError``
-    on every rank here, not in mismatched collectives later. Not counted in any stats."""
-    groups = {group_key(g.mesh_info.shard_process_group): (g.mesh_info.shard_process_group, g.device)
-              for _, _, g in entries}
-    for pg, device in groups.values():
-        handshake(pg, device, rng.mix32(_NO_ALL_GATHER ^ extra), None)
+def fields(state: AllGatherState | None, digest: int) -> tuple:
+    """What a shard group's handshake compares of the all-gather
+    (:func:`hhook.schedule.handshake.agree`): whether it is compressed, its options, and
+    ``digest`` of the plans of the group's modules (:func:`plan`)."""
+    if state is None:
+        return (("all_gather", "plain"),)
+    o = state.options
+    return (("all_gather", "compressed"), ("ag_bits", o.bits), ("ag_block_size", o.block_size),
+            ("ag_rotate", o.rotate), ("ag_seed", o.seed), ("ag_min_numel", o.min_numel), ("ag_plans", digest))
 
 
 def _gathered_dtype(fsdp_param, group) -> torch.dtype:
@@ -367,20 +364,6 @@ def _gathered_dtype(fsdp_param, group) -> torch.dtype:
     FSDP sets ``fsdp_param.param_dtype`` only at its lazy init, after registration)."""
     dtype, param_dtype = fsdp_param.sharded_param.dtype, group.mp_policy.param_dtype
     return param_dtype if param_dtype is not None and dtype.is_floating_point else dtype
-
-
-def handshake(group, device: torch.device, fp: int, state: AllGatherState | None) -> None:
-    """Blocking, on every rank of ``group``: a rank whose ``fp`` differs makes every rank
-    raise ``ConfigMismatchError`` (:func:`hhook.schedule.groups.agrees`)."""
-    if dist.get_world_size(group) == 1:
-        return  # FSDP all-gathers nothing
-    # 24 bits: exact in float32
-    if not agrees(group, float(fp >> 8), device, None if state is None else state.counters):
-        mine = "no compressed all-gather" if state is None else state.options
-        raise ConfigMismatchError(
-            f"hhook.fsdp: ranks use different all-gather options or quantize different parameters (or differ in "
-            f"bits='auto'); this rank has {mine}. Every rank must call hhook.fsdp.register (or compress_all_gather) "
-            "with the same options on the same model, sharded alike.")
 
 
 def apply(planned, switch=None) -> None:

@@ -99,9 +99,7 @@ class Switch:
 
 class _Group:
     """What :class:`Prober` reads of a :class:`~hhook.THCState`: the group its reductions
-    run on, the counters they are charged to, and no plain iterations."""
-
-    start_iter = 0
+    run on and the counters they are charged to."""
 
     def __init__(self, process_group, state):
         self.process_group = process_group

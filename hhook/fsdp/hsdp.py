@@ -46,7 +46,7 @@ def _adopt_replica_group(replica_state: THCState, replica_group: dist.ProcessGro
     ``replica_group`` (averaging over WORLD instead gave relative errors near 1). A state
     built without a group (``THCState(bits=8)``) and not used yet takes ``replica_group``."""
     group = replica_state.process_group
-    if group is None and replica_state.calls == 0 and replica_state.runtime.topo is None:
+    if group is None and replica_state.counters.calls == 0 and replica_state.runtime.topo is None:
         replica_state.process_group = replica_group
         replica_state.reset_runtime()
         return
@@ -157,6 +157,7 @@ def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | No
     replicas = dist.get_world_size(replica_group)
     whole = shard_group is not None and shard_group.size() * replicas == dist.get_world_size()
     state = _state_of(state, options)
+    options = state.options
     candidates = CANDIDATES if replicas == 1 else HSDP_CANDIDATES if whole else (BOTH, RS, REPLICA)
     switch = _register(module, state, None, dist.group.WORLD if whole else None, candidates)
     if switch is not None and replicas > 1 and not whole:
@@ -164,8 +165,8 @@ def register_hsdp(module, replica_group: dist.ProcessGroup, state: THCState | No
                        "between rs+ag, rs and ar (the replica all-reduce always THC's, plain HSDP no candidate): the "
                        "shard groups and replicas do not make up the whole world")
     if replica_state is None:
-        replica_state = THCState(process_group=replica_group, bits=state.bits, block_size=state.block_size,
-                                 seed=state.seed, start_iter=0)
+        replica_state = THCState(process_group=replica_group, bits=options.bits, block_size=options.block_size,
+                                 seed=options.seed, start_iter=0)
         report.covered_by_parent(replica_state)  # idle in a single replica; reported through the returned pair
     replica_state.registration = Registered(
         "It was registered by hhook.fsdp.register_hsdp for the replica all-reduce, but FSDP never called its "

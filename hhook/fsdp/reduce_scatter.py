@@ -5,10 +5,10 @@ docstring, :mod:`hhook.fsdp`, says how it sums and divides)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..codec.layout import SUPPORTED_DTYPES
-from ..schedule.context import check_options
+from ..schedule.dense import count, uncompressed
+from ..schedule.groups import reduce_scatter_flat
 from ..schedule.reduce_scatter import reduce_scatter
 from ..state import THCState
 
@@ -38,48 +38,44 @@ class THCReduceScatter(ReduceScatter):
         returns_sum: return the sum over the shard group instead of the mean (a user
             factor, or native HSDP, where FSDP divides after its replica all-reduce).
 
-    One call, on every rank of the shard group, blocking: the options handshake once
-    per group and device, then :func:`hhook.schedule.reduce_scatter.reduce_scatter`
-    (dense, exact, where the dtype is not the codec's or ``bits="auto"`` says so).
+    One call, on every rank of the shard group, blocking:
+    :func:`hhook.schedule.reduce_scatter.reduce_scatter` over the state's context of the
+    shard group (:meth:`hhook.THCState.context`: made once, after the options handshake,
+    which registration ran, and a loaded checkpoint runs again), or FSDP2's own exchange
+    where the dtype is not the codec's or ``bits="auto"`` says so (:meth:`_dense`).
     """
 
     def __init__(self, state: THCState, name: str, factor: float | None, returns_sum: bool | None = None,
                  switch=None):
-        if state.scales != "agreed":
+        if state.options.scales != "agreed":
             raise ValueError(PREDICTED_REFUSED)
         self.state = state
         self.name = name
         self.factor = factor
         self.returns_sum = factor is not None if returns_sum is None else bool(returns_sum)
         self.switch = switch  # bits="auto" (hhook.fsdp.auto.Switch): dense while it says so
-        self._verified: set = set()
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _handshake(self, group, device: torch.device) -> None:
-        key = (id(group), device.type)
-        if key not in self._verified:
-            check_options(self.state.context(), group, device)  # raises ConfigMismatchError on every rank
-            self._verified.add(key)
-
     def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
-        state = self.state
         if self.switch is not None:
             self.switch.reduced = True  # bits="auto" without optimizer steps: the next forward ends the step
         if input_tensor.dtype not in SUPPORTED_DTYPES or (self.switch is not None and self.switch.reduce_scatter_dense):
             return self._dense(output_tensor, input_tensor, group)  # exact, counted
-        self._handshake(group, input_tensor.device)
-        # bits="auto": the policy is sized for this group, not the state's
-        ctx = state.context("agreed", group.size())
-        if not reduce_scatter(ctx, output_tensor, input_tensor, group, self.name) and self.returns_sum:
-            output_tensor.mul_(group.size())
+        # Made once (bits="auto": the policy sized for this group, not the state's); a
+        # loaded checkpoint makes it again, after the handshake
+        ctx = self.state.contexts.get((group, "agreed")) or self.state.context(group, "agreed")
+        if not reduce_scatter(ctx, output_tensor, input_tensor, self.name) and self.returns_sum:
+            output_tensor.mul_(ctx.world_size)
         return None
 
     def _dense(self, output_tensor, input_tensor, group) -> None:
-        """Plain FSDP2's reduce-scatter of the same buffer (FSDP's division is off: the mean here)."""
-        dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
+        """Plain FSDP2's reduce-scatter of the same buffer (FSDP's division is off: the mean
+        here), counted as the one dense fallback counts (:func:`hhook.schedule.dense.count`)."""
+        uncompressed(input_tensor)  # said once where it is for its dtype
+        reduce_scatter_flat(output_tensor, input_tensor, group=group)
         if not self.returns_sum:
             output_tensor.div_(group.size())
-        self.state.counters.add("dense_calls", 4 * input_tensor.numel(), input_tensor.nbytes)
+        count(self.state.counters, input_tensor)
         return None

@@ -10,6 +10,7 @@ from . import auto as fsdp_auto
 from .all_gather import AllGatherOptions, AllGatherState
 from .modules import check_params, fsdp_modules, mesh_sizes, param_group
 from .reduce_scatter import PREDICTED_REFUSED, THCReduceScatter
+from ..schedule import handshake
 from ..state import THCState
 
 logger = logging.getLogger("hhook.fsdp")
@@ -75,9 +76,11 @@ def register(module, state: THCState | None = None, *, all_gather: int | AllGath
     Raises ``ValueError`` for a module without ``FSDPModule``, a reduce-scatter or
     all-gather already customised, a replicate-only mesh, ``scales="predicted"``,
     ``error_feedback=True`` or a bad width; ``TypeError`` for float64/complex parameters;
-    ``ConfigMismatchError`` on every rank when ranks differ in the all-gather's options,
-    the parameters they would quantize or ``bits="auto"`` (a blocking handshake per shard
-    group); ``RuntimeError`` for a torch without ``set_custom_all_gather``. Modules the
+    ``ConfigMismatchError`` on every rank, naming what differs, when ranks differ in the
+    state's options, the all-gather's, the parameters they would quantize or
+    ``bits="auto"``, or when a rank does not register alike (the options handshake,
+    blocking, once per shard group: :mod:`hhook.schedule.handshake`); ``RuntimeError``
+    for a torch without ``set_custom_all_gather``. Modules the
     compressed all-gather cannot serve keep FSDP's, named in one log line (docs/fsdp.md).
     Nothing is changed on the model when it raises.
     """
@@ -99,24 +102,25 @@ def _register(module, state: THCState, all_gather, decide_over=None, candidates=
     where it does not measure). ``decide_over``: the group whose ranks make its one
     decision (default: the shard group), between ``candidates`` (less ``rs+ag`` where
     ``all_gather`` is False)."""
-    if state.scales != "agreed":
+    options = state.options
+    if options.scales != "agreed":
         raise ValueError(PREDICTED_REFUSED)
-    if state.error_feedback:
+    if options.error_feedback:
         raise ValueError("hhook.fsdp.register does not support error_feedback (agreed scales are unbiased "
                          "without it)")
-    all_gather = _all_gather_options(all_gather, state.seed)
+    all_gather = _all_gather_options(all_gather, options.seed)
     plan = _plan(module)
     decider = None
-    if state.bits == "auto":
+    if options.bits == "auto":
         measured = [c for c in candidates if all_gather is not False or c != fsdp_auto.BOTH]
         decider = fsdp_auto.decider(state, plan, measured, decide_over)
     if decider is not None and all_gather is None:
-        all_gather = AllGatherOptions(seed=state.seed)  # the candidate's: 8 bits
-    entries, extra = [(name, m, group) for name, m, group, *_ in plan], decider.digest() if decider else 0
-    if all_gather in (None, False):  # the ranks agree on that too (one blocking all-reduce per shard group)
-        gathers = fsdp_all_gather.agree_without(entries, extra)
-    else:
-        gathers = fsdp_all_gather.plan(entries, AllGatherState(all_gather), extra)
+        all_gather = AllGatherOptions(seed=options.seed)  # the candidate's: 8 bits
+    gather_state = None if all_gather in (None, False) else AllGatherState(all_gather)
+    gathers, groups = fsdp_all_gather.plan([(name, m, group) for name, m, group, *_ in plan], gather_state)
+    decision = ("decision", decider.digest() if decider else 0)
+    for pg, digest in groups.values():  # one handshake per shard group, for the reduce-scatter and the all-gather
+        state.agree(pg, "FSDP2", (decision,) + fsdp_all_gather.fields(gather_state, digest))
     switch = decider.switch if decider is not None else None
     for name, m, group, shard, replicate in plan:
         factor = group.gradient_divide_factor
@@ -131,7 +135,7 @@ def _register(module, state: THCState, all_gather, decide_over=None, candidates=
     if any(replicate is not None and replicate > 1 for *_, replicate in plan):
         logger.info("hhook.fsdp.register: native HSDP mesh: the reduce-scatter inside the shard group is "
                     "compressed, FSDP's replica all-reduce stays dense (register_hsdp compresses both)")
-    if gathers is not None:
+    if gather_state is not None:
         fsdp_all_gather.apply(gathers, switch)
     if decider is not None:
         decider.attach(module)
@@ -149,7 +153,10 @@ def compress_all_gather(module, bits: int = 8, **options) -> AllGatherState:
     state = AllGatherState(AllGatherOptions(bits=bits, **options))
     entries = [(name, m, group) for name, m in fsdp_modules(module, "compress_all_gather")
                if (group := param_group(m)) is not None]
-    fsdp_all_gather.apply(fsdp_all_gather.plan(entries, state))
+    gathers, groups = fsdp_all_gather.plan(entries, state)
+    for pg, digest in groups.values():
+        handshake.agree(pg, (("runs", "FSDP2 all-gather"),) + fsdp_all_gather.fields(state, digest), state.counters)
+    fsdp_all_gather.apply(gathers)
     return state
 
 

@@ -49,6 +49,7 @@ import torch
 
 from ..codec import THCCodec
 from ..codec import rng
+from ..errors import ConfigMismatchError
 from .methods import FP16, FP32, THC_BITS, ZLIB, Method, parse
 from .units import iterations
 
@@ -126,6 +127,19 @@ class _Timer:
         return result
 
 
+def _check_codec(comm, codec: THCCodec, device) -> None:
+    """Every rank of this MPI transport built the same codec (a MAX of ``[f, -f]`` of its
+    fingerprint): ``block_size`` changes the length of the scale vector the ranks reduce
+    together, which the per-call header alone cannot catch. (The package's own exchanges
+    run :mod:`hhook.schedule.handshake`, over torch.distributed.)"""
+    f = float(codec.fingerprint())
+    vector = torch.tensor([f, -f], dtype=torch.float32, device=device)
+    comm.allreduce(vector, "max")
+    if vector[0].item() != -vector[1].item():
+        raise ConfigMismatchError(f"hhook-profile: ranks use different codec configurations; this rank has "
+                                  f"{codec.describe()}. Every rank must run with the same options.")
+
+
 class Runner:
     """Buffers and one timed iteration of a method at one size."""
 
@@ -155,9 +169,7 @@ class Runner:
             self.state = states[method.name]
         elif method.kind == "thc":
             self.codec = THCCodec(method.bits, block_size, seed, comm.size, method.rounding or "correlated")
-            vector = self.codec.handshake_vector(dev)
-            comm.allreduce(vector, "max")
-            self.codec.check_handshake(vector)
+            _check_codec(comm, self.codec, dev)
             self.wire_bytes = self.codec.wire_bytes(numel)
         elif method.kind == "fp16":
             self.wire_bytes = 2 * numel

@@ -35,7 +35,8 @@ import torch
 from ..codec import rng
 # The prefix's writer and device-side check live beside the header they encode (the fused
 # CUDA kernels write and check it in the same launches as the words).
-from ..codec.layout import PREFIX, RANK_FAILED, digest_chunks, prefix_verdict, wrap, write_prefix  # noqa: F401
+from ..codec.layout import (PREFIX, RANK_FAILED, STATUS, any_failed, any_nonfinite, digest_chunks,  # noqa: F401
+                            failed_ranks, prefix_verdict, status_word, wrap, write_prefix)
 from ..errors import ConfigMismatchError, OpMismatchError, RankFailedError
 
 _SALT = 0x54484348  # "THCH"
@@ -77,9 +78,9 @@ def check_prefix(count, status, fp_a, fp_b, chunks, world_size, fps, dtype, what
             "it was averaged, or reduced with Min/Max/Adasum, or over a different set of ranks. THC's "
             "packed integer lanes need a plain SUM (the division by the world size happens in decode)."
         )
-    if status >= RANK_FAILED:
+    if any_failed(status):
         raise RankFailedError(
-            f"hhook: {status // RANK_FAILED} rank(s) failed while encoding this tensor ({what}); "
+            f"hhook: {failed_ranks(status)} rank(s) failed while encoding this tensor ({what}); "
             "see that rank's own exception"
         )
     word_bits = 32 if dtype == torch.int32 else 64
@@ -90,4 +91,14 @@ def check_prefix(count, status, fp_a, fp_b, chunks, world_size, fps, dtype, what
             "same steps."
         )
     identical = all(n * chunks[i + 1] == chunks[i] * chunks[i] for i in range(0, 8, 2))
-    return Verdict(nonfinite=status > 0, identical=identical)
+    return Verdict(nonfinite=any_nonfinite(status), identical=identical)
+
+
+def share_status(messages: torch.Tensor, headers: list, failed_here: bool, ok: torch.Tensor) -> None:
+    """One status for every message of one rank's buffer (FSDP2's reduce-scatter: a row of
+    ``messages`` per destination chunk): inf/NaN in any chunk (``headers``: the prepared
+    headers of those encoded) or a local failure is said in the status word of every
+    chunk's message, so every rank learns of it whichever chunk it receives. Rows not
+    ``ok`` (their encoding failed) keep the filler's status."""
+    flag = torch.stack(headers).gt(0).any().to(messages.dtype) if headers else messages.new_zeros(())
+    messages[:, STATUS] = torch.where(ok, status_word(flag, failed_here), messages[:, STATUS])

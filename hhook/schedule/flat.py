@@ -20,7 +20,7 @@ The scale policy (:mod:`hhook.scales`) decides the rounds of each tensor:
   the words; that one's continuation decodes. Continuations run on the process group's
   threads in completion order, so the SUMs go on a second communicator over the same
   ranks (:mod:`hhook.schedule.groups`), launched in hook order by a
-  :class:`~hhook.schedule.sequencer.Sequencer`: every rank pairs the same collectives.
+  :class:`~hhook.schedule.futures.Sequencer`: every rank pairs the same collectives.
   Continuations never wait (a wait there can deadlock Gloo's few worker threads).
 
 Errors surface through the returned future (in DDP: from ``loss.backward()``) on every
@@ -37,12 +37,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..codec import warm_up
 from ..codec.layout import SUPPORTED_DTYPES
-from .context import CallContext, context_of, handshake
-from .futures import completed, new_future, settle, then, value_of
-from .groups import explain
-from .sequencer import stream_of
-from .teardown import attach
+from .context import CallContext, check_deferred
+from .dense import dense_allreduce
+from .futures import attach, completed, new_future, settle, stream_of, then, value_of
+from .groups import SecondGroup, explain
 
 
 def _all(futures: list, value: torch.Tensor, starts: list[int]) -> torch.futures.Future:
@@ -65,21 +65,6 @@ def _all(futures: list, value: torch.Tensor, starts: list[int]) -> torch.futures
     return then(torch.futures.collect_all(futures), check, value)
 
 
-def payload_bytes(tensor: torch.Tensor) -> int:
-    """Bytes a plain allreduce of ``tensor`` hands to the wire (a sparse one: values and indices)."""
-    if tensor.is_sparse:
-        return tensor._values().nbytes + tensor._indices().nbytes
-    return tensor.nbytes
-
-
-def plain_allreduce(tensor: torch.Tensor, group, world_size: int) -> torch.futures.Future:
-    """What DDP does without a hook, exact: divide by ``world_size``, SUM-allreduce over
-    ``group``; the future holds ``tensor``."""
-    tensor.div_(world_size)
-    fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-    return then(fut, lambda value: value[0], tensor, f"the plain allreduce of {tensor.numel()} elements", group)
-
-
 def check_tensor(tensor: torch.Tensor) -> None:
     """Refuse, with a plain message, tensors hhook cannot reduce in place."""
     if not isinstance(tensor, torch.Tensor):
@@ -93,84 +78,72 @@ def check_tensor(tensor: torch.Tensor) -> None:
         )
 
 
-def dense_allreduce(caller, tensor: torch.Tensor) -> torch.futures.Future:
-    """What DDP does without a hook: divide by the world size, then SUM-allreduce.
-
-    Exact; used before ``start_iter`` and for tensors the codec does not take
-    (float64, sparse gradients). ``caller``: a :class:`~hhook.schedule.context.CallContext`
-    or what gives one (a :class:`~hhook.state.THCState`); its counters count the call.
-    """
-    ctx = context_of(caller)
-    world_size = ctx.world_size
-    if world_size == 1:
-        ctx.counters.add("local_calls", 0, 0)
-        return completed(tensor)
-    size = payload_bytes(tensor)
-    ctx.counters.add("dense_calls", size if tensor.is_sparse or tensor.dtype == torch.float64 else 4 * tensor.numel(), size)
-    return plain_allreduce(tensor, ctx.group, world_size)
+def pieces(numel: int, device: torch.device, piece_limit: tuple[int, int], block: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]``: the pieces of a flat tensor of ``numel`` on ``device`` that
+    travel separately: equal pieces of whole codec blocks of ``block`` elements (the last
+    one takes the remainder), at most ``piece_limit`` elements each (a
+    :attr:`~hhook.schedule.context.CallContext.piece_limit`: on the CPU, elsewhere) but at
+    least a block; one piece when the tensor is smaller or splitting is off."""
+    limit = piece_limit[0 if device.type == "cpu" else 1]
+    if limit <= 0 or numel <= limit:
+        return [(0, numel)]
+    blocks = -(-numel // block)
+    count = -(-blocks // max(1, limit // block))
+    step = -(-blocks // count) * block
+    return [(start, min(start + step, numel)) for start in range(0, numel, step)]
 
 
-def cast_allreduce(caller, tensor: torch.Tensor, dtype: torch.dtype) -> torch.futures.Future:
-    """A dense allreduce in ``dtype`` (``bits="auto"``'s bf16 candidate, as PyTorch's
-    bf16 hook): cast, divide, SUM-allreduce, copy back. Round-to-nearest, not exact;
-    inf/NaN on any rank stays non-finite on every rank. Counted as a dense call."""
-    ctx = context_of(caller)
-    world_size = ctx.world_size
-    if world_size == 1:
-        return dense_allreduce(ctx, tensor)
-    # Cast first, then divide the half-size copy in place (as torch's hook): no float32
-    # temporary of the bucket (why: docs/decision.md, "What a Python hook costs").
-    low = tensor.to(dtype).div_(world_size)
-    ctx.counters.add("dense_calls", 4 * tensor.numel(), low.nbytes)
-    fut = dist.all_reduce(low, group=ctx.group, async_op=True).get_future()
-    return then(fut, lambda value: tensor.copy_(value[0]), tensor, f"the {dtype} allreduce of {tensor.numel()} elements",
-                ctx.group)
+def second_group(ctx: CallContext, device: torch.device) -> SecondGroup:
+    """The second communicator of ``ctx``'s group for ``device``'s type, built at its first
+    use (blocking, on every rank at the same call: a tensor's first agreed round on that
+    device), with the fused backend for ``device`` (its first compile belongs here, not in
+    a later stage)."""
+    runtime = ctx.runtime
+    second = runtime.second.get(device.type)
+    if second is None:
+        warm_up(device)
+        second = runtime.second[device.type] = SecondGroup(ctx.group, device.type)
+        ctx.counters.add(None, 0, second.handshake_bytes)
+    return second
 
 
-def flat_allreduce_async(tensor: torch.Tensor, caller, key=None, layout=None,
+def flat_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, layout=None,
                          failed: BaseException | None = None) -> torch.futures.Future:
-    r""":func:`hhook.thc_allreduce_async` over one process group, every rank a peer (its
-    contract, documented there). ``caller``: a :class:`~hhook.schedule.context.CallContext`
-    or what gives one. Pieces of a tensor above the caller's ``chunk_mb`` travel under the
-    keys ``(key, 0)``, ``(key, 1)``, ... ``failed``: this rank failed before the
-    tensor could be encoded; it takes part with filler, every other rank's future raises
+    r""":func:`hhook.thc_allreduce_async` over ``ctx.group``, every rank a peer (its contract,
+    documented there). Pieces of a tensor above ``ctx.piece_limit`` travel under the keys
+    ``(key, 0)``, ``(key, 1)``, ... ``failed``: this rank failed before the tensor could be
+    encoded; it takes part with filler, every other rank's future raises
     :class:`~hhook.errors.RankFailedError` and this rank's raises ``failed``.
     """
-    check_tensor(tensor)
-    ctx = context_of(caller)
-    ctx.check_deferred()
+    if any(runtime.pending for runtime, _ in ctx.deferred):
+        check_deferred(ctx.deferred)
     if tensor.numel() == 0:
         return completed(tensor)
     if ctx.world_size == 1 or tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES:
-        return dense_allreduce(ctx, tensor)
-    if tensor.device.type not in ctx.runtime.verified:
-        handshake(ctx, tensor.device)
+        return dense_allreduce(ctx, tensor)  # exact (float64, sparse: one log line says so)
     if layout is None:
         layout = (tuple(tensor.shape), str(tensor.dtype))
-    policy = ctx.policy()
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
-    pieces = ctx.chunks(target.numel(), target.device)
-    if len(pieces) == 1:
-        fut = _reduce(ctx, policy, target, key, layout, failed)
+    parts = pieces(target.numel(), target.device, ctx.piece_limit, ctx.block_size)
+    if len(parts) == 1:
+        fut = _reduce(ctx, target, key, layout, failed)
     else:
         flat = target.view(-1)
-        futures = [
-            _reduce(ctx, policy, flat[start:stop], None if key is None else (key, i), layout, failed)
-            for i, (start, stop) in enumerate(pieces)
-        ]
-        fut = _all(futures, target, [start for start, _ in pieces])
+        futures = [_reduce(ctx, flat[start:stop], None if key is None else (key, i), layout, failed)
+                   for i, (start, stop) in enumerate(parts)]
+        fut = _all(futures, target, [start for start, _ in parts])
     if target is tensor:
         return fut
     return then(fut, tensor.copy_, tensor)
 
 
-def _reduce(ctx: CallContext, policy, target: torch.Tensor, key, layout, failed=None) -> torch.futures.Future:
+def _reduce(ctx: CallContext, target: torch.Tensor, key, layout, failed=None) -> torch.futures.Future:
     """One tensor (or piece) through the policy: one SUM round when its scales are
     predicted, else a MAX round whose continuation launches the SUM on the second
     communicator, in hook order. Nothing waits; the returned future completes in the
     SUM's continuation."""
-    runtime, group = ctx.runtime, ctx.group
-    plan = policy.begin(target, key, ctx.rank, ctx.world_size, ctx.next_call(), ctx.config_id(), layout, failed)
+    runtime, group, policy = ctx.runtime, ctx.group, ctx.policy
+    plan = policy.begin(target, key, ctx.rank, ctx.world_size, ctx.counters.next_call(), ctx.config, layout, failed)
     defer = runtime.defer if target.is_cuda or runtime.defer_on_cpu else None
     what = f"the THC allreduce of {target.numel()} elements (key {key!r})"
 
@@ -187,7 +160,7 @@ def _reduce(ctx: CallContext, policy, target: torch.Tensor, key, layout, failed=
         return then(fut, lambda value: decode(value[0]), target, f"the SUM of the codes of {what}", group)
 
     ticket = runtime.sequencer.ticket()
-    second = runtime.second_group(target.device)
+    second = second_group(ctx, target.device)
     length = policy.message_numel(plan.codec, target.numel(), predicted=False)
     ctx.counters.add("compressed_calls", 4 * target.numel(), plan.max_vector.nbytes + length * plan.codec.layout.word_bits // 8)
     result = new_future(target)

@@ -4,7 +4,7 @@ Agreed scales need two collectives per tensor: the MAX is launched from the hook
 order, and the SUM from the MAX's continuation, in completion order, which differs
 between ranks. Launched on one group they would pair unrelated collectives, so the SUMs
 go on a second communicator over the same ranks (in hook order, through a
-:class:`~hhook.schedule.sequencer.Sequencer`).
+:class:`~hhook.schedule.futures.Sequencer`).
 
 ``torch.distributed.new_group`` cannot make it safely from inside a library: without
 ``use_local_synchronization`` every rank of WORLD must call it, in the same order as
@@ -167,6 +167,14 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None, async
     collective under its older name) where it does not (2.11, the GPU machines' torch)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """SUM-reduce-scatter one flat ``input`` of ``world_size`` equal chunks into ``output``
+    (this rank's chunk): ``reduce_scatter_single`` where torch has it (2.13; its old name
+    warns there), ``reduce_scatter_tensor`` where it does not (2.11)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def reduces_on_host(group) -> bool:

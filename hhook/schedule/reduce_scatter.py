@@ -13,17 +13,18 @@ import torch
 import torch.distributed as dist
 
 from ..codec.layout import constant
-from ..scales.message import RANK_FAILED
+from ..scales import message
 from .context import CallContext
+from .groups import reduce_scatter_flat
 
 
-def reduce_scatter(ctx: CallContext, output: torch.Tensor, buffer: torch.Tensor, group, name) -> bool:
-    r"""Write into ``output`` the mean over ``group`` of this rank's chunk of ``buffer``
-    (``group.size()`` chunks of ``output.numel()``); returns whether it came back
-    non-finite (NaN over the whole shard on every rank). ``ctx``: the caller's
-    :class:`~hhook.schedule.context.CallContext`, whose policy is agreed and sized for
-    ``group``; chunk ``j`` travels under the key ``(name, j)``. One call, on every rank of
-    ``group``:
+def reduce_scatter(ctx: CallContext, output: torch.Tensor, buffer: torch.Tensor, name) -> bool:
+    r"""Write into ``output`` the mean over ``ctx.group`` of this rank's chunk of ``buffer``
+    (``ctx.world_size`` chunks of ``output.numel()``); returns whether it came back
+    non-finite (NaN over the whole shard on every rank). ``ctx``: the
+    :class:`~hhook.schedule.context.CallContext` of the shard group, whose policy is agreed
+    and sized for it; chunk ``j`` travels under the key ``(name, j)``. One call, on every
+    rank of the group:
 
     1. ``policy.begin`` on each chunk (rotation blocks inside the chunk) gives its scale
        vector; only this rank's chunk keeps its rotated blocks.
@@ -31,23 +32,22 @@ def reduce_scatter(ctx: CallContext, output: torch.Tensor, buffer: torch.Tensor,
     3. ``policy.finish`` of each chunk (rotated again: at most two chunks' rotated float32
        blocks are alive at once) into one buffer of ``world_size`` messages. A rank whose
        buffer holds inf/NaN anywhere, or that failed to encode any chunk, says so in the
-       status word of *every* chunk's message.
-    4. ``reduce_scatter_tensor`` (SUM) of the messages: this rank receives the summed
-       message of its chunk.
+       status word of *every* chunk's message (:func:`hhook.scales.message.share_status`).
+    4. A SUM reduce-scatter of the messages: this rank receives the summed message of its
+       chunk.
     5. ``policy.decode``: raises :class:`~hhook.errors.ConfigMismatchError`,
        :class:`~hhook.errors.RankFailedError` (the failed rank: its own exception) or
        :class:`~hhook.errors.OpMismatchError` on every rank; writes NaN over the whole
        shard on every rank if any rank's buffer was non-finite; the input itself if every
        rank's chunk had the same bits.
     """
-    world, rank, n, device = group.size(), group.rank(), output.numel(), buffer.device
-    policy = ctx.policy()
-    config = ctx.config_id()
+    group, world, rank, n, device = ctx.group, ctx.world_size, ctx.rank, output.numel(), buffer.device
+    policy = ctx.policy
     chunks = buffer.view(world, n)
     # 1. Scale vectors of every chunk; only this rank's chunk keeps its rotated blocks.
     plans = []
     for j in range(world):
-        plan = policy.begin(chunks[j], (name, j), rank, world, ctx.next_call(), config)
+        plan = policy.begin(chunks[j], (name, j), rank, world, ctx.counters.next_call(), ctx.config)
         if j != rank:
             plan.prepared = None  # recomputed in step 3: no full-size float copy
         plans.append(plan)
@@ -74,13 +74,10 @@ def reduce_scatter(ctx: CallContext, output: torch.Tensor, buffer: torch.Tensor,
     # one rank's inf/NaN anywhere turns every shard NaN on every rank (GradScaler and
     # clip_grad_norm_ see it whichever shard they read), and one failed chunk makes
     # every rank raise rather than only the chunk's owner.
-    headers = [p.header[0] for p in plans if p.header is not None]
-    flag = torch.stack(headers).gt(0).any().to(words.dtype) if headers else words.new_zeros(())
-    status = flag + (RANK_FAILED if failure is not None else 0)
-    words[:, 1] = torch.where(ok, status, words[:, 1])
+    message.share_status(words, [p.header[0] for p in plans if p.header is not None], failure is not None, ok)
     # 4. Each rank receives the lane sums of its own chunk's message.
     summed = torch.empty(L, dtype=words.dtype, device=device)
-    dist.reduce_scatter_tensor(summed, words.view(-1), op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_flat(summed, words.view(-1), group=group)
     ctx.counters.add("compressed_calls", 4 * buffer.numel(), scales.nbytes + words.nbytes)
     if failure is not None:
         raise failure  # this rank's own exception; the others raise RankFailedError

@@ -11,8 +11,8 @@ the job has finished. So, before ``torch.distributed.destroy_process_group`` and
 (before the interpreter finalizes), from a thread of the program:
 
 1. :func:`quiesce`: wait, without the GIL, until torch has released every continuation
-   hhook attached (each is counted from attachment until its last reference goes, on the
-   thread that ran it), then a short grace for what torch does right after. Destroying a
+   hhook attached (:mod:`hhook.schedule.futures` counts each from attachment until its
+   last reference goes, on the thread that ran it), then a short grace for what torch does right after. Destroying a
    sub-group waits only for the continuations of collectives on that group (and on its
    second communicators) and those attached without a group, not for another group's;
 2. :func:`hhook.schedule.groups.end_second_groups`: end hhook's own communicators (their threads
@@ -28,10 +28,9 @@ import functools
 import threading
 import time
 
-import torch
 import torch.distributed as dist
 
-from . import groups
+from . import futures, groups
 
 #: Seconds to wait after the last continuation was released: torch destroys the
 #: callback's wrapper right after (a GIL acquisition), with no Python to observe it.
@@ -39,88 +38,20 @@ GRACE_S = 0.05
 #: The wait's bound where no group says how long a collective may take.
 DEFAULT_LIMIT_S = 30.0
 
-_quiet = threading.Condition()
-#: A continuation's group where its caller did not say (futures of several collectives):
-#: every quiesce waits for it.
-UNSAID = object()
-_WORLD = "default group"
-_in_flight: dict = {}  # group key (:func:`_key_of`) -> continuations attached and not yet released
-_released = 0  # continuations released since the last quiesce: only then is a grace due
-
-
-def _key_of(group):
-    """Continuations are counted per group: None and WORLD are the default group."""
-    if group is UNSAID:
-        return UNSAID
-    if group is None or group == dist.GroupMember.WORLD:
-        return _WORLD
-    return getattr(group, "group_name", None) or id(group)
-
-
-class Continuation:
-    """``fn`` as a callback of a torch future of a collective on ``group``, counted as in
-    flight from here until torch releases it (after it ran, on the thread that ran it)."""
-
-    __slots__ = ("fn", "counted", "thread", "key")
-
-    def __init__(self, fn, group=UNSAID):
-        self.fn, self.counted, self.thread, self.key = fn, True, None, _key_of(group)
-        with _quiet:
-            _in_flight[self.key] = _in_flight.get(self.key, 0) + 1
-
-    def __call__(self, fut):
-        fn, self.fn, self.thread = self.fn, None, threading.get_ident()
-        # Not in this frame any more: an exception raised in ``fn`` and kept (a future's
-        # error) keeps this frame alive through its traceback's callers.
-        del self
-        return fn(fut)
-
-    def release(self) -> None:
-        """No longer in flight (once): at its last reference, or where no worker thread
-        holds it any more."""
-        global _released
-        if not self.counted:
-            return
-        self.counted = False
-        with _quiet:
-            _in_flight[self.key] -= 1
-            if not _in_flight[self.key]:
-                del _in_flight[self.key]
-            _released += 1
-            _quiet.notify_all()
-
-    __del__ = release
-
-
-def attach(fut: torch.futures.Future, fn, group=UNSAID) -> None:
-    """Run ``fn(fut)`` when ``fut`` completes, on the thread that completes it (now, if it
-    has); ``fn`` must not raise (it settles a future of its own). No child future is made:
-    its value would be one more object for that thread to release with the GIL.
-    ``group``: the process group whose collective ``fut`` completes (None: the default
-    group; a second communicator's: its parent), for :func:`quiesce`."""
-    continuation = Continuation(fn, group)
-    try:
-        fut.add_done_callback(continuation)
-    finally:
-        if continuation.thread == threading.get_ident():
-            # It ran here, on this thread (the future was complete): no worker thread holds
-            # it, and an exception kept from its run (a future's error, its traceback's
-            # callers: this frame, torch's) may keep it alive past the job's exit.
-            continuation.release()
-
 
 def in_flight(group=None) -> int:
     """Continuations attached and not yet released that ending ``group`` waits for: every
     one for None (and the default group, whose end ends every group), else ``group``'s
     and those attached without a group."""
-    with _quiet:
+    with futures.quiet:
         return _waited_for(group)
 
 
 def _waited_for(group) -> int:
-    if group is None or _key_of(group) == _WORLD:
-        return sum(_in_flight.values())
-    return _in_flight.get(_key_of(group), 0) + _in_flight.get(UNSAID, 0)
+    counts, key = futures.in_flight, futures.key_of(group)
+    if group is None or key == futures.key_of(None):
+        return sum(counts.values())
+    return counts.get(key, 0) + counts.get(futures.UNSAID, 0)
 
 
 def quiesce(limit_s: float | None = None, group=None) -> bool:
@@ -134,12 +65,12 @@ def quiesce(limit_s: float | None = None, group=None) -> bool:
         return in_flight(group) == 0
     if limit_s is None:
         limit_s = (groups.longest_timeout() or DEFAULT_LIMIT_S) + 5.0
-    global _released
     deadline = time.monotonic() + limit_s
-    with _quiet:
+    with futures.quiet:
         while _waited_for(group) and deadline - time.monotonic() > 0:
-            _quiet.wait(deadline - time.monotonic())
-        quiet, released, _released = _waited_for(group) == 0, _released, 0
+            futures.quiet.wait(deadline - time.monotonic())
+        quiet, released = _waited_for(group) == 0, futures.released[0]
+        futures.released[0] = 0
     if released:
         time.sleep(GRACE_S)
     return quiet

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec import rng
+from .futures import Sequencer
 from .groups import all_gather_flat, explained, timeout_of
 from ..launch import launcher_layout
 from .node_memory import SHM_DIR, NodeMemory, budget_bytes, free_bytes, sweep_stale
@@ -314,10 +315,8 @@ class Topology:
         )
 
     def sequencer(self, name: str):
-        """A :class:`~hhook.schedule.sequencer.Sequencer` shared by every two-level call on this
+        """A :class:`~hhook.schedule.futures.Sequencer` shared by every two-level call on this
         topology for the collectives it launches from continuations on one group."""
-        from .sequencer import Sequencer
-
         seq = self._sequencers.get(name)
         if seq is None:
             seq = self._sequencers[name] = Sequencer()

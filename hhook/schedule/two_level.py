@@ -10,7 +10,7 @@ For a tensor of ``d`` coordinates on ``N`` nodes of ``k`` ranks (:class:`~hhook.
    same traffic as a ring's, ``(k - 1) / k`` of the tensor per rank.
 2. **Between nodes, THC.** Local rank ``j`` averages its node-mean shard with local rank
    ``j`` of every other node through the flat schedule (:mod:`hhook.schedule.flat`) on the
-   ``inter_state``, whose process group is this rank's inter-node group: lanes are sized
+   context's ``inter``, whose group is this rank's inter-node group: lanes are sized
    for ``N`` nodes, not ``N k`` ranks, each rank encodes ``1 / k`` of the tensor, and the
    ``k`` rings of a node run at once.
 3. **Inside the node, dense.** An ``all_gather`` on the node's second group (its own
@@ -19,7 +19,7 @@ For a tensor of ``d`` coordinates on ``N`` nodes of ``k`` ranks (:class:`~hhook.
 Nothing waits. The ``all_to_all`` is launched by the caller, in call order. Stage 2 is
 launched from its continuation and stage 3 from stage 2's: continuations run in
 completion order, which differs between ranks, so both go through a
-:class:`~hhook.schedule.sequencer.Sequencer` per group (tickets drawn in call order, launches in
+:class:`~hhook.schedule.futures.Sequencer` per group (tickets drawn in call order, launches in
 ticket order): every rank pairs the same collectives. The all-gather has its own group
 because new tensors keep entering the first one from the caller's thread.
 
@@ -34,10 +34,12 @@ nodes does too (each shard travels in the all-gather with its owner's status). A
 whose tensor changes shape or dtype starts its shard's state afresh, as the flat path's. float64 and sparse
 tensors take one exact allreduce over the parent group.
 
-Bytes: the ``inter_state`` counts what crosses nodes (the shard's codes and scales,
-:meth:`THCState.stats`); ``intra_stats`` (a :class:`~hhook.stats.Counters`) counts, per
-tensor, one ``compressed_calls``, the tensor's float32 size as ``dense_bytes`` and the
-bytes handed to the two intra-node collectives as ``wire_bytes``.
+Bytes: ``inter``'s counters count what crosses nodes (the shard's codes and scales,
+:meth:`THCState.stats`); the context's ``intra_counters`` count, per tensor, one
+``compressed_calls``, the tensor's float32 size as ``dense_bytes`` and the bytes handed
+to the two intra-node collectives as ``wire_bytes``. Each continuation is attached to
+the group whose collective it follows (:func:`hhook.schedule.futures.attach`), so
+ending one of the sub-groups waits for its own work only.
 """
 
 from __future__ import annotations
@@ -47,50 +49,52 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ..codec.layout import SUPPORTED_DTYPES
 from ..errors import PeerTimeoutError, RankFailedError
-from ..stats import Counters
-from .context import context_of, handshake
-from .flat import check_tensor, flat_allreduce_async, payload_bytes, plain_allreduce
-from .futures import completed, new_future, value_of
+from ..scales import message
+from .context import CallContext, check_deferred
+from ..codec.layout import SUPPORTED_DTYPES
+from .dense import count, plain_allreduce, uncompressed
+from .flat import flat_allreduce_async, second_group
+from .futures import attach, completed, new_future, stream_of, value_of
 from .groups import all_gather_flat, explain, failure_cause, timeout_of
-from .sequencer import stream_of
-from .teardown import attach
-from .topology import Topology
+from .handshake import agree
+
 
 def shard_numel(numel: int, ranks_per_node: int) -> int:
     """Coordinates of the shard each local rank owns (the tensor is padded to ``k`` of them)."""
     return -(-numel // ranks_per_node)
 
 
-def ensure_handshake(ctx, device: torch.device, sequencer) -> None:
-    """The blocking handshake of ``ctx`` (a :class:`~hhook.schedule.context.CallContext`), once, on the caller's thread (a continuation must
-    not block), ordered after every collective that earlier calls launch on the
-    inter-node group: it takes a ticket of that group's ``sequencer`` and waits (here,
-    not in a continuation) until the earlier tickets have launched. Every rank then
-    issues the handshake at the same place among that group's collectives."""
-    if device.type in ctx.runtime.verified:
+def ensure_ring(inter: CallContext, device: torch.device, sequencer) -> None:
+    """The ring between nodes made ready for ``device``, once, on the caller's thread (a
+    continuation must not block): the options handshake over the ring (every rank of
+    the parent group agreed already; a width of ``bits="auto"`` agrees on its own), then
+    the second communicator for ``device``. Ordered after every collective that earlier
+    calls launch on the ring: it takes a ticket of the ring's ``sequencer`` and waits
+    (here, not in a continuation) until the earlier tickets have launched, so every rank
+    issues it at the same place among the ring's collectives."""
+    if inter.runtime.agreed and device.type in inter.runtime.second:
         return
     turn = threading.Event()
     sequencer.launch(sequencer.ticket(), turn.set)
     # Earlier tickets launch from continuations, which never wait for this thread; they
     # run once collectives complete or fail, so within the group's timeout.
-    timeout = timeout_of(ctx.group).total_seconds()
+    timeout = timeout_of(inter.group).total_seconds()
     if not turn.wait(timeout + 5.0):
         raise PeerTimeoutError(
             f"hhook: the two-level handshake waited {timeout + 5:g} s for the earlier collectives between nodes "
             "(the group's timeout and 5 s): a peer stalled")
-    handshake(ctx, device)
+    if not inter.runtime.agreed:
+        agree(inter.group, inter.fields, inter.counters, "hhook's options handshake between nodes")
+        inter.runtime.agreed = True
+    second_group(inter, device)
 
 
-def _dense_world(tensor: torch.Tensor, topo: Topology, inter_state, intra_stats) -> torch.futures.Future:
+def _dense_world(ctx: CallContext, tensor: torch.Tensor) -> torch.futures.Future:
     """float64 and sparse tensors: one exact allreduce over the parent group (its bytes
-    cross nodes: counted as the inter state's wire bytes, the call in ``intra_stats``)."""
-    size = payload_bytes(tensor)
-    inter_state.counters.add(None, 0, size)
-    if intra_stats is not None:
-        intra_stats.add("dense_calls", size, 0)
-    return plain_allreduce(tensor, topo.group, topo.world_size)
+    cross nodes: counted as the inter state's wire bytes, the call in ``intra_counters``)."""
+    count(ctx.intra_counters, tensor, wire_to=ctx.inter.counters)
+    return plain_allreduce(tensor, ctx.topo.group, ctx.topo.world_size)
 
 
 def _node_mean(rows: torch.Tensor, k: int, in_place: bool = True) -> torch.Tensor:
@@ -142,41 +146,30 @@ def _all_gather(out: torch.Tensor, piece: torch.Tensor, group, k: int):
     return dist.all_to_all_single(out, piece.repeat(k), group=group, async_op=True)
 
 
-def two_level_allreduce_async(
-    tensor: torch.Tensor,
-    topo: Topology,
-    inter_state,
-    key=None,
-    intra_stats: Counters | None = None,
-    layout=None,
-) -> torch.futures.Future:
-    r"""Start averaging ``tensor`` in place over ``topo``'s parent group, two-level.
+def two_level_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, layout=None) -> torch.futures.Future:
+    r"""Start averaging ``tensor`` in place over ``ctx``'s group, two-level (``ctx.topo``
+    found several nodes; ``ctx.inter`` is the context of this rank's ring between nodes,
+    whose codec, scales, error feedback and counters apply to this rank's shard).
 
-    Returns at once a future holding ``tensor`` once it holds the mean over every rank.
-    ``inter_state`` is a :class:`~hhook.THCState` (or the
-    :class:`~hhook.schedule.context.CallContext` one gives) whose group is
-    ``topo.inter_group`` (its codec, scales, error feedback and counters apply to this
-    rank's shard); ``key`` names the tensor across steps as for
-    :func:`hhook.thc_allreduce_async` (the shard travels under the same key, and
-    ``layout`` says what the key holds, as there). Call it in
-    the same order on every rank, and wait for a key's future before reducing that key
-    again. The first call runs ``inter_state``'s blocking handshake on the caller's
-    thread.
+    Returns at once a future holding ``tensor`` once it holds the mean over every rank;
+    ``key`` names the tensor across steps as for :func:`hhook.thc_allreduce_async` (the
+    shard travels under the same key, and ``layout`` says what the key holds, as there).
+    Call it in the same order on every rank, and wait for a key's future before reducing
+    that key again. The first call readies the ring on the caller's thread
+    (:func:`ensure_ring`).
     """
-    check_tensor(tensor)
-    inter_state = context_of(inter_state)
-    if not isinstance(topo, Topology) or not topo.two_level:
-        raise ValueError("two_level_allreduce_async needs a two-level Topology (detect_topology found a flat layout)")
-    if inter_state.group is not topo.inter_group:
-        raise ValueError("inter_state.process_group must be topo.inter_group (the THC ring of this local rank)")
+    inter = ctx.inter
+    if any(runtime.pending for runtime, _ in ctx.deferred):
+        check_deferred(ctx.deferred)
     if tensor.numel() == 0:
         return completed(tensor)
     if tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES:
-        return _dense_world(tensor, topo, inter_state, intra_stats)
-    ensure_handshake(inter_state, tensor.device, topo.sequencer("inter"))
+        uncompressed(tensor)
+        return _dense_world(ctx, tensor)
+    ensure_ring(inter, tensor.device, ctx.topo.sequencer("inter"))
     if layout is None:  # what the key holds is the whole tensor, not the shard (whose length may not change)
         layout = (tuple(tensor.shape), str(tensor.dtype))
-    call = _TwoLevelCall(tensor, topo, inter_state, key, intra_stats, layout)
+    call = _TwoLevelCall(ctx, tensor, key, layout)
     call.scatter()
     return call.result
 
@@ -189,9 +182,10 @@ class _TwoLevelCall:
     node (``failure``: this rank's first exception, set on the result once the gather is
     done)."""
 
-    def __init__(self, tensor: torch.Tensor, topo: Topology, inter_state, key, intra_stats, layout):
-        self.tensor, self.topo, self.inter_state, self.key, self.intra_stats, self.layout = \
-            tensor, topo, inter_state, key, intra_stats, layout
+    def __init__(self, ctx: CallContext, tensor: torch.Tensor, key, layout):
+        topo = ctx.topo
+        self.tensor, self.topo, self.inter, self.key, self.intra_counters, self.layout = \
+            tensor, topo, ctx.inter, key, ctx.intra_counters, layout
         self.k, self.d = topo.ranks_per_node, tensor.numel()
         self.s = shard_numel(self.d, self.k)
         self.dtype, self.j = tensor.dtype, topo.local_rank
@@ -235,8 +229,7 @@ class _TwoLevelCall:
         """Stage 1: each rank of the node receives every rank's copy of its shard (or, in
         shared memory, a barrier once every rank has written its row)."""
         send, self.recv = self._buffers()
-        if self.intra_stats is not None:
-            self.intra_stats.add("compressed_calls", 4 * self.d, (self.k * self.s + self.s) * self.tensor.element_size())
+        self.intra_counters.add("compressed_calls", 4 * self.d, (self.k * self.s + self.s) * self.tensor.element_size())
         self.inter_ticket, self.gather_ticket = self.inter_seq.ticket(), self.gather_seq.ticket()
         try:
             if self.shm:  # a barrier: every rank of the node has written its row
@@ -247,7 +240,7 @@ class _TwoLevelCall:
             self._mapped()
             self._skip_turns()
             raise
-        attach(work.get_future(), self.after_scatter)
+        attach(work.get_future(), self.after_scatter, self.topo.intra_group)
 
     def after_scatter(self, f: torch.futures.Future) -> None:
         """The node's mean of this rank's shard, then stage 2 in its turn."""
@@ -275,13 +268,13 @@ class _TwoLevelCall:
         """Stage 2: THC of this rank's shard over the nodes' ring, then the gather."""
         try:
             failed = self.failure[0] if self.failure else None
-            fut = flat_allreduce_async(shard, self.inter_state, self.key, self.layout, failed)
+            fut = flat_allreduce_async(self.inter, shard, self.key, self.layout, failed)
         except BaseException as exc:  # noqa: BLE001
             self.failure.append(exc)
             shard.fill_(float("nan"))
             self.gather(shard)
             return
-        attach(fut, lambda g: self.after_inter(g, shard))
+        attach(fut, lambda g: self.after_inter(g, shard), self.inter.group)
 
     def after_inter(self, g: torch.futures.Future, shard: torch.Tensor) -> None:
         try:
@@ -293,8 +286,8 @@ class _TwoLevelCall:
 
     def gather(self, mean_shard: torch.Tensor) -> None:
         """Stage 3, in ticket order: every local rank launches it whatever happened before,
-        with its status (1 if it failed), so that a failure anywhere in the node raises on
-        every rank of it."""
+        with its status word (:func:`hhook.scales.message.status_word`: whether it failed),
+        so that a failure anywhere in the node raises on every rank of it."""
         k, s, j, dtype, device = self.k, self.s, self.j, self.dtype, self.tensor.device
         piece = mean_shard.to(dtype)
         bad = _nonfinite(piece)  # THC writes NaN over whole pieces; make sure of whole shards
@@ -302,7 +295,7 @@ class _TwoLevelCall:
             piece.masked_fill_(bad, float("nan"))
         elif bad:
             piece.fill_(float("nan"))
-        failed = 1.0 if self.failure else 0.0
+        failed = message.status_word(False, bool(self.failure))
         if self.shm:
             self.shared_result[j * s:(j + 1) * s].copy_(piece)
             out, send = self.shared_result, torch.tensor([failed], dtype=torch.int64)
@@ -316,10 +309,10 @@ class _TwoLevelCall:
             try:
                 if self.shm:  # a barrier (every rank of the node has written its shard) and the statuses
                     work = dist.all_reduce(send, group=self.topo.gather_group, async_op=True)
-                    attach(work.get_future(), lambda h: self.finish(h, out, send[0]))
+                    attach(work.get_future(), lambda h: self.finish(h, out, send[0]), self.topo.gather_group)
                 else:
                     work = _all_gather(out, send, self.topo.gather_group, k)
-                    attach(work.get_future(), lambda h: self.finish(h, out, None))
+                    attach(work.get_future(), lambda h: self.finish(h, out, None), self.topo.gather_group)
             except BaseException as exc:  # noqa: BLE001
                 self.failure.append(exc)
                 self.finish(None, out, None)
@@ -328,9 +321,9 @@ class _TwoLevelCall:
 
     def finish(self, h: torch.futures.Future | None, out: torch.Tensor, status: torch.Tensor | None) -> None:
         """``out``: the gathered shards (``k s``, or ``k`` rows of ``s + 1`` whose last
-        entry is the shard owner's status); ``status``: the node's summed status (shared
-        memory). A status above zero: some rank of the node failed, so every rank of it
-        raises (that rank its own exception)."""
+        entry is the shard owner's status word); ``status``: the node's summed status
+        (shared memory). Where it says a rank of the node failed, every rank of it raises
+        (that rank its own exception)."""
         tensor, s, d = self.tensor, self.s, self.d
         try:
             if h is not None:
@@ -340,13 +333,13 @@ class _TwoLevelCall:
             if status is None:  # statuses travelled with the shards
                 rows = out.view(self.k, s + 1)
                 status, out = rows[:, s].sum(), rows[:, :s]
-            failed_peer = status > 0
+            failed_peer = message.any_failed(status)
             # A non-finite shard travels as all NaN (see gather), so its first element
             # tells: k reads, the same on every rank of every node.
             bad = out[:, 0].isnan().any() if out.dim() == 2 else out[::s].isnan().any()
             if out.is_cuda:  # no host read: NaN now, the error at the next check (as flat's)
                 out.masked_fill_(bad | failed_peer, float("nan"))
-                self.inter_state.runtime.defer(failed_peer, bad, f"two-level tensor of {d} elements")
+                self.inter.runtime.defer(failed_peer, bad, f"two-level tensor of {d} elements")
             elif failed_peer:
                 raise RankFailedError(
                     "hhook: another rank of this node failed while reducing this tensor (two-level THC); "
@@ -354,8 +347,7 @@ class _TwoLevelCall:
                 )
             elif bad:
                 tensor.fill_(float("nan"))
-                if self.intra_stats is not None:
-                    self.intra_stats.add("nonfinite_calls")
+                self.intra_counters.add("nonfinite_calls")
                 self.result.set_result(tensor)
                 return
             self._write_back(out)
@@ -377,12 +369,3 @@ class _TwoLevelCall:
                 flat_out[i * s:stop].copy_(out[i, :stop - i * s])
         if self.flat is None:
             tensor.copy_(flat_out.view(tensor.shape))
-
-
-def two_level_allreduce(tensor: torch.Tensor, topo: Topology, inter_state, key=None,
-                        intra_stats: Counters | None = None, layout=None) -> torch.Tensor:
-    """The blocking form of :func:`two_level_allreduce_async`."""
-    inter_state = context_of(inter_state)
-    out = two_level_allreduce_async(tensor, topo, inter_state, key, intra_stats, layout).wait()
-    inter_state.check_deferred(wait=True)
-    return out

@@ -27,87 +27,123 @@ from .validate import STATE_FORMAT, checked
 logger = logging.getLogger(__name__)
 
 
-def state_dict(state) -> dict:
-    """:meth:`THCState.state_dict`: everything a resumed run needs, as plain data
-    (tensors, numbers, strings, tuples, lists, dicts), so ``torch.load(...,
-    weights_only=True)`` loads it: the options, counters, every key's residual and
-    predicted scales (per scale policy), the two-level ``inter`` state, the node layout
-    and ``bits="auto"``'s decision (with its reductions in flight read in: saving changes
-    nothing) and widths. ``torch.save(state)`` pickles this same dict. The process group
-    is not saved.
+class Checkpointed:
+    """:class:`~hhook.state.THCState`'s checkpoint and node layout: a base class of it, so
+    these are the state's own methods, kept beside the format they write."""
 
-    Example::
-        >>> ckpt = {"model": model.state_dict(), "hhook": state.state_dict()}
-        >>> state.load_state_dict(torch.load(path, weights_only=True)["hhook"])
-    """
-    runtime = state.runtime
-    saved = {"format": STATE_FORMAT, "codec_version": CODEC_VERSION,
-             "layout": runtime.topo.record() if runtime.topo is not None else state.restored[0],
-             "origin": None if not dist.is_initialized() else {"rank": state.rank, "world_size": state.world_size}}
-    saved.update(state.options.as_dict())
-    decision = state.decision
-    if state.prober is not None and decision is not None and not isinstance(decision, dict):
-        decision = state.prober.checkpoint(decision)
-    elif hasattr(decision, "state_dict"):
-        decision = decision.state_dict()
-    saved.update({
-        "policies": state.keys.state_dict(), "iter": state.iter, "calls": state.calls,
-        "_stats": state.counters.state_dict(), "inter": None if state.inter is None else state.inter.state_dict(),
-        "_intra": state.intra_counters.state_dict(), "decision": decision,
-        "variants": {bits: width.state_dict() for bits, width in state.variants.items()},
-    })
-    return saved
+    __slots__ = ()
 
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs, as plain data (tensors, numbers, strings,
+        tuples, lists, dicts), so ``torch.load(..., weights_only=True)`` loads it: the
+        options, counters, every key's residual and predicted scales (per scale policy),
+        the two-level ``inter`` state, the node layout and ``bits="auto"``'s decision (with
+        its reductions in flight read in: saving changes nothing) and widths.
+        ``torch.save(state)`` pickles this same dict. The process group is not saved.
 
-def load_state_dict(state, saved: dict) -> None:
-    """:meth:`THCState.load_state_dict`: continue from :func:`state_dict` (or an older
-    hhook's pickled state): options, counters and per-key state are replaced (one log
-    line names the options that change); the state's process group and the model
-    :func:`hhook.register` gave it stay. Per-key state that cannot describe this run
-    starts afresh with one log line: a checkpoint of another node layout or world size
-    (compared when the layout is found, or now if it is known) or of another codec
-    version; another rank's residuals. A malformed ``saved`` (a field of the wrong type,
-    range or shape) raises ``ValueError`` naming the field and changes nothing."""
-    load(state, saved, announce=True)
+        Example::
+            >>> ckpt = {"model": model.state_dict(), "hhook": state.state_dict()}
+            >>> state.load_state_dict(torch.load(path, weights_only=True)["hhook"])
+        """
+        runtime = self.runtime
+        saved = {"format": STATE_FORMAT, "codec_version": CODEC_VERSION,
+                 "layout": runtime.topo.record() if runtime.topo is not None else self.restored[0],
+                 "origin": None if not dist.is_initialized() else {
+                     "rank": dist.get_rank(self.process_group), "world_size": dist.get_world_size(self.process_group)}}
+        saved.update(self.options.as_dict())
+        decision = self.decision
+        if self.prober is not None and decision is not None and not isinstance(decision, dict):
+            decision = self.prober.checkpoint(decision)
+        elif hasattr(decision, "state_dict"):
+            decision = decision.state_dict()
+        saved.update({
+            "policies": self.keys.state_dict(), "iter": self.iter, "calls": self.counters.calls,
+            "_stats": self.counters.state_dict(), "inter": None if self.inter is None else self.inter.state_dict(),
+            "_intra": self.intra_counters.state_dict(), "decision": decision,
+            "variants": {bits: width.state_dict() for bits, width in self.variants.items()},
+        })
+        return saved
 
+    __getstate__ = state_dict  # as PowerSGDState: the process group is not pickled
 
-def load(state, saved: dict, announce: bool) -> None:
-    """:func:`load_state_dict` (``announce``: log the options that change). A component
-    missing from ``saved`` (saved before it existed) keeps its value. The whole of
-    ``saved`` is checked first (:mod:`~hhook.state.validate`): a bad one raises
-    ``ValueError`` and changes nothing."""
-    checked(saved, state.options, state.decision)
-    options = Options(**{name: saved.get(name, getattr(state.options, name)) for name in NAMES})  # before any change
-    changed = [f"{name} {getattr(state.options, name)!r} -> {getattr(options, name)!r}" for name in NAMES
-               if getattr(options, name) != getattr(state.options, name)]
-    if changed and announce:
-        logger.warning("hhook: the checkpoint's THC options replace this state's: %s", ", ".join(changed))
-    topo = state.runtime.topo
-    state.reset_runtime()
-    state.restored = (saved.get("layout"), saved.get("origin"))
-    state.options = options
-    _load_components(state, saved)
-    if state.variants:
-        merge_call_counters(state)  # a checkpoint of one counter per width
-    version = saved.get("codec_version", CODEC_VERSION)
-    if version != CODEC_VERSION:
-        start_afresh(state, f"it was saved by codec version {version}, this hhook's is {CODEC_VERSION}")
-    if topo is not None:
-        adopt_layout(state, topo)
+    def load_state_dict(self, saved: dict, *, announce: bool = True) -> None:
+        """Continue from :meth:`state_dict` (or an older hhook's pickled state): options,
+        counters and per-key state are replaced (``announce``: one log line names the
+        options that change); the state's process group and the model
+        :func:`hhook.register` gave it stay. The next exchange runs the options handshake
+        again (:mod:`hhook.schedule.handshake`): ranks that loaded checkpoints of other
+        options raise :class:`~hhook.errors.ConfigMismatchError` there, on every rank.
+        Per-key state that cannot describe this run starts afresh with one log line: a
+        checkpoint of another node layout or world size (compared when the layout is
+        found, or now if it is known) or of another codec version; another rank's
+        residuals. A component missing from ``saved`` (saved before it existed) keeps its
+        value. A malformed ``saved`` (a field of the wrong type, range or shape) raises
+        ``ValueError`` naming the field and changes nothing (:mod:`~hhook.state.validate`)."""
+        checked(saved, self.options, self.decision)  # the whole of it, before any change
+        options = Options(**{name: saved.get(name, getattr(self.options, name)) for name in NAMES})  # before any change
+        changed = [f"{name} {getattr(self.options, name)!r} -> {getattr(options, name)!r}" for name in NAMES
+                   if getattr(options, name) != getattr(self.options, name)]
+        if changed and announce:
+            logger.warning("hhook: the checkpoint's THC options replace this state's: %s", ", ".join(changed))
+        topo = self.runtime.topo
+        self.reset_runtime()
+        self.restored = (saved.get("layout"), saved.get("origin"))
+        self.options = options
+        version = saved.get("codec_version", 0)  # 0: saved before hhook recorded its codec's version
+        if version != CODEC_VERSION:  # nothing computed with other bits is loaded (its parts not either)
+            saved = {k: v for k, v in saved.items() if k not in ("policies", "inter", "decision", "variants")}
+            start_afresh(self, f"it was saved by codec version {version}, this hhook's is {CODEC_VERSION}: the same "
+                         "words decode to other bits")
+        _load_components(self, saved)
+        if self.variants:
+            merge_call_counters(self)  # a checkpoint of one counter per width
+        if topo is not None:
+            adopt_layout(self, topo)
+
+    def __setstate__(self, saved: dict) -> None:
+        """Every slot at its default, then :meth:`load_state_dict` of what ``__getstate__``
+        returned, or of the dict an hhook before ``state_dict()`` pickled (its live
+        objects included)."""
+        type(self).__init__(self)
+        if "format" not in saved:
+            if saved.get("scales", "auto") == "auto":  # saved before there was a choice, or with "auto"
+                saved["scales"] = "agreed"
+            saved.setdefault("chunk_mb", 0)  # saved before tensors were split
+            saved.setdefault("rounding", "independent")  # saved before there was a choice: what it ran
+            if "residuals" in saved or "predicted" in saved:
+                saved.pop("residuals", None)
+                saved.pop("predicted", None)
+                logger.warning("hhook: a THCState saved by an older hhook: its residuals and predicted scales "
+                               "start afresh")
+        self.load_state_dict(saved, announce=False)
+
+    def node_layout(self) -> Topology:
+        """The node layout of ``process_group`` under the ``topology`` option, found once.
+        The first call (on every rank, at the same point of the program: it may create
+        process groups) runs :func:`~hhook.schedule.topology.detect_topology` (one small
+        all-gather, also for ``"flat"``, so ranks that disagree fail together) and
+        :func:`adopt_layout`. Raises :class:`~hhook.schedule.topology.TopologyError` on
+        every rank alike."""
+        if self.runtime.topo is None:
+            if not dist.is_initialized():
+                raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")
+            adopt_layout(self, detect_topology(self.process_group, ranks_per_node=self.options.topology))
+        return self.runtime.topo
 
 
 def _load_components(state, saved: dict) -> None:
     if "policies" in saved:
         state.keys = KeyStore.from_saved(saved["policies"])
-    for name in ("iter", "calls"):
-        if name in saved:
-            setattr(state, name, saved[name])
+    if "iter" in saved:
+        state.iter = saved["iter"]
     for key, slot in (("_stats", "counters"), ("_intra", "intra_counters")):
         if key in saved:  # counters load in place; an older hhook pickled the object itself
             if isinstance(saved[key], Counters):
                 setattr(state, slot, saved[key])
             else:
                 getattr(state, slot).load_state_dict(saved[key])
+    if "calls" in saved:
+        state.counters.calls = saved["calls"]
     if "inter" in saved:
         inter = saved["inter"]
         state.inter = loaded(type(state), inter) if isinstance(inter, dict) else inter
@@ -122,29 +158,11 @@ def _load_components(state, saved: dict) -> None:
                           for bits, width in saved["variants"].items()}
 
 
-def load_pickled(state, saved: dict) -> None:
-    """``THCState.__setstate__``: every slot at its default, then :func:`load` of what
-    ``__getstate__`` returned, or of the dict an hhook before ``state_dict()`` pickled
-    (its live objects included)."""
-    type(state).__init__(state)
-    if "format" not in saved:
-        if saved.get("scales", "auto") == "auto":  # saved before there was a choice, or with "auto"
-            saved["scales"] = "agreed"
-        saved.setdefault("chunk_mb", 0)  # saved before tensors were split
-        saved.setdefault("rounding", "independent")  # saved before there was a choice: what it ran
-        if "residuals" in saved or "predicted" in saved:
-            saved.pop("residuals", None)
-            saved.pop("predicted", None)
-            logger.warning("hhook: a THCState saved by an older hhook: its residuals and predicted scales "
-                           "start afresh")
-    load(state, saved, announce=False)
-
-
 def loaded(cls, saved: dict):
-    """A state built from a :func:`state_dict` (a component: not reported idle)."""
+    """A state built from a :meth:`~Checkpointed.state_dict` (a component: not reported idle)."""
     state = cls()
     report.covered_by_parent(state)
-    load(state, saved, announce=False)
+    state.load_state_dict(saved, announce=False)
     return state
 
 
@@ -156,13 +174,13 @@ def merge_call_counters(state) -> None:
                            (state.inter, [v.inter for v in state.variants.values() if v.inter is not None])):
         if parent is None or not widths:
             continue
-        parent.calls = max([parent.calls] + [w.calls for w in widths])
+        parent.counters.calls = max([parent.counters.calls] + [w.counters.calls for w in widths])
         for w in widths:
-            w.calls = 0
+            w.counters.calls = 0
 
 
 def adopt_layout(state, topo: Topology) -> None:
-    """Use ``topo`` as ``state``'s node layout (:meth:`THCState.node_layout` finds it):
+    """Use ``topo`` as ``state``'s node layout (:meth:`Checkpointed.node_layout` finds it):
     compare it with a checkpoint's layout and rank, build or reattach ``state.inter``.
 
     A checkpoint of another layout (another world size: an elastic restart with fewer
@@ -181,29 +199,13 @@ def adopt_layout(state, topo: Topology) -> None:
     state.restored = (None, None)
     if topo.two_level:
         if state.inter is None:
-            bits = (auto_bits(topo.n_nodes, topo.ranks_per_node, rounding=state.rounding) if state.bits == "auto"
-                    else state.bits)
-            state.inter = type(state)(
-                topo.inter_group, bits, state.block_size, state.seed, state.error_feedback, state.start_iter,
-                state.scales, state.chunk_mb, rounding=state.rounding,
-            )
+            o = state.options
+            bits = auto_bits(topo.n_nodes, topo.ranks_per_node, rounding=o.rounding) if o.bits == "auto" else o.bits
+            state.inter = type(state)(topo.inter_group, bits, o.block_size, o.seed, o.error_feedback, o.start_iter,
+                                      o.scales, o.chunk_mb, rounding=o.rounding)
             report.covered_by_parent(state.inter)
         else:  # restored from a checkpoint of the same layout
             state.inter.process_group = topo.inter_group
     elif state.inter is not None:
         raise TopologyError("hhook: this THCState holds two-level state but the layout found is flat")
     state.runtime.topo = topo
-
-
-def node_layout(state) -> Topology:
-    """:meth:`THCState.node_layout`: the node layout of ``process_group`` under the
-    ``topology`` option, found once. The first call (on every rank, at the same point of
-    the program: it may create process groups) runs
-    :func:`~hhook.schedule.topology.detect_topology` (one small all-gather, also for
-    ``"flat"``, so ranks that disagree fail together) and :func:`adopt_layout`. Raises
-    :class:`~hhook.schedule.topology.TopologyError` on every rank alike."""
-    if state.runtime.topo is None:
-        if not dist.is_initialized():
-            raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")
-        adopt_layout(state, detect_topology(state.process_group, ranks_per_node=state.topology))
-    return state.runtime.topo

@@ -51,7 +51,9 @@ class KeyStore:
         return dropped
 
     def state_dict(self) -> dict:
-        return {name: policy.state_dict() for name, policy in self.policies.items()}
+        """The policies that hold keys (one made for a context that never sent a tensor,
+        e.g. a two-level or ``bits="auto"`` parent's, is not saved: it carries nothing)."""
+        return {name: policy.state_dict() for name, policy in self.policies.items() if policy.keys}
 
     @classmethod
     def from_saved(cls, saved: dict) -> "KeyStore":

@@ -1,9 +1,10 @@
 r"""THCState's options: validated once, immutable, and the fingerprint every rank compares.
 
-Every option that changes the bits on the wire, which collectives run, in what order or
-with what lengths is folded into :meth:`Options.fingerprint`, which the options
-handshake MAX-reduces over the group and every message carries: ranks built with
-different options raise :class:`~hhook.errors.ConfigMismatchError` together.
+Every option is a field of the options handshake (:meth:`Options.fields`,
+:mod:`hhook.schedule.handshake`): ranks built with different options raise
+:class:`~hhook.errors.ConfigMismatchError` together, naming each option that differs
+with each rank's value. Those that change which collectives run, in what order or with
+what lengths are also folded into every message's fingerprint (:meth:`Options.config_id`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
-
-from ..codec import THCCodec, rng
+from ..codec import CODEC_VERSION, THCCodec, rng
 from ..codec.error_model import auto_bits
 
 #: The scale policies (:mod:`hhook.scales`): agree on each step's maxima (two
@@ -85,39 +84,34 @@ class Options:
             return self.bits
         return auto_bits(world_size, rounding=self.rounding)
 
-    def chunks(self, numel: int, device: torch.device) -> list[tuple[int, int]]:
-        """``[(start, stop), ...]``: the pieces of a flat tensor that travel separately.
+    def piece_limit(self) -> tuple[int, int]:
+        """The most elements of a piece that travels on its own (a tensor above it goes in
+        equal pieces of whole blocks, :func:`hhook.schedule.context.pieces`), on the CPU and
+        elsewhere; 0: tensors travel whole. ``chunk_mb="auto"``: :data:`DEFAULT_CHUNK_MB`
+        on the CPU, whole tensors on GPUs."""
+        def limit(chunk_mb) -> int:
+            return int(chunk_mb * 2**20) // 4
 
-        Equal pieces of whole codec blocks (the last one takes the remainder), at most
-        ``chunk_mb`` each (but at least a block); one piece when the tensor is smaller or
-        splitting is off.
-        """
-        chunk_mb = self.chunk_mb
-        if chunk_mb == "auto":
-            chunk_mb = DEFAULT_CHUNK_MB if device.type == "cpu" else 0
-        limit = int(chunk_mb * 2**20) // 4
-        if limit <= 0 or numel <= limit:
-            return [(0, numel)]
-        blocks = -(-numel // self.block_size)
-        pieces = -(-blocks // max(1, limit // self.block_size))
-        step = -(-blocks // pieces) * self.block_size
-        return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+        if self.chunk_mb == "auto":
+            return limit(DEFAULT_CHUNK_MB), 0
+        return limit(self.chunk_mb), limit(self.chunk_mb)
 
-    def config_id(self, decision=None) -> int:
+    def config_id(self) -> int:
         """A hash of every option that changes which collectives run, in what order or
-        with what lengths: part of the handshake and of every message's fingerprint.
-        ``decision``: ``bits="auto"``'s, whose options decide between exchanges."""
+        with what lengths: part of every message's fingerprint. (What ``bits="auto"``'s
+        decision measures is compared by the registration's handshake and the decision's
+        own checks, :mod:`hhook.decision`.)"""
         h = rng.mix32(0x53434844)
         chunk = -1 if self.chunk_mb == "auto" else int(round(self.chunk_mb * 1024))
         topology = {"flat": 0, "auto": 1}.get(self.topology, 2 + (self.topology if isinstance(self.topology, int) else 0))
-        auto = 0 if self.bits != "auto" else 1 + (decision.options_digest() if hasattr(decision, "options_digest") else 0)
+        auto = 0 if self.bits != "auto" else 1
         for value in (SCALE_MODES.index(self.scales), chunk & rng.MASK32, self.start_iter, int(self.error_feedback),
                       topology & rng.MASK32, auto & rng.MASK32):
             h = rng.mix32(h ^ value)
         return h
 
-    def fingerprint(self, world_size: int, decision=None) -> tuple[float, THCCodec]:
-        """The handshake's value over ``world_size`` ranks, 24 bits (exact in float32), of
-        the codec's configuration and :meth:`config_id`; and that codec."""
-        codec = THCCodec(self.codec_bits(world_size), self.block_size, self.seed, world_size, self.rounding)
-        return float(rng.mix32(codec.fingerprint() ^ self.config_id(decision)) >> 8), codec
+    def fields(self) -> tuple:
+        """What the options handshake compares (:func:`hhook.schedule.handshake.agree`):
+        every option, as given (``bits="auto"`` itself, not the width it gives), and the
+        codec's version, which changes with any change of the decoded bits."""
+        return tuple((name, getattr(self, name)) for name in NAMES) + (("codec_version", CODEC_VERSION),)

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..schedule import handshake
 from ..schedule.context import CallContext, GroupRuntime
+from ..schedule.flat import flat_allreduce_async
+from ..schedule.two_level import two_level_allreduce_async
 from ..stats import Counters
-from . import checkpoint, report
+from . import report
+from .checkpoint import Checkpointed
 from .keys import KeyStore
 from .options import Options
 
@@ -22,17 +26,7 @@ def _check_group(process_group) -> None:
         raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {process_group!r}")
 
 
-def _deferred_sources(state) -> list:
-    """The (runtime, counters) pairs whose device flags ``state``'s checks read: its
-    inter-node state's, each width's (theirs first, recursively), then its own."""
-    sources = []
-    for held in (state.inter, *state.variants.values()):
-        if held is not None:
-            sources += _deferred_sources(held)
-    return sources + [(state.runtime, state.counters)]
-
-
-class THCState:
+class THCState(Checkpointed, report.Reporting):
     r"""Options, error-feedback residuals and byte counters of THC compression.
 
     Args:
@@ -76,15 +70,16 @@ class THCState:
     __module__ = "hhook.state"
 
     # options: immutable, replaced by load_state_dict; keys: residuals and predicted scales (KeyStore);
-    # runtime: the schedule's GroupRuntime, never saved; restored: the (layout, origin) a loaded checkpoint
-    # was saved with, until the layout is found; counters (two-level: over the whole group) and
-    # intra_counters (inside the node); iter: DDP iterations; calls: the counter of rounding streams;
-    # inter: two-level, the state of this rank's shard between nodes; bits="auto" (hhook.decision): the
-    # decision (plain data until the hook restores it), its clock (prober, never saved), the widths'
-    # states (variants, sharing counters and runtime; calls_from: the state whose calls they draw);
-    # registration: what hhook.register learnt of the DDP model (hhook.ddp_hook).
-    __slots__ = ("process_group", "options", "keys", "runtime", "restored", "counters", "intra_counters", "iter",
-                 "calls", "inter", "decision", "prober", "variants", "calls_from", "registration", "__weakref__")
+    # runtime: the schedule's GroupRuntime of process_group, runtimes: of other groups (FSDP's shard groups),
+    # contexts: (group, mode) -> the CallContext made of them ((None, None): its own group, in its scales mode;
+    # never saved); restored: the (layout, origin) a loaded checkpoint
+    # was saved with, until the layout is found; counters (two-level: over the whole group; with the number of
+    # the next call) and intra_counters (inside the node); iter: DDP iterations; inter: two-level, the state of
+    # this rank's shard between nodes; bits="auto" (hhook.decision): the decision (plain data until the hook
+    # restores it), its clock (prober, never saved), the widths' states (variants, sharing counters and
+    # runtime); registration: what hhook.register learnt of the DDP model (hhook.ddp_hook).
+    __slots__ = ("process_group", "options", "keys", "runtime", "runtimes", "contexts", "restored", "counters",
+                 "intra_counters", "iter", "inter", "decision", "prober", "variants", "registration", "__weakref__")
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, bits: int = 4, block_size: int = 1024,
                  seed: int = 0, error_feedback: bool = False, start_iter: int = 2, scales: str = "agreed",
@@ -94,20 +89,10 @@ class THCState:
         self.process_group = process_group
         self.keys, self.variants = KeyStore(), {}
         self.counters, self.intra_counters = Counters(), Counters()
-        self.iter = self.calls = 0
+        self.iter = 0
         self.inter = self.decision = self.registration = None
         self.reset_runtime()
         report.LIVE.add(self)
-
-    bits = property(lambda self: self.options.bits)
-    block_size = property(lambda self: self.options.block_size)
-    seed = property(lambda self: self.options.seed)
-    error_feedback = property(lambda self: self.options.error_feedback)
-    start_iter = property(lambda self: self.options.start_iter)
-    scales = property(lambda self: self.options.scales)
-    chunk_mb = property(lambda self: self.options.chunk_mb)
-    topology = property(lambda self: self.options.topology)
-    rounding = property(lambda self: self.options.rounding)
 
     @classmethod
     def validate(cls, process_group=None, **options) -> None:
@@ -116,22 +101,12 @@ class THCState:
         _check_group(process_group)
 
     def reset_runtime(self) -> None:
-        """Forget the transport pieces (a new group, or a loaded checkpoint): they are
-        built again on first use."""
-        self.runtime = GroupRuntime()
+        """Forget the transport pieces and the contexts made of them (a new group, or a
+        loaded checkpoint): they are built again, and the handshake runs again, at the
+        next exchange."""
+        self.runtime, self.runtimes, self.contexts = GroupRuntime(), {}, {}
         self.restored = (None, None)
         self.prober = None  # hhook.decision.Prober: the clock and the reductions in flight
-        self.calls_from = None
-
-    # -- checkpoints, node layout and statistics: one implementation each, in checkpoint and report
-    state_dict = checkpoint.state_dict
-    load_state_dict = checkpoint.load_state_dict
-    __getstate__ = checkpoint.state_dict  # as PowerSGDState: the process group is not pickled
-    __setstate__ = checkpoint.load_pickled
-    stats = report.stats
-    warn_if_idle = report.warn_if_idle
-    check_deferred = report.check_deferred
-    node_layout = checkpoint.node_layout
 
     def reset_stats(self) -> None:
         self.counters.reset()
@@ -139,15 +114,11 @@ class THCState:
         if self.inter is not None:
             self.inter.reset_stats()
 
-    # -- what the schedules are given -------------------------------------------------
-    rank = property(lambda self: dist.get_rank(self.process_group))
-    world_size = property(lambda self: dist.get_world_size(self.process_group))
-
     def codec_bits(self, world_size: int | None = None) -> int:
         """The bits the codec uses over ``world_size`` ranks (default: this group's; a
         two-level state's shards use the inter-node state's, sized for the node count)."""
-        if world_size is None and self.bits == "auto":
-            world_size = self.world_size
+        if world_size is None and self.options.bits == "auto":
+            world_size = dist.get_world_size(self.process_group)
         return self.options.codec_bits(world_size)
 
     def policy(self, mode: str, world_size: int | None = None):
@@ -156,26 +127,44 @@ class THCState:
         reduce-scatter passes its own group's, which ``bits="auto"`` sizes for)."""
         return self.keys.policy(self.options, mode, self.codec_bits(world_size), self.codec_bits())
 
-    def next_call(self) -> int:
-        """A number no earlier call of this rank had (it selects the rounding stream); a
-        ``bits="auto"`` width takes it from its parent's counter (:mod:`hhook.decision.widths`)."""
-        owner = self if self.calls_from is None else self.calls_from
-        owner.calls += 1
-        return owner.calls - 1
+    def agree(self, group=None, runs: str | None = None, extra: tuple = ()) -> None:
+        """The options handshake of this state on ``group`` (default: its own), once per
+        group, and again after :meth:`load_state_dict` (:func:`hhook.schedule.handshake.agree`:
+        every option, the codec's version, ``runs``, what runs, and ``extra`` fields);
+        blocking, on every rank. Raises :class:`~hhook.errors.ConfigMismatchError` on every
+        rank where they differ, or where a rank never reaches it."""
+        runtime = self.runtime if group is None else self.runtimes.setdefault(group, GroupRuntime())
+        if runtime.agreed:
+            return
+        if not dist.is_initialized():
+            raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")
+        fields = self.options.fields() + ((("runs", runs),) if runs else ()) + tuple(extra)
+        handshake.agree(self.process_group if group is None else group, fields, self.counters)
+        runtime.agreed = True
 
-    def context(self, mode: str | None = None, world_size: int | None = None) -> CallContext:
-        """What a schedule may use of this state for one call (a :class:`CallContext`): its
-        group and runtime, counters, the policy of ``mode`` (default: ``scales``) sized for
-        ``world_size`` ranks (default: the group's), call counter, options hash and
-        fingerprint, deferred checks, node layout and its ``inter`` state's context."""
-        options = self.options
+    def context(self, group=None, mode: str | None = None) -> CallContext:
+        """What a schedule may use of this state for its calls on ``group`` (default: its
+        own, with its node layout) in scale ``mode`` (default: ``scales``): a
+        :class:`~hhook.schedule.context.CallContext` of plain data, made once per group,
+        mode and configuration (after the options handshake and the node layout, on every
+        rank, at the first exchange) and kept in :attr:`contexts` until a checkpoint is
+        loaded (:meth:`reset_runtime`)."""
+        ctx = self.contexts.get((group, mode))
+        if ctx is None:
+            self.agree(group)
+            if group is None:
+                self.node_layout()
+            ctx = self.contexts[(group, mode)] = self._made(group, mode)
+        return ctx
 
-        def fingerprint(world: int):
-            f, codec = options.fingerprint(world, self.decision)
-            return f, f"{options.describe()} (codec {codec.describe()})"
-
+    def _made(self, group, mode: str | None) -> CallContext:
+        pg = self.process_group if group is None else group
+        world, options = dist.get_world_size(pg), self.options
+        topo = self.runtime.topo if group is None else None
+        two_level = topo is not None and topo.two_level
         return CallContext(
-            self.process_group, self.runtime, self.counters, self.intra_counters,
-            lambda: self.policy(options.scales if mode is None else mode, world_size), options.chunks,
-            self.next_call, lambda: options.config_id(self.decision), fingerprint, _deferred_sources(self),
-            self.node_layout, lambda: self.inter.context())
+            pg, dist.get_rank(pg), world, self.runtime if group is None else self.runtimes[group], self.counters,
+            None if two_level else self.policy(options.scales if mode is None else mode, None if group is None else world),
+            options.piece_limit(), options.block_size, options.config_id(), options.fields(),
+            report.deferred_sources(self), two_level_allreduce_async if two_level else flat_allreduce_async,
+            self.intra_counters, topo, self.inter._made(None, None) if two_level else None)

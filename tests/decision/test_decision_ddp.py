@@ -116,7 +116,7 @@ def _ddp_worker(rank, world, scales, compiled):
     model = Net()
     ddp = DDP(model)
     state = hhook.register(ddp, scales=scales)
-    assert state.bits == "auto" and state.decision is not None
+    assert state.options.bits == "auto" and state.decision is not None
     state.prober = Prober(FakeClock(scale))
     res = _train(rank, world, state, steps=40, scale=scale, compiled=compiled)
     out["methods"] = res["methods"]
@@ -307,7 +307,7 @@ def _switch_worker(rank, world):
     residual = width.keys.policies["agreed"].keys[0].residual.clone()
     target = torch.zeros(5000)
     release_other_widths(state, 0, target, keep=None)  # the next exchange of key 0 is another method
-    expected = rotation.unrotate(residual, width.seed).reshape(-1)[:5000]
+    expected = rotation.unrotate(residual, width.options.seed).reshape(-1)[:5000]
     return target, expected, 0 in width.keys.policies["agreed"].keys
 
 
@@ -341,7 +341,7 @@ def _stream_worker(rank, world, scales, topology):
         _train(rank, world, fixed, steps=6)
     finally:
         codec_module.THCCodec.stream = original
-    index = fixed.inter.rank if fixed.inter is not None else rank
+    index = dist.get_rank(fixed.inter.process_group) if fixed.inter is not None else rank
     return {"auto": auto, "fixed": list(drawn), "methods": res["methods"], "index": index,
             "expected_fixed": [rng.stream_key(0, index, c) for c in range(len(drawn))]}
 
@@ -369,11 +369,11 @@ def test_a_checkpoint_with_one_call_counter_per_width_continues_above_all():
     old = hhook.THCState(bits="auto")
     for bits, calls in ((5, 7), (4, 3)):
         old.variants[bits] = hhook.THCState(bits=bits)
-        old.variants[bits].calls = calls
-    old.calls = 2
+        old.variants[bits].counters.calls = calls
+    old.counters.calls = 2
     loaded = hhook.THCState(bits="auto")
     loaded.load_state_dict(old.state_dict())
-    assert loaded.calls == 7 and all(v.calls == 0 for v in loaded.variants.values())
+    assert loaded.counters.calls == 7 and all(v.counters.calls == 0 for v in loaded.variants.values())
 
 
 # -- state_dict() on some ranks, at any time --------------------------------------------

@@ -174,7 +174,7 @@ def _checkpoint_worker(rank, world, scales):
     carried = _carried(state)
     residuals = sum(v[0] is not None for v in carried.values())
     predicted = sum(v[1] is not None for v in carried.values())
-    restored = loaded.iter == state.iter and loaded.calls == state.calls and _same_carried(carried, _carried(loaded))
+    restored = loaded.iter == state.iter and loaded.counters.calls == state.counters.calls and _same_carried(carried, _carried(loaded))
     # Both continue from the same point: the saved state must go on bit for bit like the live one.
     _, live = _train(rank, "default", state, model_state=saved["model"], steps=5)
     loss, resumed = _train(rank, "default", loaded, model_state=saved["model"], steps=5)
@@ -199,7 +199,7 @@ def _register_worker(rank, world):
         for _ in range(2):
             ddp(torch.randn(8, 32)).sum().backward()
         s = state.stats()
-        out.append((state.bits, s["compressed_calls"], s["dense_calls"]))
+        out.append((state.options.bits, s["compressed_calls"], s["dense_calls"]))
     return out
 
 

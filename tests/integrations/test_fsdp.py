@@ -79,7 +79,8 @@ def test_matches_plain_fsdp(world, reduce_dtype, reshard):
                 assert torch.equal(a, b)
         s = out["stats"]
         assert s["compressed_calls"] == 2 and s["dense_bytes"] == 4 * sum(_rs_numels(world)) * world
-        assert s["wire_bytes"] == sum(_wire_bytes(n, world, 8) for n in _rs_numels(world))
+        # the options handshake, once per shard group at registration (8 bytes), then each comm's call
+        assert s["wire_bytes"] == 8 + sum(_wire_bytes(n, world, 8) for n in _rs_numels(world))
 
 
 def _rs_numels(world, out=5):
@@ -89,15 +90,15 @@ def _rs_numels(world, out=5):
 
 
 def _wire_bytes(n, world, bits):
-    """What one comm hands to collectives for one call with output numel ``n``: the
-    one-time handshake (2 floats), every chunk's scale vector, every chunk's message."""
+    """What one comm hands to collectives for one call with output numel ``n``: every
+    chunk's scale vector, every chunk's message."""
     from hhook.codec import THCCodec
     from hhook.codec.layout import HEADER
     from hhook.scales.message import PREFIX
 
     codec = THCCodec(bits, 1024, 0, world)
     word = codec.layout.word_bits // 8
-    return 8 + world * (4 * (HEADER + codec.n_blocks(n)) + word * (PREFIX + codec.words_numel(n)))
+    return world * (4 * (HEADER + codec.n_blocks(n)) + word * (PREFIX + codec.words_numel(n)))
 
 
 def _nonfinite(rank, world):
@@ -123,11 +124,11 @@ def _mismatch(rank, world):
     from hhook.errors import ConfigMismatchError
 
     model = _shard(_model())
-    hhook.fsdp.register(model, bits=4 if rank == 0 else 5)
     try:
+        hhook.fsdp.register(model, bits=4 if rank == 0 else 5)  # the handshake, per shard group
         _step(model, torch.randn(8, 6), torch.randn(8, 5))
-    except ConfigMismatchError:
-        return "raised"
+    except ConfigMismatchError as e:
+        return "raised" if "bits: 4 on rank 0, 5 on rank 1" in str(e) else str(e)
     return "ok"
 
 
@@ -437,6 +438,7 @@ def _messages(rank, world):
     import hhook.codec
     from hhook.fsdp import THCReduceScatter
     from hhook.scales.message import PREFIX
+    from hhook.schedule import reduce_scatter as schedule
     from hhook.state import THCState
 
     state = THCState(bits=4)
@@ -444,8 +446,8 @@ def _messages(rank, world):
     group = dist.group.WORLD
     n = 5000
     torch.manual_seed(rank)
-    seen, alive = [], []
-    real_rs, real_prepare = dist.reduce_scatter_tensor, hhook.codec.THCCodec.prepare
+    seen, alive = [], []  # the schedule's reduce-scatter, whichever name torch gives it
+    real_rs, real_prepare = schedule.reduce_scatter_flat, hhook.codec.THCCodec.prepare
 
     def capture(output, input, *args, **kwargs):
         work = real_rs(output, input, *args, **kwargs)
@@ -460,13 +462,13 @@ def _messages(rank, world):
         return prepared
 
     seen_alive = []
-    dist.reduce_scatter_tensor, hhook.codec.THCCodec.prepare = capture, tracked
+    schedule.reduce_scatter_flat, hhook.codec.THCCodec.prepare = capture, tracked
     try:
         out = torch.empty(n)
         for _ in range(3):
             comm(out, torch.randn(world * n), group, dist.ReduceOp.SUM)
     finally:
-        dist.reduce_scatter_tensor, hhook.codec.THCCodec.prepare = real_rs, real_prepare
+        schedule.reduce_scatter_flat, hhook.codec.THCCodec.prepare = real_rs, real_prepare
     keys = sorted(state.policy("agreed").keys)
     return [p[:2].tolist() for p in seen], max(seen_alive), keys
 
@@ -523,8 +525,12 @@ def _message_mismatch(rank, world):
     from hhook.errors import ConfigMismatchError
     from hhook.state import THCState
 
-    comm = THCReduceScatter(THCState(bits=4, seed=rank), "x", None)  # differing rotation seeds
-    comm._verified.add((id(dist.group.WORLD), "cpu"))  # skip the handshake: the messages must catch it
+    from hhook.schedule.context import GroupRuntime
+
+    state = THCState(bits=4, seed=rank)  # differing rotation seeds
+    comm = THCReduceScatter(state, "x", None)
+    state.runtimes[dist.group.WORLD] = GroupRuntime()
+    state.runtimes[dist.group.WORLD].agreed = True  # skip the handshake: the messages must catch it
     try:
         comm(torch.empty(3000), torch.randn(world * 3000), dist.group.WORLD, dist.ReduceOp.SUM)
     except ConfigMismatchError:

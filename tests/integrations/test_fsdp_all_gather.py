@@ -294,14 +294,15 @@ def _mismatch(rank, world, what):
     from hhook.fsdp import AllGatherOptions
     from hhook.errors import ConfigMismatchError
 
-    options = {"bits": dict(bits=8 if rank == 0 else 6), "rotate": dict(rotate=rank == 0),
-               "min_numel": dict(min_numel=4096 if rank else 5000), "seed": dict(seed=rank)}[what]
+    values = {"bits": (8, 6), "rotate": (True, False), "min_numel": (5000, 4096), "seed": (0, 1)}[what]
     model = _shard(_model())
     try:  # at registration: a blocking handshake on every shard group
-        hhook.fsdp.register(model, bits=8, all_gather=AllGatherOptions(**options))
+        hhook.fsdp.register(model, bits=8, all_gather=AllGatherOptions(**{what: values[rank]}))
     except ConfigMismatchError as e:
         changed = type(param_group(model[0])._reduce_scatter_comm).__name__
-        return "raised" if "all-gather" in str(e) and changed == "DefaultReduceScatter" else str(e)
+        # the all-gather's option (ag_...) with each rank's value; registration left FSDP's comms alone
+        named = f"ag_{what}: {values[0]} on rank 0, {values[1]} on rank 1" in str(e)
+        return "raised" if named and changed == "DefaultReduceScatter" else str(e)
     return "ok"
 
 

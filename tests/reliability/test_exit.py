@@ -62,7 +62,7 @@ def _end_from_a_worker_thread(rank, world):
 
     state = hhook.THCState(bits=4)
     hhook.thc_allreduce(torch.randn(5000), state, key="a")
-    second = state.runtime.second_group(torch.device("cpu"))
+    second = state.runtime.second["cpu"]
     seen = {}
     done = threading.Event()
 

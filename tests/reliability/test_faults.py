@@ -298,9 +298,9 @@ def _subgroup_timeout_worker(rank, world, scales):
         return None
     state = hhook.THCState(sub, bits=4, scales=scales)
     hhook.thc_allreduce(torch.randn(4000) * (0.0 if rank == 1 else 1.0), state)  # builds the second communicator
-    second = state.runtime.second_group(torch.device("cpu"))
-    out = {"second_timeout": second.timeout.total_seconds(), "world_second": timeout_of(both.runtime.second_group(
-        torch.device("cpu"))).total_seconds()}
+    second = state.runtime.second["cpu"]
+    out = {"second_timeout": second.timeout.total_seconds(), "world_second": timeout_of(both.runtime.second[
+        "cpu"]).total_seconds()}
     if rank == 1:
         time.sleep(8)  # stalls: never joins the SUM below
         return out

@@ -56,19 +56,25 @@ def test_tensors_in_pieces_neither_deadlock_nor_reorder(scales):
         assert max(errors) < 0.35
 
 
+def _pieces(state, numel, device):
+    from hhook.schedule.flat import pieces
+
+    return pieces(numel, device, state.options.piece_limit(), state.options.block_size)
+
+
 def test_pieces_are_whole_blocks_and_cover_the_tensor():
     state = hhook.THCState(block_size=1024, chunk_mb=0.02)  # at most 5242 floats a piece
     cpu = torch.device("cpu")
     for numel in (1, 1024, 5242, 5243, 30000, 1 << 20):
-        pieces = state.options.chunks(numel, cpu)
+        pieces = _pieces(state, numel, cpu)
         assert pieces[0][0] == 0 and pieces[-1][1] == numel
         assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
         assert all(stop - start <= 5242 and start % 1024 == 0 for start, stop in pieces)
         assert len(pieces) == (1 if numel <= 5242 else -(-numel // 5120))  # as few as whole blocks allow
-    assert hhook.THCState(chunk_mb=0).options.chunks(1 << 30, cpu) == [(0, 1 << 30)]
+    assert _pieces(hhook.THCState(chunk_mb=0), 1 << 30, cpu) == [(0, 1 << 30)]
     auto = hhook.THCState()
-    assert len(auto.options.chunks(25 * 2**20 // 4, cpu)) == 3 and len(auto.options.chunks(5_000_000, cpu)) == 2
-    assert auto.options.chunks(25 * 2**20 // 4, torch.device("cuda", 0)) == [(0, 25 * 2**20 // 4)]
+    assert len(_pieces(auto, 25 * 2**20 // 4, cpu)) == 3 and len(_pieces(auto, 5_000_000, cpu)) == 2
+    assert _pieces(auto, 25 * 2**20 // 4, torch.device("cuda", 0)) == [(0, 25 * 2**20 // 4)]
 
 
 def _pieces_worker(rank, world, scales):
@@ -191,9 +197,9 @@ def test_bad_options_fail_at_construction(option, value):
 
 def test_agreed_scales_are_the_default_everywhere():
     state = hhook.THCState()
-    assert state.scales == "agreed"
-    assert hhook.THCState(scales="auto").scales == "agreed"  # the former default's name
-    assert hhook.THCState(scales="predicted").scales == "predicted"
+    assert state.options.scales == "agreed"
+    assert hhook.THCState(scales="auto").options.scales == "agreed"  # the former default's name
+    assert hhook.THCState(scales="predicted").options.scales == "predicted"
 
 
 def test_tensors_hhook_cannot_average_in_place_are_refused_plainly():
@@ -217,7 +223,8 @@ def _mismatch_worker(rank, world, scales):
 
 @pytest.mark.parametrize("scales", MODES)
 def test_length_mismatch_raises_on_every_rank(scales):
-    assert all(msg and "disagree" in msg for msg in run_world(_mismatch_worker, 2, scales))
+    """Found by the call's check before any payload (the messages' fingerprints would, too)."""
+    assert all(msg and "numel: 5000 on rank 0, 5001 on rank 1" in msg for msg in run_world(_mismatch_worker, 2, scales))
 
 
 def _nonfinite_worker(rank, world, scales):

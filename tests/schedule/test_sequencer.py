@@ -1,4 +1,4 @@
-"""hhook.schedule.sequencer.Sequencer: launches in ticket order, from any thread, without deadlocks.
+"""hhook.schedule.futures.Sequencer: launches in ticket order, from any thread, without deadlocks.
 
 A deadlock would hang the suite, so every scenario that could deadlock runs in a daemon
 thread and fails after a timeout instead.
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from hhook.schedule.sequencer import Sequencer
+from hhook.schedule.futures import Sequencer
 
 TIMEOUT = 10.0
 
@@ -112,7 +112,7 @@ def test_a_raising_callback_does_not_stall_later_tickets_and_is_raised_and_logge
 
     seq.launch(t2, broken)
     seq.launch(t3, lambda: ran.append(3))
-    with caplog.at_level(logging.ERROR, logger="hhook.schedule.sequencer"):
+    with caplog.at_level(logging.ERROR, logger="hhook.schedule.futures"):
         with pytest.raises(RuntimeError, match="boom"):
             _within(lambda: seq.launch(t0, lambda: ran.append(0)))
     assert ran == [0, 1, 3]  # ticket 3 ran although ticket 2 raised

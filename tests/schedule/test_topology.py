@@ -9,10 +9,8 @@ import torch.distributed as dist
 
 import hhook
 from hhook.simulation import heavy_tailed, simulate_allreduce, simulate_two_level, vnmse
-from hhook.stats import Counters, two_level_stats
 from hhook.codec.error_model import auto_bits, predicted_vnmse, wire_bits_per_coord
 from hhook.schedule.topology import TopologyError, detect_topology, layout_fingerprint, local_record, plan_layout
-from hhook.schedule.two_level import two_level_allreduce, two_level_allreduce_async
 
 from tests.support.distributed import run_world
 
@@ -142,42 +140,41 @@ def _two_level_world(rank, world, intra):
         dist.all_reduce(x, group=after)
     out["own_groups"] = x.tolist()
 
-    inter = hhook.THCState(process_group=topo.inter_group, bits=4)
-    intra = Counters()
+    state = _state_on(topo, bits=4)
     # 1. the mean within quantization error, the same bits on every rank
     inputs = _inputs(world)
     t = inputs[rank].clone()
-    two_level_allreduce(t, topo, inter, key="a", intra_stats=intra)
+    hhook.thc_allreduce(t, state, key="a")
     out["vnmse"] = vnmse(t, inputs)
     out["result"] = t
     # flat THC over the 4 ranks for comparison
     flat = inputs[rank].clone()
     hhook.thc_allreduce(flat, hhook.THCState(bits=4), key="flat")
     out["vnmse_flat"] = vnmse(flat, inputs)
-    s = two_level_stats(inter.stats(), intra)
+    s = state.stats()
     out["stats"] = {k: s[k] for k in ("dense_bytes", "intra_wire_bytes", "inter_wire_bytes", "compressed_calls", "ratio")}
     codec2 = hhook.THCCodec(4, 1024, 0, 2)
     out["codec_bytes"] = codec2.wire_bytes(-(-D // 2))
 
     # 2. identical inputs: exact (fp32 and bf16, a shape that is not flat)
     same = inputs[0].clone()
-    two_level_allreduce(same, topo, inter, key="same")
+    hhook.thc_allreduce(same, state, key="same")
     out["identical_exact"] = torch.equal(same, inputs[0])
     bsame = inputs[0][:999].to(torch.bfloat16).reshape(27, 37)
     ref = bsame.clone()
-    two_level_allreduce(bsame, topo, inter, key="bsame")
+    hhook.thc_allreduce(bsame, state, key="bsame")
     out["identical_bf16_exact"] = torch.equal(bsame, ref)
 
     # 3. inf on one rank -> all NaN everywhere (no exception)
     y = inputs[rank].clone()
     if rank == 3:
         y[7] = float("inf")
-    two_level_allreduce(y, topo, inter, key="inf", intra_stats=intra)
+    hhook.thc_allreduce(y, state, key="inf")
     out["all_nan"] = bool(y.isnan().all())
-    out["nonfinite_calls"] = intra.snapshot()["nonfinite_calls"]
+    out["nonfinite_calls"] = state.stats()["nonfinite_calls"]
 
     # 4. 24 tensors in flight, mixed sizes and dtypes, agreed and predicted scales
-    pred = hhook.THCState(process_group=topo.inter_group, bits=4, scales="predicted")
+    pred = _state_on(topo, bits=4, scales="predicted")
     errs = []
     for step in range(2):
         futs, refs = [], []
@@ -186,8 +183,8 @@ def _two_level_world(rank, world, intra):
             xs = heavy_tailed(d, world, seed=100 + i)
             dtype = torch.bfloat16 if i % 5 == 4 else torch.float32
             mine = xs[rank].to(dtype)
-            st = pred if i % 2 else inter
-            futs.append(two_level_allreduce_async(mine, topo, st, key=("f", i)))
+            st = pred if i % 2 else state
+            futs.append(hhook.thc_allreduce_async(mine, st, key=("f", i)))
             refs.append(xs)
         for f, xs in zip(futs, refs):
             got = f.wait().float()
@@ -196,19 +193,24 @@ def _two_level_world(rank, world, intra):
 
     # 5. float64: exact plain allreduce over the world
     z = torch.arange(10, dtype=torch.float64) * (rank + 1)
-    two_level_allreduce(z, topo, inter, key="f64")
+    hhook.thc_allreduce(z, state, key="f64")
     out["f64"] = z.tolist()
 
     # 6. bad input
     try:
-        two_level_allreduce(torch.ones(4), topo, hhook.THCState(), key="bad")
-    except ValueError as e:
-        out["wrong_group"] = str(e)
-    try:
-        two_level_allreduce(torch.ones(4, requires_grad=True), topo, inter)
+        hhook.thc_allreduce(torch.ones(4, requires_grad=True), state)
     except ValueError as e:
         out["requires_grad"] = str(e)
     return out
+
+
+def _state_on(topo, **options):
+    """A THCState whose node layout is ``topo`` (found by the test, with its own records)."""
+    from hhook.state.checkpoint import adopt_layout
+
+    state = hhook.THCState(**options)
+    adopt_layout(state, topo)
+    return state
 
 
 @pytest.mark.parametrize("intra", ["shm", "collectives"])
@@ -237,8 +239,9 @@ def test_two_level_on_2_nodes_x_2(intra):
     s = r0["stats"]
     assert s["dense_bytes"] == 4 * D and s["compressed_calls"] == 1
     assert s["intra_wire_bytes"] == 4 * 2 * (-(-D // 2)) + 4 * (-(-D // 2))  # all_to_all input + gather input
-    # inter: the options handshake + one agreed round on half the tensor, lanes of 2 nodes
-    # (plus the policy's few prefix words)
+    # inter: one agreed round on half the tensor, lanes of 2 nodes, plus the policy's few
+    # prefix words, the options handshakes (the world's, the ring's), the second
+    # communicator's and the call's check
     assert 0 <= s["inter_wire_bytes"] - r0["codec_bytes"] < 128, (s, r0["codec_bytes"])
     assert s["ratio"] > 2 * 5.0  # 4 bits over 2 nodes on half the tensor: >10x fewer bytes per rank
     assert all(r["identical_exact"] and r["identical_bf16_exact"] for r in res)
@@ -246,7 +249,7 @@ def test_two_level_on_2_nodes_x_2(intra):
     # predicted scales and bf16 results add some error; a swapped tensor would be off by O(1)
     assert max(r["inflight_max_vnmse"] for r in res) < 5e-2
     assert r0["f64"] == [2.5 * i for i in range(10)]
-    assert "inter_group" in r0["wrong_group"] and "requires grad" in r0["requires_grad"]
+    assert "requires grad" in r0["requires_grad"]
 
 
 def _topology_errors(rank, world):
@@ -267,13 +270,13 @@ def _topology_errors(rank, world):
     # after the errors the world still works: a two-level allreduce on the hostname layout
     topo = detect_topology(ranks_per_node="auto", environ={}, hostname=f"n{rank % 2}")
     t = torch.full((5,), float(rank))
-    two_level_allreduce(t, topo, hhook.THCState(process_group=topo.inter_group), key="t")
+    hhook.thc_allreduce(t, _state_on(topo), key="t")
     out["mean"] = t.tolist()
     out["inter"] = dist.get_process_group_ranks(topo.inter_group)
-    # nodes with different options: the inter-node handshake fails on every rank
+    # nodes with different options: the handshake fails on every rank, naming them
     bits = 4 if rank in (0, 2) else 3  # node {0, 2} and node {1, 3} differ: both rings mismatch
     try:
-        two_level_allreduce(torch.ones(8), topo, hhook.THCState(process_group=topo.inter_group, bits=bits), key="m")
+        hhook.thc_allreduce(torch.ones(8), _state_on(topo, bits=bits), key="m")
         out["mismatch"] = "no error"
     except hhook.ConfigMismatchError as e:
         out["mismatch"] = "error: " + str(e)
@@ -290,7 +293,7 @@ def test_bad_layouts_raise_on_every_rank_and_degrade_to_flat():
         assert r["flat"] == "4 ranks, flat (topology='flat')"
         assert "one node" in r["one_node"]
         assert max(abs(v - 1.5) for v in r["mean"]) < 0.2 and r["mean"] == res[0]["mean"]
-        assert r["mismatch"].startswith("error:")
+        assert r["mismatch"].startswith("error:") and "bits: 4 on ranks [0, 2], 3 on ranks [1, 3]" in r["mismatch"]
     assert [r["inter"] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # nodes {0,2} and {1,3}
 
 

@@ -89,7 +89,7 @@ def _options_worker(rank, world, odd_ranks):
             hhook.thc_allreduce(t, state, key="w")
             out[name] = "no error"
         except hhook.ConfigMismatchError as e:
-            out[name] = "mismatch" if "different THC options" in str(e) else str(e)
+            out[name] = "mismatch" if f"{name}: " in str(e) else str(e)
         out[name + "_s"] = time.monotonic() - started
     t = torch.full((100,), float(rank))  # the group still pairs its collectives
     hhook.thc_allreduce(t, hhook.THCState(topology="auto", bits=8))
@@ -259,3 +259,36 @@ def test_files_of_a_killed_job_are_swept_at_the_next_start(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+# -- issue 52: each continuation is attached to the group whose collective it follows ----
+def _attach_groups_worker(rank, world, intra):
+    from hhook.schedule import futures, two_level
+
+    _fake_torchrun(rank)
+    os.environ["HHOOK_SHM"] = "1" if intra == "shm" else "0"
+    state = hhook.THCState(bits=8, topology="auto")
+    state.node_layout()
+    said = []
+    real = two_level.attach
+
+    def recording(fut, fn, group=futures.UNSAID):
+        said.append(futures.key_of(group))
+        return real(fut, fn, group)
+
+    two_level.attach = recording
+    try:
+        hhook.thc_allreduce(torch.randn(5000), state, key="w")
+    finally:
+        two_level.attach = real
+    return said
+
+
+@pytest.mark.parametrize("intra", ["shm", "collectives"])
+def test_two_level_continuations_are_attached_to_their_own_groups(intra):
+    """So ending one of the sub-groups (destroy_process_group(group)) waits for that
+    group's work only (hhook.schedule.teardown.quiesce)."""
+    from hhook.schedule import futures
+
+    for said in run_world(_attach_groups_worker, 4, intra, timeout=240):
+        assert len(said) == 3 and futures.UNSAID not in said, said  # scatter, between nodes, gather

@@ -114,7 +114,7 @@ def _same_world_worker(rank, world, scales, saved):
     with logged("hhook") as lines:
         state.load_state_dict(saved[rank])
         out["mode_error"] = _mean_error(state, rank, world, 22)
-    out["mode_lines"], out["mode"] = lines, state.scales
+    out["mode_lines"], out["mode"] = lines, state.options.scales
     # ranks resuming from checkpoints of different bits: ConfigMismatchError on every rank
     mine = dict(saved[rank], bits=4 if rank == 0 else 2, policies={})
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(50, 100))
@@ -155,7 +155,7 @@ def test_codec_version_rank_mode_and_bits_of_a_checkpoint(scales):
         # kept residuals (error feedback) add earlier steps' rounding errors to this mean;
         # wrong scales or lanes would be errors of order 1
         assert r["rank_error"] < 0.1 and r["mode_error"] < 0.1, (r["rank_error"], r["mode_error"])
-        assert "different THC options" in r["bits"], r["bits"]
+        assert "bits: 4 on rank 0, 2 on rank 1" in r["bits"], r["bits"]
 
 
 def test_a_truncated_checkpoint_is_an_error_never_a_state(tmp_path):

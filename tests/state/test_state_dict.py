@@ -157,7 +157,7 @@ def test_state_dict_is_plain_data():
     assert saved["policies"]["predicted"]["keys"][0]["layout"] == (((4, 5), "torch.float32"),)
     loaded = hhook.THCState()
     loaded.load_state_dict(saved)
-    assert (loaded.bits, loaded.scales, loaded.topology) == (4, "predicted", 2)
+    assert (loaded.options.bits, loaded.options.scales, loaded.options.topology) == (4, "predicted", 2)
     assert loaded.policy("predicted").keys[0].numel == 100
 
 
@@ -169,7 +169,8 @@ def test_old_pickles_still_load():
            "_intra": Counters(), "layout": None}
     state = hhook.THCState.__new__(hhook.THCState)
     state.__setstate__(old)
-    assert (state.bits, state.scales, state.chunk_mb, state.iter, state.calls) == (3, "agreed", 0, 7, 11)
+    o = state.options
+    assert (o.bits, o.scales, o.chunk_mb, state.iter, state.counters.calls) == (3, "agreed", 0, 7, 11)
     assert state.counters.snapshot()["compressed_calls"] == 5 and state.process_group is None
 
 
@@ -187,7 +188,7 @@ def test_components_with_their_own_state_dict_are_saved_through_it():
     fresh.decision = decision = Decision(["thc:4", "fp32"])
     counters = fresh.counters
     fresh.load_state_dict(saved)
-    assert fresh.counters is counters and counters.snapshot()["dense_calls"] == 1 and fresh.bits == "auto"
+    assert fresh.counters is counters and counters.snapshot()["dense_calls"] == 1 and fresh.options.bits == "auto"
     assert fresh.decision is decision and decision.plain == [0.25]
 
 

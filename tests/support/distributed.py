@@ -47,7 +47,10 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "hhook"])
 
 
-def _worker(rank, world_size, port, backend, cuda, job, environ, cwd, results):
+def _worker(rank, world_size, port, backend, cuda, job, environ, cwd, results, pg_timeout_s=None):
+    """One rank: ``pg_timeout_s`` (None: torch's default) is the default group's timeout."""
+    import datetime
+
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
@@ -57,8 +60,9 @@ def _worker(rank, world_size, port, backend, cuda, job, environ, cwd, results):
         if cuda:
             # Gloo ranks share GPU 0; NCCL refuses two ranks on one GPU, so rank r takes GPU r.
             torch.cuda.set_device(rank if backend == "nccl" else 0)
+        timeout = {} if pg_timeout_s is None else {"timeout": datetime.timedelta(seconds=pg_timeout_s)}
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **timeout
         )
         # Plain pickle copies tensors by value. The queue's own pickler would send a tensor
         # as a shared-memory handle, which dies with this process: under load the parent
@@ -120,6 +124,37 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0, backend: str =
     if errors:
         raise AssertionError("\n".join(errors))
     return [out[r] for r in range(world_size)]
+
+
+def run_outcomes(fn, world_size: int, *args, pg_timeout_s: float = 10.0, timeout: float = 120.0) -> list[dict]:
+    """How each rank of ``fn(rank, world_size, *args)`` ended, for jobs whose ranks may fail:
+    ``[{"value": what fn returned (None if it raised), "error": its traceback (or None),
+    "exitcode": the process's exit code (negative: the signal that ended it; None: still
+    running at the deadline, then killed)}]``, over Gloo with a group timeout of
+    ``pg_timeout_s``. A rank that never answers has value and error None."""
+    results = _CONTEXT.Queue()
+    port = free_port()
+    job = pickle.dumps((fn, args))
+    procs = [_CONTEXT.Process(target=_worker, args=(r, world_size, port, "gloo", False, job, dict(os.environ),
+                                                    os.getcwd(), results, pg_timeout_s), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out = [{"value": None, "error": None, "exitcode": None} for _ in range(world_size)]
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout)
+            out[rank]["value" if ok else "error"] = pickle.loads(value) if ok else value
+    except queue.Empty:
+        pass
+    for rank, p in enumerate(procs):
+        p.join(timeout=pg_timeout_s + 30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        else:
+            out[rank]["exitcode"] = p.exitcode
+    return out
 
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

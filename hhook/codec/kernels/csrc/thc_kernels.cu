@@ -713,7 +713,7 @@ struct HhDecodeArgs {
     hh_i64 numel;
     hh_i64 total;
     hh_i64 n_words;
-    hh_i64 expect_count;      // what the summed prefix must hold (message.device_verdict)
+    hh_i64 expect_count;      // what the summed prefix must hold (layout.prefix_verdict)
     hh_i64 expect_fp0;
     hh_i64 expect_fp1;
     int log2B;

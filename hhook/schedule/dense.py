@@ -1,0 +1,105 @@
+r"""The one dense fallback: what DDP does without a hook, exact, for what THC does not
+compress (float64 and sparse tensors, DDP's iterations before ``start_iter``), and the
+dense exchanges ``bits="auto"`` measures (fp32, bf16; FSDP2's plain reduce-scatter,
+:class:`hhook.fsdp.THCReduceScatter`), all counted one way (:func:`count`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ..codec.layout import SUPPORTED_DTYPES
+from .futures import completed, then
+
+logger = logging.getLogger(__name__)
+
+#: Tensors averaged exactly, never compressed (as DDP without a hook); any other dtype
+#: outside the codec's (:data:`~hhook.codec.SUPPORTED_DTYPES`) has no mean in its own
+#: dtype and raises (:func:`check_dtype`).
+EXACT_DTYPES = (torch.float64,)
+_told: set = set()
+_lock = threading.Lock()
+
+
+def uncompressed(tensor: torch.Tensor) -> bool:
+    """Whether THC leaves ``tensor`` uncompressed: anything but a dense float32, float16
+    or bfloat16 tensor takes the dense fallback, said once per dtype in the log."""
+    if not tensor.is_sparse and tensor.dtype in SUPPORTED_DTYPES:
+        return False
+    kind = "sparse" if tensor.is_sparse else str(tensor.dtype).replace("torch.", "")
+    with _lock:
+        new = kind not in _told
+        _told.add(kind)
+    if new:
+        logger.warning("hhook: %s tensors are exchanged exactly, uncompressed (as without hhook); hhook compresses "
+                       "dense float32, float16 and bfloat16 tensors", kind)
+    return True
+
+
+def check_dtype(tensor: torch.Tensor) -> None:
+    """Refuse a tensor hhook cannot average: one of neither the codec's dtypes nor
+    :data:`EXACT_DTYPES` (integers, bool, complex)."""
+    if tensor.dtype not in SUPPORTED_DTYPES and tensor.dtype not in EXACT_DTYPES:
+        raise TypeError(
+            f"hhook averages floating-point tensors: float32, float16 and bfloat16 are compressed, float64 is "
+            f"averaged exactly; got {tensor.dtype}, which has no mean in its own dtype. Reduce it with "
+            "torch.distributed.all_reduce (an exact integer sum), or pass a floating-point copy"
+        )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor._values().nbytes + tensor._indices().nbytes if tensor.is_sparse else tensor.nbytes
+
+
+def count(counters, tensor: torch.Tensor, sent: torch.Tensor | None = None, wire_to=None) -> None:
+    """Count one dense exchange of ``tensor`` in ``counters`` (:class:`hhook.stats.Counters`):
+    a ``dense_calls``, the bytes compression is measured against (its float32 size where
+    the codec would take it, else its own size: sparse, its values and indices) and the
+    bytes handed to the collective (``sent``, default ``tensor``), those in ``wire_to``
+    where given (two-level: the bytes that cross nodes are the inter-node state's)."""
+    dense = 4 * tensor.numel() if not tensor.is_sparse and tensor.dtype in SUPPORTED_DTYPES else _nbytes(tensor)
+    wire = _nbytes(tensor if sent is None else sent)
+    if wire_to is None:
+        counters.add("dense_calls", dense, wire)
+    else:
+        counters.add("dense_calls", dense, 0)
+        wire_to.add(None, 0, wire)
+
+
+def plain_allreduce(tensor: torch.Tensor, group, world_size: int) -> torch.futures.Future:
+    """What DDP does without a hook, exact: divide by ``world_size``, SUM-allreduce over
+    ``group``; the future holds ``tensor``."""
+    tensor.div_(world_size)
+    fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    return then(fut, lambda value: value[0], tensor, f"the plain allreduce of {tensor.numel()} elements", group)
+
+
+def dense_allreduce(ctx, tensor: torch.Tensor) -> torch.futures.Future:
+    """:func:`plain_allreduce` over ``ctx.group`` (a
+    :class:`~hhook.schedule.context.CallContext`), counted in ``ctx.counters``; in a
+    world of one, the tensor as it is."""
+    if ctx.world_size == 1:
+        ctx.counters.add("local_calls", 0, 0)
+        return completed(tensor)
+    uncompressed(tensor)  # said once where it is for its dtype
+    count(ctx.counters, tensor)
+    return plain_allreduce(tensor, ctx.group, ctx.world_size)
+
+
+def cast_allreduce(ctx, tensor: torch.Tensor, dtype: torch.dtype) -> torch.futures.Future:
+    """A dense allreduce in ``dtype`` (``bits="auto"``'s bf16 candidate, as PyTorch's
+    bf16 hook): cast, divide, SUM-allreduce, copy back. Round-to-nearest, not exact;
+    inf/NaN on any rank stays non-finite on every rank. Counted as a dense call."""
+    world_size = ctx.world_size
+    if world_size == 1:
+        return dense_allreduce(ctx, tensor)
+    # Cast first, then divide the half-size copy in place (as torch's hook): no float32
+    # temporary of the bucket (why: docs/decision.md, "What a Python hook costs").
+    low = tensor.to(dtype).div_(world_size)
+    count(ctx.counters, tensor, low)
+    fut = dist.all_reduce(low, group=ctx.group, async_op=True).get_future()
+    return then(fut, lambda value: tensor.copy_(value[0]), tensor, f"the {dtype} allreduce of {tensor.numel()} elements",
+                ctx.group)

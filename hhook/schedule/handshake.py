@@ -1,0 +1,218 @@
+r"""The one handshake: before hhook's first payload collective on a group, every rank says
+what it is about to run, and ranks that differ raise
+:class:`~hhook.errors.ConfigMismatchError` on every rank, naming each field that differs
+with each rank's value.
+
+What is compared is a list of named fields (:func:`agree`'s ``fields``): the state's
+options and the codec's version (:meth:`hhook.state.Options.fields`), what runs (the DDP
+hook, ``thc_allreduce``, FSDP2's comms and the all-gather's options and plans), and for
+``thc_allreduce`` the tensor's length and dtype. In three steps:
+
+1. **Arrival**, through the group's store, no collective: each rank marks its arrival at
+   this process's n-th handshake on the group and waits, at most the group's timeout,
+   for the others. A rank that does not run hhook here (plain DDP, another comm hook, a
+   program that took another branch) never arrives: the ranks that did raise, naming
+   both sets of ranks, instead of sending a collective that would meet one of that
+   rank's of another size inside the backend (Gloo aborts the process on that).
+2. **One small collective**: a MAX all-reduce of a 31-bit digest of the fields and of its
+   negation (8 bytes). Its halves are equal on every rank exactly when every rank sent
+   the same digest, so every rank reaches the same verdict.
+3. Only where they differ, on every rank alike: an all-gather of each rank's fields as a
+   fixed-size vector (:data:`WORDS` int64 words), to name them.
+
+``thc_allreduce`` runs steps 2 and 3 on every call (its tensor's length and dtype), so
+tensors of other lengths never meet in a payload collective. Step 1 runs where ranks may
+not all run hhook yet: a state's first exchange on a group, and after a checkpoint is
+loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from ..codec import rng
+from ..errors import ConfigMismatchError
+from .groups import agrees, all_gather_flat, explained, reduces_on_host, timeout_of
+
+logger = logging.getLogger(__name__)
+
+#: Bumped when the encoding below changes (a field of every handshake).
+PROTOCOL = 1
+#: Fields a handshake can carry.
+MAX_FIELDS = 24
+#: int64 words of the vector step 3 gathers: [magic, field count], then four per field
+#: (the name's 16 bytes, the value's tag and payload: 16 bytes).
+WORDS = 2 + 4 * MAX_FIELDS
+_MAGIC = 0x48484853  # "HHHS"
+_NONE, _INT, _BOOL, _FLOAT, _STR = range(5)
+
+_lock = threading.Lock()
+_arrivals: dict = {}  # group name -> handshakes this process arrived at on it
+
+
+def _bytes(value: str, size: int) -> bytes:
+    """``value`` in ``size`` bytes (a longer one: its first ``size - 4`` bytes and its CRC)."""
+    raw = value.encode()
+    if len(raw) > size:
+        raw = raw[:size - 4] + struct.pack("<I", zlib.crc32(raw))
+    return raw.ljust(size, b"\0")
+
+
+def _words(raw: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(raw) // 8}q", raw))
+
+
+def _text(words) -> str:
+    return struct.pack(f"<{len(words)}q", *words).rstrip(b"\0").decode(errors="replace")
+
+
+def _value(value) -> list[int]:
+    """A value as two int64 words: its type in the first byte, the value after it."""
+    if isinstance(value, str):
+        return _words(bytes([_STR]) + _bytes(value, 15))
+    if value is None:
+        return [_NONE, 0]
+    if isinstance(value, bool):
+        return [_BOOL, int(value)]
+    if isinstance(value, float):
+        return [_FLOAT, struct.unpack("<q", struct.pack("<d", value))[0]]
+    return [_INT, int(value)]
+
+
+def _unvalue(tag: int, payload: int):
+    kind = tag & 0xFF
+    if kind == _STR:
+        return _text([tag, payload])[1:]
+    if kind == _BOOL:
+        return bool(payload)
+    if kind == _INT:
+        return payload
+    if kind == _FLOAT:
+        return struct.unpack("<d", struct.pack("<q", payload))[0]
+    return None
+
+
+def encode(fields) -> list[int]:
+    """``fields`` (``(name, value)`` pairs: None, bool, int, float or str values) as the
+    fixed-size vector of :data:`WORDS` int64 words."""
+    fields = list(fields)
+    if len(fields) > MAX_FIELDS:
+        raise ValueError(f"hhook: a handshake carries at most {MAX_FIELDS} fields, got {len(fields)}")
+    words = [_MAGIC ^ PROTOCOL, len(fields)]
+    for name, value in fields:
+        words += _words(_bytes(name, 16)) + _value(value)
+    return words + [0] * (WORDS - len(words))
+
+
+def decode(words) -> dict:
+    """The ``{name: value}`` of a vector :func:`encode` made (names of up to 16 bytes and
+    string values of up to 15 as they were; longer ones end in 4 bytes of their CRC)."""
+    count = words[1]
+    out = {}
+    for i in range(min(count, MAX_FIELDS)):
+        name, tag, payload = words[2 + 4 * i:4 + 4 * i], words[4 + 4 * i], words[5 + 4 * i]
+        out[_text(name)] = _unvalue(tag, payload)
+    return out
+
+
+def digest(words) -> int:
+    """31 bits of the vector, for the MAX all-reduce."""
+    h = rng.mix32(_MAGIC)
+    for word in words:
+        h = rng.mix32(h ^ (word & rng.MASK32))
+        h = rng.mix32(h ^ ((word >> 32) & rng.MASK32))
+    return h & 0x7FFFFFFF
+
+
+def agree(group, fields, counters=None, what: str = "hhook's options handshake", arrive: bool = True) -> None:
+    """Raise :class:`~hhook.errors.ConfigMismatchError` on every rank of ``group`` (None:
+    the default group) unless every rank holds the same ``fields``; blocking, on every
+    rank. ``arrive``: first wait for every rank in the group's store (step 1), where a
+    rank may not run hhook at all; ``counters`` (:class:`hhook.stats.Counters`) are
+    charged the bytes handed to the collectives. A world of one compares nothing."""
+    if dist.get_world_size(group) == 1:
+        return
+    if arrive:
+        _arrive(group, what)
+    words = encode(fields)
+    device = torch.device("cpu") if reduces_on_host(group) else torch.device("cuda", torch.cuda.current_device())
+    with explained(what, group):
+        if agrees(group, digest(words), device, counters, torch.int32):
+            return
+        mine = torch.tensor(words, dtype=torch.int64, device=device)
+        rows = torch.empty(dist.get_world_size(group) * WORDS, dtype=torch.int64, device=device)
+        all_gather_flat(rows, mine, group=group)
+    if counters is not None:
+        counters.add(None, 0, mine.nbytes)
+    raise ConfigMismatchError(_differences(rows.view(-1, WORDS).tolist(), _ranks(group), what))
+
+
+def _ranks(group) -> list[int]:
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def _differences(rows: list, ranks: list[int], what: str) -> str:
+    """Each field whose value is not every rank's, with each rank's value."""
+    tables = [decode(row) for row in rows]
+    names = list(dict.fromkeys(name for table in tables for name in table))
+    said = []
+    for name in names:
+        values = [table.get(name, "(absent)") for table in tables]
+        if len(set(map(repr, values))) > 1:
+            by_value: dict = {}
+            for rank, value in zip(ranks, values):
+                by_value.setdefault(repr(value), []).append(rank)
+            said.append(f"{name}: " + ", ".join(f"{v} on {_said(r)}" for v, r in by_value.items()))
+    if not said:  # the digests differ, the fields do not: hhooks of other handshake protocols
+        said.append("the encoding of the fields (ranks run different versions of hhook)")
+    return (f"hhook: the ranks differ in {what}: " + "; ".join(said) + ". Every rank must run hhook with the "
+            "same options (and load checkpoints saved with them), the same hhook version, and call it on tensors "
+            "of the same length and dtype.")
+
+
+def _said(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _verb(ranks: list[int], singular: str) -> str:
+    return singular if len(ranks) == 1 else {"runs": "run", "does": "do"}[singular]
+
+
+def _arrive(group, what: str) -> None:
+    """Step 1: wait in the group's store until every rank of ``group`` has arrived at this
+    handshake (at most the group's timeout); else raise, naming who did and who did not."""
+    pg = group if group is not None else dist.group.WORLD
+    store = dist.distributed_c10d._get_process_group_store(pg)
+    with _lock:
+        n = _arrivals.get(pg.group_name, 0)
+        _arrivals[pg.group_name] = n + 1
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    prefix = f"hhook/handshake/{attempt}/{n}/"
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    timeout = timeout_of(pg)
+    store.set(f"{prefix}{rank}", "1")
+    if store.add(f"{prefix}count", 1) == world:
+        store.set(f"{prefix}all", "1")
+    try:
+        store.wait([f"{prefix}all"], timeout)
+        return
+    except Exception:  # noqa: BLE001 - a store wait that timed out: who is missing?
+        if store.check([f"{prefix}all"]):
+            return
+        here = [r for r in range(world) if store.check([f"{prefix}{r}"])]
+    ranks = _ranks(pg)
+    came, missing = [ranks[r] for r in here], [ranks[r] for r in range(world) if r not in here]
+    raise ConfigMismatchError(
+        f"hhook: {_said(missing)} of this group did not reach {what} within the group's timeout "
+        f"({timeout.total_seconds():g} s), while {_said(came)} did: {_said(came)} {_verb(came, 'runs')} hhook here "
+        f"and {_said(missing)} {_verb(missing, 'does')} not. Every rank must run hhook alike: hhook.register (or hhook.fsdp.register) on "
+        "every rank's model, and the same hhook calls in the same order; a rank that runs DDP without hhook or "
+        "with another comm hook never reaches it (that rank's own collective then fails when this one ends)."
+    )
