@@ -191,24 +191,30 @@ def test_one_options_handshake():
 
 
 def test_one_dense_fallback():
-    """One byte count for what THC does not compress: every dense exchange of the schedule
-    and of FSDP2's reduce-scatter is counted by hhook/schedule/dense.py's ``count``. The
+    """One byte count for what THC does not compress: every dense exchange of the schedule,
+    of FSDP2's reduce-scatter and HSDP's replica all-reduce, and of DiLoCo's fp32 outer
+    exchange is counted by hhook/schedule/dense.py's ``count``. The
     others that say "dense_calls": the counters' fields, the report that reads them,
     Horovod's warm-up step (a message of its own kind) and the parameter all-gather
     (counted in its own dtype, docs/fsdp.md)."""
     saying = sorted(rel for rel, text in _sources() if '"dense_calls"' in text)
     assert saying == ["fsdp/all_gather.py", "horovod.py", "schedule/dense.py", "state/report.py", "stats.py"]
     counting = sorted(rel for rel, text in _sources() if re.search(r"\bcount\([\w.]*counters", text))
-    assert counting == ["fsdp/reduce_scatter.py", "schedule/dense.py", "schedule/two_level.py"]
+    assert counting == ["diloco/sync.py", "fsdp/hsdp.py", "fsdp/reduce_scatter.py", "schedule/dense.py",
+                        "schedule/two_level.py"]
 
 
 def test_one_failure_status_word():
-    """The message status word (inf/NaN, a rank that failed) is written and read by
-    hhook/scales/message.py alone, for every exchange: nothing else names its value or
-    its place, or keeps status bits of its own."""
+    """The message status word (inf/NaN, a rank that failed) is defined once, in
+    hhook/codec/layout.py beside the prefix the CUDA kernels write (hhook/scales/message.py
+    re-exports it and spreads it over FSDP2's chunks), for every exchange: nothing else
+    names its value or its place, or keeps status bits of its own."""
     own = re.compile(r"RANK_FAILED|1 << 20|\b(NONFINITE|FAILED)\s*=|\[:, *1\]\s*=|def (status_word|any_failed|"
                      r"any_nonfinite|failed_ranks|share_status)\(")
-    assert [(rel, m.group(0)) for rel, text in _sources(("profile/", "scales/message.py", "simulation.py"))
+    assert [(rel, m.group(0)) for rel, text in _sources(("profile/", "codec/layout.py", "scales/message.py", "simulation.py"))
             for m in own.finditer(text)] == []
+    defined = sorted(rel for rel, text in _sources()
+                     for _ in re.finditer(r"def (status_word|any_failed|any_nonfinite|failed_ranks)\(|RANK_FAILED = ", text))
+    assert defined == ["codec/layout.py"] * 5
     users = sorted(rel for rel, text in _sources() if re.search(r"message\.(status_word|any_failed|share_status)", text))
     assert users == ["fsdp/all_gather.py", "schedule/reduce_scatter.py", "schedule/two_level.py"]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .. import THCState, thc_allreduce_async
 from ..errors import PeerLostError, PeerTimeoutError, explain
+from ..schedule.dense import count, plain_allreduce
 from ..stats import Counters
 from .fragments import Fragment, partition
 from .sites import Sites, check_agreement, explained, find_sites, peers
@@ -175,11 +176,9 @@ class DiLoCo:
         """Start averaging ``delta`` over this rank's ring; a future of the mean."""
         if self.thc is not None:
             return thc_allreduce_async(delta, self.thc, key=f"diloco.fragment{p}")
-        self.counters.add("dense_calls", delta.nbytes, delta.nbytes)
-        delta.div_(self.sites.n_sites)
+        count(self.counters, delta)  # the schedule's one dense fallback and its byte count
         with explained(f"hhook.diloco's fp32 exchange of fragment {p}", self.sites.ring):
-            work = dist.all_reduce(delta, group=self.sites.ring, async_op=True)
-        return work.get_future().then(lambda f: f.value()[0])
+            return plain_allreduce(delta, self.sites.ring, self.sites.n_sites)
 
     def _merge(self, p: int) -> None:
         exchange = self.pending.pop(p)

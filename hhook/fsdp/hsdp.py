@@ -8,6 +8,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ..schedule.dense import count
 from ..state import THCState, report
 from .modules import fsdp_modules, mesh_sizes, param_group
 from .auto import BOTH, CANDIDATES, HSDP_CANDIDATES, REPLICA, RS
@@ -95,7 +96,7 @@ class ReplicaAllReduce:
             self.pending = None
         if self.switch is not None and self.switch.all_reduce_dense:
             dist.all_reduce(output, group=self.state.process_group)
-            self.state.counters.add("dense_calls", 4 * output.numel(), output.nbytes)
+            count(self.state.counters, output)  # as FSDP2's own HSDP (sum, then its division), counted once
             if self.factor is None:
                 output.div_(replicas)
             return

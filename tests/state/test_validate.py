@@ -28,7 +28,7 @@ def _trained_like(bits=4, scales="predicted") -> hhook.THCState:
     key.residual = torch.randn(1, 128)
     key.scales = torch.rand(1)
     key.steps = 3
-    state.iter, state.calls = 5, 7
+    state.iter, state.counters.calls = 5, 7
     state.counters.add("compressed_calls", 400, 70)
     return state
 

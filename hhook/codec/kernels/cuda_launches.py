@@ -149,7 +149,7 @@ def _prepare_static(dtype, numel: int, block: int, fingerprint: int, resident: i
 
 
 def prepare_launch(source, signs, scales, header, workspace, numel: int, block: int, fingerprint: int,
-                   resident: int = 1 << 20) -> Launch:
+                   resident: int = 2**20) -> Launch:
     """``header``: where the header's copy goes (this rank's own, kept from the MAX), or None;
     ``resident``: at most this many CUDA blocks, each taking every ``grid``-th tile (the
     CUDA blocks the GPU holds at once: one digest atomic and one counter atomic each)."""
