@@ -136,11 +136,43 @@ def _walk(store, me: int, peers: list[int], what: str) -> Blame:
     return Blame(tuple(sorted(culprits)), tuple(sorted(waiting)), mine, tuple(sorted(lost)), tuple(elsewhere), what)
 
 
-def _key(rank: int) -> str:
-    """Where ``rank`` reports in this attempt: torchrun's agents keep their store across
-    restarts, and every rank of an attempt holds the same run id and restart count."""
-    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return f"{_PREFIX}{attempt}/{rank}"
+def say_left() -> None:
+    """Say in the job's store that this process has left the job (at exit, or where it
+    destroys its default process group): a rank that waits for it at a handshake
+    (:func:`left_of`) then raises at once, naming it, rather than at the group's timeout.
+    Bounded; silent where the store does not answer."""
+    try:
+        store, me = dist.distributed_c10d._get_default_store(), dist.get_rank()
+        with _bounded(store):
+            store.set(f"{_key(me)}/left", "1")
+            store.add(f"{_key('left')}/count", 1)
+    except Exception:  # noqa: BLE001 - no default group, or a store that no longer answers
+        pass
+
+
+def left_of(ranks: list[int]) -> list[int]:
+    """Those of ``ranks`` (global) that said they left the job (:func:`say_left`): one store
+    read while none has, one per rank after."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        with _bounded(store):
+            if not store.add(f"{_key('left')}/count", 0):
+                return []
+            return [rank for rank in ranks if store.check([f"{_key(rank)}/left"])]
+    except Exception:  # noqa: BLE001 - a store that does not answer: nobody is known to have left
+        return []
+
+
+def attempt() -> str:
+    """The launcher's attempt, which keys what ranks say in the job's store: torchrun's
+    agents keep their store across restarts, and every rank of an attempt holds the same
+    run id and restart count."""
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _key(rank) -> str:
+    """Where ``rank`` reports in this attempt."""
+    return f"{_PREFIX}{attempt()}/{rank}"
 
 
 def _report(store, me: int, kind: str, on: list[int], what: str) -> None:

@@ -13,7 +13,10 @@ hook, ``thc_allreduce``, FSDP2's comms and the all-gather's options and plans), 
    for the others. A rank that does not run hhook here (plain DDP, another comm hook, a
    program that took another branch) never arrives: the ranks that did raise, naming
    both sets of ranks, instead of sending a collective that would meet one of that
-   rank's of another size inside the backend (Gloo aborts the process on that).
+   rank's of another size inside the backend (Gloo aborts the process on that). A rank
+   that left the job (its process ended: hhook says so in the job's store at exit,
+   :func:`hhook.schedule.blame.say_left`) makes the others raise
+   :class:`~hhook.errors.PeerLostError` within :data:`LOOK_S`, naming it.
 2. **One small collective**: a MAX all-reduce of a 31-bit digest of the fields and of its
    negation (8 bytes). Its halves are equal on every rank exactly when every rank sent
    the same digest, so every rank reaches the same verdict.
@@ -28,17 +31,19 @@ loaded.
 
 from __future__ import annotations
 
+import datetime
 import logging
-import os
 import struct
 import threading
+import time
 import zlib
 
 import torch
 import torch.distributed as dist
 
 from ..codec import rng
-from ..errors import ConfigMismatchError
+from ..errors import ConfigMismatchError, PeerLostError
+from . import blame
 from .groups import agrees, all_gather_flat, explained, reduces_on_host, timeout_of
 
 logger = logging.getLogger(__name__)
@@ -53,6 +58,8 @@ WORDS = 2 + 4 * MAX_FIELDS
 _MAGIC = 0x48484853  # "HHHS"
 _NONE, _INT, _BOOL, _FLOAT, _STR = range(5)
 
+#: Seconds between looks, while ranks have not all arrived, at whether a missing one left.
+LOOK_S = 1.0
 _lock = threading.Lock()
 _arrivals: dict = {}  # group name -> handshakes this process arrived at on it
 
@@ -193,22 +200,31 @@ def _arrive(group, what: str) -> None:
     with _lock:
         n = _arrivals.get(pg.group_name, 0)
         _arrivals[pg.group_name] = n + 1
-    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    prefix = f"hhook/handshake/{attempt}/{n}/"
+    prefix = f"hhook/handshake/{blame.attempt()}/{n}/"
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     timeout = timeout_of(pg)
     store.set(f"{prefix}{rank}", "1")
     if store.add(f"{prefix}count", 1) == world:
         store.set(f"{prefix}all", "1")
-    try:
-        store.wait([f"{prefix}all"], timeout)
-        return
-    except Exception:  # noqa: BLE001 - a store wait that timed out: who is missing?
-        if store.check([f"{prefix}all"]):
+    ranks, deadline = _ranks(pg), time.monotonic() + timeout.total_seconds()
+    while True:  # in slices: a rank that left the job (its process ended) never arrives
+        try:
+            store.wait([f"{prefix}all"], datetime.timedelta(seconds=max(0.01, min(LOOK_S, deadline - time.monotonic()))))
             return
-        here = [r for r in range(world) if store.check([f"{prefix}{r}"])]
-    ranks = _ranks(pg)
+        except Exception:  # noqa: BLE001 - a store wait that timed out: who is missing?
+            if store.check([f"{prefix}all"]):
+                return
+        left = blame.left_of(ranks)  # one store read while nobody has left
+        gone = [g for r, g in enumerate(ranks) if g in left and not store.check([f"{prefix}{r}"])]
+        if gone or time.monotonic() >= deadline:
+            break
+    here = [r for r in range(world) if store.check([f"{prefix}{r}"])]
     came, missing = [ranks[r] for r in here], [ranks[r] for r in range(world) if r not in here]
+    if gone:
+        raise PeerLostError(
+            f"hhook: {_said(gone)} of this group left the job (its process ended, or destroyed its process group) "
+            f"before reaching {what}, where {_said(came)} waited: the job cannot go on with this group; "
+            "restart it (from a checkpoint)")
     raise ConfigMismatchError(
         f"hhook: {_said(missing)} of this group did not reach {what} within the group's timeout "
         f"({timeout.total_seconds():g} s), while {_said(came)} did: {_said(came)} {_verb(came, 'runs')} hhook here "

@@ -30,7 +30,7 @@ import time
 
 import torch.distributed as dist
 
-from . import futures, groups
+from . import blame, futures, groups
 
 #: Seconds to wait after the last continuation was released: torch destroys the
 #: callback's wrapper right after (a GIL acquisition), with no Python to observe it.
@@ -77,9 +77,12 @@ def quiesce(limit_s: float | None = None, group=None) -> bool:
 
 
 def end(group=None) -> None:
-    """:func:`quiesce` for ``group``, then end hhook's communicators over it (None: all)."""
+    """:func:`quiesce` for ``group``, then end hhook's communicators over it (None: all,
+    and this process says in the job's store that it left: :func:`blame.say_left`)."""
     quiesce(group=group)
     groups.end_second_groups(group)
+    if group is None and dist.is_initialized():
+        blame.say_left()
 
 
 def _observe_destroy() -> None:
