@@ -42,8 +42,8 @@
 // from call to call come first, those of the bucket's shape after the marker line.
 
 #define HH_HEADER 7
-#define HH_PREFIX 12                 // hhook/scales/message.py: PREFIX
-#define HH_RANK_FAILED (1 << 20)     // hhook/scales/message.py: RANK_FAILED
+#define HH_PREFIX 12                 // hhook/codec/layout.py: PREFIX
+#define HH_RANK_FAILED (1 << 20)     // hhook/codec/layout.py: RANK_FAILED
 #define HH_WARPS 4
 #define HH_THREADS (32 * HH_WARPS)
 #define HH_CHUNK 1024                // a warp's coordinates: one 32 x 32 tile
@@ -513,7 +513,7 @@ struct HhQuantizeArgs {
     float norm;
 };
 
-// The message prefix (hhook/scales/message.py: write_prefix): count 1, status (1 if this
+// The message prefix (hhook/codec/layout.py: write_prefix): count 1, status (1 if this
 // rank's header says non-finite), the fingerprints, and the four 12-bit chunks of the 48-bit
 // digest in the header, each followed by its square.
 template <class W>
@@ -784,7 +784,7 @@ __device__ void hh_decode(const HhDecodeArgs& a) {
         bad = q[0] != a.expect_count || q[1] >= HH_RANK_FAILED || q[2] != a.expect_fp0 || q[3] != a.expect_fp1;
         if (a.flags && blockIdx.x == 0 && t == 0) {
             a.flags[0] = bad ? 1 : 0;
-            a.flags[1] = q[1] > 0 ? 1 : 0;
+            a.flags[1] = q[1] % HH_RANK_FAILED > 0 ? 1 : 0;  // layout.any_nonfinite
         }
     }
     if (bad || hh_nonfinite(a.agreed) || hh_mismatch(a.agreed) || hh_identical(a.agreed)) {
