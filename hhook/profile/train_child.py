@@ -138,6 +138,8 @@ def worker(spec: dict) -> dict:
     else:
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         state = ATTACH[method["kind"]](method, ddp, spec["seed"])
+    if hasattr(state, "reset_stats"):
+        state.reset_stats()  # the steps' bytes, as counted below: not the options handshake of registration
     beat("model")
     opt = torch.optim.SGD(ddp.parameters(), lr=spec["lr"], momentum=0.9)
     outer = diloco_sync(method, ddp, opt, sites, spec["seed"]) if method["kind"] == "diloco" else None
