@@ -74,9 +74,10 @@ def test_auto_with_bf16_policy():
     assert outs[0][0]["choice"] == "dense"
 
 
-def _mismatch(rank, world, other):
+def _mismatch(rank, world, other, named):
     """Rank 1 registers with other options: the registration's handshake raises on every
-    rank, before any collective could pair with another."""
+    rank, before any collective could pair with another, naming the option that differs
+    and each rank's value."""
     import hhook.fsdp
     from hhook.errors import ConfigMismatchError
 
@@ -84,13 +85,15 @@ def _mismatch(rank, world, other):
     try:
         hhook.fsdp.register(model, **({} if rank == 0 else other))
     except ConfigMismatchError as e:
-        return "raised" if "bits='auto'" in str(e) else str(e)
+        return "raised" if named in str(e) else str(e)
     return "ok"
 
 
-@pytest.mark.parametrize("other", [{"all_gather": False}, {"bits": 4}, {"all_gather": 6}])
-def test_auto_options_mismatch_raises_on_every_rank(other):
-    assert run_world(_mismatch, 2, other) == ["raised", "raised"]
+@pytest.mark.parametrize("other, named", [({"all_gather": False}, "all_gather: 'compressed' on rank 0, 'plain' on rank 1"),
+                                          ({"bits": 4}, "bits: 'auto' on rank 0, 4 on rank 1"),
+                                          ({"all_gather": 6}, "ag_bits: 8 on rank 0, 6 on rank 1")])
+def test_auto_options_mismatch_raises_on_every_rank(other, named):
+    assert run_world(_mismatch, 2, other, named) == ["raised", "raised"]
 
 
 def _hsdp(rank, world):
