@@ -30,6 +30,7 @@ import logging
 import math
 import zlib
 
+from ..state.validate import DECISION_FIELDS
 from . import descent
 from .descent import median as _median
 from .methods import PLAIN, thc_bits
@@ -108,9 +109,7 @@ class Decision:
         self.marks: dict = {}  # what the code that drives it keeps with it (hhook.fsdp: how its steps end)
 
     # -- checkpoints ---------------------------------------------------------------
-    _FIELDS = ("options", "phase", "reason", "started", "queue", "current", "assigned", "samples", "dropped", "plain",
-               "choice", "reference", "baseline", "decided_at", "recent", "history", "last_probe", "observed", "arrived",
-               "decisions", "marks")
+    _FIELDS = DECISION_FIELDS  # one list, which the checkpoint's validation (a layer below) reads too
     _SINCE = {"arrived": [], "marks": {}}  # fields newer than some saved states: their value in those
 
     def _fields(self) -> dict:

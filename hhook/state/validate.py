@@ -31,8 +31,8 @@ STATE_FORMAT = 1
 #: The keys of :meth:`THCState.state_dict` besides the options.
 FIELDS = ("format", "codec_version", "layout", "origin", "policies", "iter", "calls", "_stats", "inter", "_intra",
           "decision", "variants")
-#: The fields of a :class:`hhook.decision.Decision`'s ``state_dict()``; ``arrived`` and
-#: ``marks`` are newer than some saved states.
+#: The fields of a :class:`hhook.decision.Decision`'s ``state_dict()`` (its ``_FIELDS`` is
+#: this tuple); ``arrived`` and ``marks`` are newer than some saved states.
 DECISION_FIELDS = ("options", "phase", "reason", "started", "queue", "current", "assigned", "samples", "dropped",
                    "plain", "choice", "reference", "baseline", "decided_at", "recent", "history", "last_probe",
                    "observed", "arrived", "decisions", "marks")
