@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import torch.distributed as dist
 
 from .sites import all_gather_flat, explained
 
@@ -126,3 +127,21 @@ class Fragment:
         lengths: what every site (every rank of one ring) must hold alike."""
         text = repr(list(zip(self.names, self.shapes))) if shapes else repr((self.piece, [t.numel() for t in self.owned]))
         return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little") >> 2
+
+
+def first_difference(fragments: list[Fragment]) -> str:
+    """The first parameter (fragment, name, shape) where the ranks differ, found with one
+    all-gather of every rank's list (after the options check found that they do: every
+    rank calls it alike). E.g. a model compiled on one site only (``_orig_mod.`` names)."""
+    mine = [(f.index, name, shape) for f in fragments for name, shape in zip(f.names, f.shapes)]
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, mine)
+    for i in range(max(len(r) for r in rows)):
+        seen = {}
+        for rank, row in enumerate(rows):
+            seen.setdefault(row[i] if i < len(row) else None, rank)
+        if len(seen) > 1:
+            said = "; ".join(f"rank {r} has none" if v is None else f"rank {r} has {v[1]} {list(v[2])} in "
+                             f"fragment {v[0]}" for v, r in seen.items())
+            return f"The first differing parameter (#{i}): {said}."
+    return ""

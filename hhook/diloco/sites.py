@@ -13,11 +13,10 @@ ranks per site placed site by site (torchrun's placement). :func:`sites_of_group
 groups the program already has (a 2-D ``DeviceMesh``'s). Both raise on every rank alike
 where the ranks ask for different layouts or the sites differ in size.
 
-:func:`check_agreement` is the options check of :class:`hhook.diloco.DiLoCo`: one
-all-gather of every rank's integers over the default group, compared on every rank, so
-every rank raises the same :class:`~hhook.errors.ConfigMismatchError` naming the sites
-that differ. It is kept small and self-contained on purpose: it belongs beside the
-schedule's options handshake and can be folded into it.
+:meth:`Sites.agree` is the options check of :class:`hhook.diloco.DiLoCo`: the
+schedule's one options handshake (:func:`hhook.schedule.handshake.agree`) over the default
+group, so every rank raises the same :class:`~hhook.errors.ConfigMismatchError` naming each
+field that differs with each rank's value, and the sites.
 """
 
 from __future__ import annotations
@@ -29,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigMismatchError, explain
+from ..schedule import handshake
+from ..schedule.groups import timeout_of
 from ..schedule.topology import node_census
 
 _AUTO = -1
@@ -39,8 +40,8 @@ class Sites:
     ``n_sites``, ``ranks_per_site``, ``site_group`` (its site's ranks; None in a world of
     one site without torch.distributed) and ``ring`` (local rank ``local_rank`` of every
     site; None for one site). ``members``: every site's global ranks, in local-rank order,
-    once known (:func:`find_sites` knows them; :func:`sites_of_groups` learns them at the
-    first options check)."""
+    where known (:func:`find_sites` knows them; with :func:`sites_of_groups` a rank's site
+    is its rank in its ring)."""
 
     __slots__ = ("site", "local_rank", "n_sites", "ranks_per_site", "site_group", "ring", "members")
 
@@ -60,7 +61,26 @@ class Sites:
         for s, members in enumerate(self.members or ()):
             if rank in members:
                 return s
-        return None
+        try:
+            return dist.get_process_group_ranks(self.ring).index(rank)
+        except Exception:  # noqa: BLE001 - no ring, or a rank of another ring
+            return None
+
+    def source(self) -> int:
+        """The global rank of site 0 in this rank's ring (where a common start comes from)."""
+        if self.members is not None:
+            return self.members[0][self.local_rank]
+        return dist.get_global_rank(self.ring, 0)
+
+    def agree(self, fields: list, what: str = "hhook.diloco's options check") -> None:
+        """The schedule's options handshake over the default group on ``fields`` (name,
+        value pairs), blocking, on every rank: every rank raises the same
+        :class:`~hhook.errors.ConfigMismatchError`, naming each differing field with each
+        rank's value, and the sites."""
+        try:
+            handshake.agree(None, fields, what=what)
+        except ConfigMismatchError as e:
+            raise ConfigMismatchError(f"hhook.diloco: the sites disagree ({self.describe()}): {e}") from e
 
     def __repr__(self) -> str:
         return f"Sites({self.describe()}; this rank: site {self.site}, local rank {self.local_rank})"
@@ -81,6 +101,11 @@ def gather_ints(values: list[int], group=None, what: str = "hhook.diloco's optio
     with explained(what, group):
         dist.all_gather_object(out, [int(v) for v in values], group=group)
     return out
+
+
+def gather_site(values: list[int], sites: Sites) -> list[list[int]]:
+    """Every local rank's ``values`` of this rank's site, in local-rank order."""
+    return gather_ints(values, sites.site_group, "hhook.diloco's options check inside the site")
 
 
 def all_gather_flat(out: torch.Tensor, mine: torch.Tensor, group) -> None:
@@ -155,7 +180,7 @@ def find_sites(ranks_per_site: int | str = "auto", timeout: datetime.timedelta |
     local, k = members[site].index(rank), sizes[0]
     if len(members) == 1:
         return Sites(0, local, 1, k, dist.group.WORLD, None, members)
-    kw = {} if timeout is None else {"timeout": timeout}
+    kw = {"timeout": timeout_of(None) if timeout is None else timeout}  # torch's own default is 30 min
     groups = {}
     for i, node in enumerate(members):  # the same calls in the same order on every rank
         groups[("site", i)] = dist.new_group(list(node), **kw)
@@ -173,35 +198,3 @@ def sites_of_groups(site_group, ring) -> Sites:
         return one_site()
     return Sites(dist.get_rank(ring), dist.get_rank(site_group), dist.get_world_size(ring),
                  dist.get_world_size(site_group), site_group, ring)
-
-
-def check_agreement(sites: Sites, common: dict, per_local_rank: dict) -> None:
-    r"""Raise :class:`~hhook.errors.ConfigMismatchError` on every rank unless every rank
-    holds the same integers ``common`` (name -> value) and every rank of one local rank the
-    same ``per_local_rank`` (what a ring sums: its shard's lengths). One all-gather over
-    the default group of ``[site, local rank, *values]``; also checks that the sites form
-    ``n_sites`` x ``ranks_per_site`` and records :attr:`Sites.members`."""
-    names = list(common) + list(per_local_rank)
-    rows = gather_ints([sites.site, sites.local_rank, *common.values(), *per_local_rank.values()])
-    members = [[] for _ in range(sites.n_sites)]
-    for rank, row in enumerate(rows):
-        if not 0 <= row[0] < sites.n_sites:
-            raise ConfigMismatchError(f"hhook.diloco: rank {rank} is in site {row[0]}, this rank counts {sites.n_sites} "
-                                      "sites: the sites' groups do not describe one layout")
-        members[row[0]].append((row[1], rank))
-    if any(sorted(j for j, _ in m) != list(range(sites.ranks_per_site)) for m in members):
-        raise ConfigMismatchError(f"hhook.diloco: the sites' ranks {[[r for _, r in sorted(m)] for m in members]} do not "
-                                  f"form {sites.n_sites} sites of {sites.ranks_per_site}")
-    sites.members = tuple(tuple(r for _, r in sorted(m)) for m in members)
-    scopes = [list(range(len(rows)))]
-    by_local = [[r for r in range(len(rows)) if rows[r][1] == j] for j in range(sites.ranks_per_site)]
-    for i, name in enumerate(names):
-        for scope in scopes if name in common else by_local:  # every rank checks every ring alike
-            first = {}
-            for rank in scope:
-                first.setdefault(rows[rank][2 + i], rank)
-            if len(first) > 1:
-                said = "; ".join(f"rank {r} (site {rows[r][0]}) has {v}"
-                                 for v, r in sorted(first.items(), key=lambda kv: kv[1]))
-                raise ConfigMismatchError(f"hhook.diloco: the ranks disagree on {name}: {said}. Every site must build "
-                                          f"DiLoCo with the same options over the same model ({sites.describe()})")

@@ -24,16 +24,15 @@ import torch
 import torch.distributed as dist
 
 from .. import THCState, thc_allreduce_async
-from ..errors import PeerLostError, PeerTimeoutError, explain
+from ..errors import ConfigMismatchError, PeerLostError, PeerTimeoutError, explain
 from ..schedule.dense import count, plain_allreduce
 from ..stats import Counters
-from .fragments import Fragment, partition
-from .sites import Sites, check_agreement, explained, find_sites, peers
+from . import checkpoint
+from .checkpoint import STATE_FORMAT
+from .fragments import Fragment, first_difference, partition
+from .sites import Sites, explained, find_sites, gather_site, peers
 
 logger = logging.getLogger(__name__)
-
-#: Version of :meth:`DiLoCo.state_dict`'s layout.
-STATE_FORMAT = 1
 
 
 def nesterov_sgd(params: list) -> torch.optim.Optimizer:
@@ -61,7 +60,7 @@ class DiLoCo:
     Args:
         model: the module trained inside the site (plain, DDP or FSDP2 on
             ``sites.site_group``); its parameters that ``inner_optimizer`` updates are
-            synchronized (buffers stay each site's own).
+            synchronized; every other parameter and buffer starts from site 0's.
         inner_optimizer: the site's optimizer (any; AdamW in DiLoCo), or None: every
             parameter that requires grad.
         sites: a :class:`~hhook.diloco.Sites`, or ``ranks_per_site`` for
@@ -71,17 +70,22 @@ class DiLoCo:
         error_feedback: carry each rank's rounding error into its next outer exchange.
         fragments: P (layer ``i`` in fragment ``i mod P``) or lists of parameter names.
         overlap: inner steps an exchange runs behind before it is merged (0..H/P).
+        alpha: None (the merged fragment is the new outer value plus the local progress
+            made while the exchange ran) or Streaming DiLoCo's mixing factor in [0, 1]
+            (``alpha * local + (1 - alpha) * outer``).
         outer_optimizer: ``params -> torch.optim.Optimizer`` over the outer shards
             (default :func:`nesterov_sgd`).
         seed, block_size: THC's (:class:`hhook.THCState`).
 
-    Construction is collective (the options check, then every site starts from site 0's
-    parameters, as DDP broadcasts at construction). Differing options, inner-step counts
-    or parameter shapes between ranks raise :class:`~hhook.errors.ConfigMismatchError` on
-    every rank; a site that dies or stalls makes the others raise
-    :class:`~hhook.errors.PeerLostError` or :class:`~hhook.errors.PeerTimeoutError` naming
-    it, from the :meth:`step` that merges the exchange. A world of one site trains
-    locally (one log line): :meth:`step` only counts.
+    Construction checks the options on every rank; :meth:`start` (the common start, by
+    itself before the model's first forward) takes every parameter and buffer from site
+    0, as DDP's construction, or after :meth:`load_state_dict` checks that the model holds
+    the checkpoint's weights: resume works in any order of loads and construction before
+    the first forward. Differing options (the outer optimizer's too), inner-step counts
+    or parameters raise :class:`~hhook.errors.ConfigMismatchError` on every rank; a site
+    that dies or stalls makes the others raise :class:`~hhook.errors.PeerLostError` or
+    :class:`~hhook.errors.PeerTimeoutError` naming it. A world of one site trains locally
+    (one log line): :meth:`step` only counts.
 
     Example::
         >>> sites = hhook.diloco.find_sites("auto")
@@ -95,28 +99,23 @@ class DiLoCo:
 
     def __init__(self, model: torch.nn.Module, inner_optimizer=None, sites: Sites | int | str | None = None, *,
                  every: int = 50, bits: int | None = 4, error_feedback: bool = False, fragments=1, overlap: int = 0,
-                 outer_optimizer=None, seed: int = 0, block_size: int = 1024):
+                 alpha: float | None = None, outer_optimizer=None, seed: int = 0, block_size: int = 1024):
         named = _synchronized(model, inner_optimizer)
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"hhook.diloco: every (H) must be a positive integer, got {every!r}")
-        if bits is not None:
-            THCState.validate(bits=bits, seed=seed, block_size=block_size, error_feedback=error_feedback)
-        groups = partition(named, fragments)
-        if every < len(groups):
-            raise ValueError(f"hhook.diloco: every={every} inner steps cannot hold {len(groups)} staggered fragments")
-        if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap <= every // len(groups):
-            raise ValueError(f"hhook.diloco: overlap must be an integer in 0..{every // len(groups)} (H/P: one "
-                             f"fragment in flight at a time), got {overlap!r}")
+        groups = _validated_options(named, every, bits, error_feedback, fragments, overlap, alpha, seed, block_size)
         self.sites = sites if isinstance(sites, Sites) else find_sites("auto" if sites is None else sites)
         self.every, self.bits, self.error_feedback, self.overlap = every, bits, bool(error_feedback), overlap
-        self.seed, self.block_size = seed, block_size
+        self.alpha, self.seed, self.block_size = None if alpha is None else float(alpha), seed, block_size
         k, j = self.sites.ranks_per_site, self.sites.local_rank
         self.fragments = [Fragment(i, g, k, j) for i, g in enumerate(groups)]
         self.offsets = [(p + 1) * every // len(groups) % every for p in range(len(groups))]
         self.position = self.syncs = 0
         self.pending: dict[int, _Exchange] = {}
         self.counters = Counters()  # the fp32 exchange's bytes (THC's: its state's stats)
-        self.thc, self._unchecked = None, False
+        self.thc, self.started, self._resumed_model = None, False, None
+        self._others = _unsynchronized(model, named)
+        self._outer_factory = outer_optimizer or nesterov_sgd
+        self.outer = [f.read() for f in self.fragments]
+        self.outer_optimizer = self._outer_factory(self.outer)
         if self.sites.n_sites == 1:
             logger.warning("hhook.diloco: a world of one site (%s): no outer synchronization, plain local training",
                            self.sites.describe())
@@ -124,20 +123,21 @@ class DiLoCo:
             if bits is not None:
                 self.thc = THCState(self.sites.ring, bits=bits, seed=seed, block_size=block_size,
                                     error_feedback=self.error_feedback)
-            self._check()
-            self._start_together()
-        self.outer = [f.read() for f in self.fragments]
-        self.outer_optimizer = (outer_optimizer or nesterov_sgd)(self.outer)
+            _agree(self)
+        self._hook = model.register_forward_pre_hook(lambda module, args: self.start(), prepend=True)
 
     # -- the schedule ---------------------------------------------------------------------
     def step(self) -> None:
         """After an inner optimizer step: merge the exchanges due now, then launch (and
         with ``overlap=0`` merge) the fragments whose offset this step is."""
+        if not self.started:
+            if self.sites.n_sites > 1:
+                logger.warning("hhook.diloco: started at the first step(), after an inner step: the model's forward "
+                               "did not run through the module given to DiLoCo; call outer.start() before training")
+            self.start()
         if self.sites.n_sites == 1:
             self.position += 1
             return
-        if self._unchecked:
-            self._check()
         self.position += 1
         t = self.position
         for p in sorted(self.pending):
@@ -169,7 +169,8 @@ class DiLoCo:
             if err is exc:
                 raise
             raise err from exc
-        self.pending[p] = _Exchange(future, self.position, self.position + self.overlap, local if self.overlap else None)
+        snap = local if self.overlap and self.alpha is None else None
+        self.pending[p] = _Exchange(future, self.position, self.position + self.overlap, snap)
         self.syncs += 1
 
     def _exchange(self, p: int, delta: torch.Tensor) -> torch.futures.Future:
@@ -190,7 +191,10 @@ class DiLoCo:
         outer.grad = mean
         self.outer_optimizer.step()
         outer.grad = None
-        new = outer if exchange.snap is None else outer + (self.fragments[p].read() - exchange.snap)
+        if self.alpha is not None:  # Streaming DiLoCo's mixing
+            new = self.alpha * self.fragments[p].read() + (1 - self.alpha) * outer
+        else:  # the new outer value plus the local progress since the launch
+            new = outer if exchange.snap is None else outer + (self.fragments[p].read() - exchange.snap)
         self.fragments[p].write(new, self.sites.site_group)
 
     def _mean(self, p: int, exchange: _Exchange) -> torch.Tensor:
@@ -210,65 +214,76 @@ class DiLoCo:
 
     # -- agreement and the common start ---------------------------------------------------
     def _options(self) -> dict:
-        return {"every": self.every, "bits": self.bits, "fragments": len(self.fragments), "overlap": self.overlap,
-                "error_feedback": self.error_feedback, "seed": self.seed, "block_size": self.block_size,
-                "n_sites": self.sites.n_sites, "ranks_per_site": self.sites.ranks_per_site}
+        options = {"every": self.every, "bits": self.bits, "fragments": len(self.fragments), "overlap": self.overlap,
+                   "error_feedback": self.error_feedback, "seed": self.seed, "block_size": self.block_size,
+                   "n_sites": self.sites.n_sites, "ranks_per_site": self.sites.ranks_per_site}
+        if self.alpha is not None:  # (absent: checkpoints from before the option load as they are)
+            options["alpha"] = self.alpha
+        return options
 
-    def _check(self) -> None:
-        """The options check (:func:`~hhook.diloco.sites.check_agreement`), blocking, on
-        every rank: before the first exchange and again after :meth:`load_state_dict`."""
-        shapes = hashlib.sha1(repr([f.digest() for f in self.fragments]).encode()).digest()
-        common = {f"the option {name}": -1 if value is None else int(value) for name, value in self._options().items()}
-        common["the fragments' parameters (names and shapes)"] = int.from_bytes(shapes[:8], "little") >> 2
-        common["the inner steps done (a checkpoint of another step?)"] = self.position
-        common["the checkpoint format"] = STATE_FORMAT
-        lengths = hashlib.sha1(repr([f.digest(shapes=False) for f in self.fragments]).encode()).digest()
-        check_agreement(self.sites, common, {"the shard lengths of this local rank": int.from_bytes(lengths[:8], "little") >> 2})
-        self._unchecked = False
-
-    def _start_together(self) -> None:
-        """Every site takes site 0's parameters (each ring broadcasts its shard)."""
-        source = self.sites.members[0][self.sites.local_rank]
-        for fragment in self.fragments:
-            shard = fragment.read()
-            with explained("hhook.diloco's broadcast of site 0's parameters", self.sites.ring):
-                dist.broadcast(shard, source, group=self.sites.ring)
-            fragment.write(shard, self.sites.site_group)
+    def start(self) -> None:
+        """The common start, collective, once (by itself before the model's first forward,
+        else at the first :meth:`step`): the options handshake with the inner steps done;
+        a fresh run takes every parameter and buffer from site 0 and reads the outer copy
+        from them; a resumed one checks that the model holds the checkpoint's weights."""
+        if self.started:
+            return
+        self._hook.remove()
+        if self.sites.n_sites > 1:
+            resumed = self._resumed_model is not None
+            holds = None if not resumed else checkpoint.model_digest([f.read() for f in self.fragments])
+            loaded = None if not resumed else self._resumed_model < 0 or holds == self._resumed_model
+            _agree(self, (("inner steps", self.position), ("model loaded", loaded)))
+            if resumed and not loaded:
+                raise ValueError("hhook.diloco: the model does not hold the weights it had when this outer state "
+                                 "was saved: load the model's state_dict (saved with it) before the model's first "
+                                 "forward or the first outer.step()")
+            if not resumed:
+                _start_together(self.sites, self.fragments, self.outer, self._others)
+        self.started = True
 
     # -- checkpoints and statistics ---------------------------------------------------------
     def state_dict(self) -> dict:
         """Plain data (``torch.load(..., weights_only=True)`` reads it): the options, the
         inner steps done, the outer shards, the outer optimizer, THC's state (residuals,
-        rounding counters) and the exchanges in flight (waited for: their means). Save it
-        with the model and the inner optimizer; every rank saves its own."""
+        rounding counters), the exchanges in flight (waited for: their means) and a digest
+        of this rank's model weights. Save it with the model and the inner optimizer;
+        every rank saves its own."""
         self.wait()
         return {"format": STATE_FORMAT, "options": self._options(), "position": self.position, "syncs": self.syncs,
                 "outer": [t.detach().clone() for t in self.outer], "outer_optimizer": self.outer_optimizer.state_dict(),
                 "thc": None if self.thc is None else self.thc.state_dict(), "counters": self.counters.state_dict(),
                 "pending": {p: {"launched_at": e.launched_at, "merge_at": e.merge_at, "mean": e.mean.clone(),
-                                "snap": None if e.snap is None else e.snap.clone()} for p, e in self.pending.items()}}
+                                "snap": None if e.snap is None else e.snap.clone()} for p, e in self.pending.items()},
+                "model": checkpoint.model_digest([f.read() for f in self.fragments])}
 
     def load_state_dict(self, saved: dict) -> None:
-        """Continue from :meth:`state_dict` (load the model and inner optimizer too): bit
-        for bit, mid-period included. ValueError for a checkpoint of other options; the
-        next :meth:`step` checks every rank's inner-step count and options again."""
-        if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT:
-            raise ValueError(f"hhook.diloco: not a DiLoCo.state_dict() of format {STATE_FORMAT}")
-        differ = {k: (v, saved["options"].get(k)) for k, v in self._options().items() if saved["options"].get(k) != v}
-        if differ or [len(t) for t in saved["outer"]] != [len(t) for t in self.outer]:
-            raise ValueError(f"hhook.diloco: the checkpoint was saved with other options or shards "
-                             f"(this run, checkpoint: {differ or 'shard lengths differ'})")
-        with torch.no_grad():
-            for mine, theirs in zip(self.outer, saved["outer"]):
-                mine.copy_(theirs)
-        self.outer_optimizer.load_state_dict(saved["outer_optimizer"])
-        if self.thc is not None and saved["thc"] is not None:
-            self.thc.load_state_dict(saved["thc"])
+        """Continue from :meth:`state_dict`, bit for bit, mid-period included: before the
+        model's first forward, on every rank, with the model's and inner optimizer's
+        checkpoints loaded in any order before or after. The whole dict is checked first:
+        ``ValueError`` (and nothing changed) for a checkpoint of other options or a
+        malformed one; :meth:`start` checks every rank's inner-step count and options."""
+        if self.started:
+            raise ValueError("hhook.diloco: load_state_dict after the start (the model's first forward or step()): "
+                             "build a new DiLoCo and load it before training")
+        saved = checkpoint.validated(saved, self._options(), [len(t) for t in self.outer], self.offsets,
+                                     self.thc is not None)
+        outer = [t.detach().clone() for t in saved["outer"]]
+        optimizer = self._outer_factory(outer)
+        optimizer.load_state_dict(saved["outer_optimizer"])  # raises before anything of this object changed
+        if self.thc is not None:
+            before = self.thc.state_dict()
+            try:
+                self.thc.load_state_dict(saved["thc"])
+            except Exception:
+                self.thc.load_state_dict(before)
+                raise
+        self.outer, self.outer_optimizer = outer, optimizer
         self.counters.load_state_dict(saved["counters"])
         self.position, self.syncs = saved["position"], saved["syncs"]
-        self.pending = {int(p): _Exchange(None, e["launched_at"], e["merge_at"], e["snap"], e["mean"])
+        self.pending = {p: _Exchange(None, e["launched_at"], e["merge_at"], e["snap"], e["mean"])
                         for p, e in saved["pending"].items()}
-        self._unchecked = self.sites.n_sites > 1
+        self._resumed_model = -1 if saved.get("model") is None else saved["model"]
 
     def stats(self) -> dict:
         """This rank's figures: inner steps, fragment syncs launched (``syncs``) and outer
@@ -310,3 +325,78 @@ def _synchronized(model: torch.nn.Module, inner_optimizer) -> list[tuple[str, to
     if not named:
         raise ValueError("hhook.diloco: the model has no parameter to synchronize")
     return named
+
+
+def _agree(outer: DiLoCo, extra: tuple = ()) -> None:
+    """The options handshake (:meth:`Sites.agree`), blocking, on every rank: at
+    construction and again at :meth:`DiLoCo.start`, with the inner steps done and whether
+    the model holds a loaded checkpoint's weights (``extra``)."""
+    sites, fragments = outer.sites, outer.fragments
+    shard_lengths = [f.digest(shapes=False) for f in fragments]
+    if sites.ranks_per_site > 1:  # every local rank's shards, the same table on every site
+        shard_lengths = gather_site(shard_lengths, sites)
+    fields = [*outer._options().items(), ("format", STATE_FORMAT), ("parameters", _digest([f.digest() for f in fragments])),
+              ("shard lengths", _digest(shard_lengths)), *extra, *_optimizer_fields(outer.outer_optimizer)]
+    try:
+        sites.agree(fields)
+    except ConfigMismatchError as e:
+        if "parameters:" in str(e):  # every rank has the same message: name the first differing parameter
+            raise ConfigMismatchError(f"{e} {first_difference(fragments)}") from e
+        raise
+
+
+def _start_together(sites: Sites, fragments: list[Fragment], outer: list[torch.Tensor], others: list) -> None:
+    """Every site takes site 0's parameters and buffers (each ring broadcasts its shard
+    of the synchronized ones, and the others whole), and the outer copy is read."""
+    source = sites.source()
+    with explained("hhook.diloco's broadcast of site 0's parameters", sites.ring), torch.no_grad():
+        for fragment, mine in zip(fragments, outer):
+            shard = fragment.read()
+            dist.broadcast(shard, source, group=sites.ring)
+            fragment.write(shard, sites.site_group)
+            mine.copy_(shard)
+        for t in others:
+            dist.broadcast(t, source, group=sites.ring)
+
+
+def _unsynchronized(model: torch.nn.Module, named: list) -> list[torch.Tensor]:
+    """Every other parameter and every buffer of ``model`` (an FSDP2 parameter's local
+    shard): what the common start takes from site 0, as DDP's construction does."""
+    synced = {id(p) for _, p in named}
+    out = [p for p in model.parameters() if id(p) not in synced] + list(model.buffers())
+    return [t.to_local() if hasattr(t, "to_local") else t for t in out]
+
+
+def _validated_options(named, every, bits, error_feedback, fragments, overlap, alpha, seed, block_size) -> list:
+    """ValueError for an option out of range; the fragments' parameters."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"hhook.diloco: every (H) must be a positive integer, got {every!r}")
+    if bits is not None:
+        THCState.validate(bits=bits, seed=seed, block_size=block_size, error_feedback=error_feedback)
+    groups = partition(named, fragments)
+    if every < len(groups):
+        raise ValueError(f"hhook.diloco: every={every} inner steps cannot hold {len(groups)} staggered fragments")
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap <= every // len(groups):
+        raise ValueError(f"hhook.diloco: overlap must be an integer in 0..{every // len(groups)} (H/P: one "
+                         f"fragment in flight at a time), got {overlap!r}")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
+        raise ValueError(f"hhook.diloco: alpha must be None or a number in [0, 1], got {alpha!r}")
+    return groups
+
+
+def _digest(values) -> int:
+    return int.from_bytes(hashlib.sha1(repr(values).encode()).digest()[:8], "little") >> 2
+
+
+def _optimizer_fields(optimizer: torch.optim.Optimizer) -> list:
+    """The outer optimizer's class and hyperparameters as handshake fields (``o.lr``...):
+    sites stepping their "common" outer copies differently would drift apart silently.
+    What does not fit the handshake's fields goes into one digest, ``o.others``."""
+    group = optimizer.param_groups[0]
+    first = ("lr", "momentum", "betas", "weight_decay", "nesterov", "eps")
+    keys = [k for k in first if k in group] + sorted(k for k in group if k not in first and k != "params")
+    values = [(f"o.{k}", group[k] if group[k] is None or isinstance(group[k], (bool, int, float, str)) else repr(group[k]))
+              for k in keys]
+    room = 7  # the handshake's 24 fields less DiLoCo's 15, the class's and o.others
+    head, rest = values[:room], values[room:]
+    return [("outer optimizer", type(optimizer).__name__), *head] + ([("o.others", _digest(rest))] if rest else [])

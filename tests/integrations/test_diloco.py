@@ -54,6 +54,7 @@ def _outer_steps(rank, world, ranks_per_site, steps=3):
     for bits in (None, 8):
         model = _net(seed=sites.site)  # sites start apart (a site's ranks alike, as DDP makes them): site 0's wins
         outer = hhook.diloco.DiLoCo(model, None, sites, every=1, bits=bits)
+        outer.start()  # (no forward here: the common start by hand)
         ref = _flat(model).clone()
         assert torch.equal(ref, _flat(_net(seed=0))), "every site starts from site 0's parameters"
         ref_opt = hhook.diloco.nesterov_sgd([ref])
@@ -105,6 +106,7 @@ def _streamed(rank, sites, fragments, overlap):
     model = _net(layers=4)
     every = 8
     outer = hhook.diloco.DiLoCo(model, None, sites, every=every, bits=None, fragments=fragments, overlap=overlap)
+    outer.start()
     drift = [0.01, 0.03][rank]
     dense, events = [], []
     for t in range(1, 2 * every + 1):
@@ -229,8 +231,8 @@ def test_mismatched_options_or_shapes_raise_on_every_rank():
     """H, bits, fragment counts or a parameter's shape differing on one site: every rank raises."""
     for rank_messages in run_world(_mismatch, 3):
         for what, m in zip(MISMATCHES, rank_messages):
-            assert m is not None and "disagree" in m and "rank 2 (site 2)" in m, (what, m)
-            assert ("shapes" in m) if what == "width" else (f"option {what}" in m), (what, m)
+            assert m is not None and "sites disagree" in m and "on rank 2" in m, (what, m)
+            assert ("parameters:" in m and "rank 2 has 0.weight [12, 12]" in m) if what == "width" else (f" {what}: " in m), (what, m)
 
 
 def _asks_differently(rank, world):
@@ -346,6 +348,7 @@ def _ef_error(rank, world, error_feedback, draws, steps):
         model = _net(layers=2, width=32)
         outer = hhook.diloco.DiLoCo(model, None, sites, every=1, bits=2, error_feedback=error_feedback,
                                     seed=draw, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
+        outer.start()
         exact = _flat(model).clone()
         for call in range(steps):
             g = torch.Generator().manual_seed(10_000 * draw + 100 * call + rank)
