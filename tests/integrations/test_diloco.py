@@ -96,7 +96,24 @@ STREAMED = [(4, 0), (4, 2), (2, 1)]  # (fragments, overlap)
 
 def _streamed_all(rank, world):
     sites = hhook.diloco.find_sites(1)
-    return [_streamed(rank, sites, fragments, overlap) for fragments, overlap in STREAMED]
+    return [_streamed(rank, sites, fragments, overlap) for fragments, overlap in STREAMED] + [_split(rank, sites)]
+
+
+def _split(rank, sites):
+    """An embedding of 800 values beside a layer of 72, P = 2: cut into two fragments of
+    436, the embedding split between them; each site sets its own values, steps one period
+    without inner progress; the outer step (SGD, lr 1) leaves every site on their mean."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 8))
+    outer = hhook.diloco.DiLoCo(model, None, sites, every=4, bits=None, fragments=2,
+                                outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
+    outer.start()
+    mine = torch.randn(872, generator=torch.Generator().manual_seed(rank))
+    _set_flat(model, mine)
+    for _ in range(4):
+        outer.step()
+    return {"sizes": [f.numel for f in outer.fragments], "names": [f.names for f in outer.fragments],
+            "mine": mine, "params": _flat(model)}
 
 
 def _streamed(rank, sites, fragments, overlap):
@@ -125,6 +142,36 @@ def test_streaming_syncs_each_fragment_at_its_offset_with_a_fraction_of_the_byte
     every_config = run_world(_streamed_all, 2)
     for (fragments, overlap), results in zip(STREAMED, zip(*every_config)):
         _check_streamed(fragments, overlap, results)
+    split = [r[-1] for r in every_config]
+    assert split[0]["sizes"] == [436, 436], split[0]["names"]
+    assert split[0]["names"][0] == ["0.weight[0:436]"] and split[0]["names"][1][0] == "0.weight[436:800]"
+    mean = (split[0]["mine"] + split[1]["mine"]) / 2
+    for r in split:
+        torch.testing.assert_close(r["params"], mean, rtol=1e-6, atol=1e-6)
+
+
+GPT2_SMALL = [("transformer.wte.weight", (50257, 768)), ("transformer.wpe.weight", (1024, 768))] + [
+    (f"transformer.h.{i}.{name}", shape) for i in range(12) for name, shape in (
+        ("ln_1.weight", (768,)), ("ln_1.bias", (768,)), ("attn.c_attn.weight", (768, 2304)),
+        ("attn.c_attn.bias", (2304,)), ("attn.c_proj.weight", (768, 768)), ("attn.c_proj.bias", (768,)),
+        ("ln_2.weight", (768,)), ("ln_2.bias", (768,)), ("mlp.c_fc.weight", (768, 3072)), ("mlp.c_fc.bias", (3072,)),
+        ("mlp.c_proj.weight", (3072, 768)), ("mlp.c_proj.bias", (768,)))] + [
+    ("transformer.ln_f.weight", (768,)), ("transformer.ln_f.bias", (768,))]  # lm_head: tied to wte, listed once
+
+
+def test_fragments_are_balanced_on_gpt2_small():
+    """GPT-2 small's names and shapes (124.4M values, the embedding 31% of them): the
+    largest fragment within 1.25x of 1/P for P = 2, 4, 8 (striding alone: 1.30x, 1.92x,
+    2.94x); every value in exactly one fragment."""
+    from hhook.diloco.fragments import partition
+
+    named = [(n, torch.empty(shape, device="meta")) for n, shape in GPT2_SMALL]
+    total = sum(p.numel() for _, p in named)
+    assert total == 124_439_808
+    for P in (2, 4, 8):
+        sizes = [sum(hi - lo for _, _, lo, hi in f) for f in partition(named, P)]
+        assert sum(sizes) == total and len(sizes) == P
+        assert max(sizes) <= 1.25 * total / P, (P, [s / total for s in sizes])
 
 
 def _check_streamed(fragments, overlap, results):
