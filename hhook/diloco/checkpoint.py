@@ -87,3 +87,21 @@ def validated(saved, options: dict, lengths: list[int], offsets: list[int], has_
     if saved.get("model") is not None and not isinstance(saved["model"], int):
         raise _bad("model must be an integer digest")
     return dict(saved, pending=pending)
+
+
+def loaded_outer(saved: dict, factory, thc) -> tuple:
+    """The outer shards of ``saved`` (:func:`validated`) and a new outer optimizer over
+    them with its state loaded, and THC's state loaded into ``thc`` (restored as it was
+    where that raises): what :meth:`DiLoCo.load_state_dict` assigns, so a failure leaves
+    the synchronizer as it was."""
+    outer = [t.detach().clone() for t in saved["outer"]]
+    optimizer = factory(outer)
+    optimizer.load_state_dict(saved["outer_optimizer"])
+    if thc is not None:
+        before = thc.state_dict()
+        try:
+            thc.load_state_dict(saved["thc"])
+        except Exception:
+            thc.load_state_dict(before)
+            raise
+    return outer, optimizer

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ConfigMismatchError, explain
-from ..schedule import handshake
+from ..schedule import blame, handshake
 from ..schedule.groups import timeout_of
 from ..schedule.topology import node_census
 
@@ -136,6 +137,40 @@ def peers(group) -> str:
     except Exception:  # noqa: BLE001 - a group of another process, a destroyed one
         return ""
     return "" if not others else f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+
+
+def _finish_key(tag: str, rank: int) -> str:
+    return f"hhook.diloco/{blame.attempt()}/{tag}/finished/{rank}"
+
+
+def say_finished(sites: Sites, tag: str, position: int) -> None:
+    """Say in the job's store that this rank finished (:meth:`DiLoCo.finish`) after inner
+    step ``position``, then wait (at most the ring's timeout) until every site of its ring
+    has: ConfigMismatchError on every rank where a site finished after another count, or
+    did not finish in time (it trains on: the sites ran different numbers of steps)."""
+    store, me = dist.distributed_c10d._get_default_store(), dist.get_rank()
+    store.set(_finish_key(tag, me), str(position))
+    ring = dist.get_process_group_ranks(sites.ring)
+    limit = timeout_of(sites.ring).total_seconds()
+    deadline = time.monotonic() + limit
+    while True:
+        said = finished(sites, tag)
+        if len(said) == len(ring) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if len(set(said.values())) > 1 or len(said) < len(ring):
+        counts = "; ".join(f"site {sites.site_of(r)} (rank {r}) " + (f"after inner step {said[r]}" if r in said else
+                           f"not within {limit:g} s: it trains on") for r in ring)
+        raise ConfigMismatchError(f"hhook.diloco: the sites finished after different numbers of inner steps ({counts}). "
+                                  "Every site must run the same number of inner steps (data of equal length per site, "
+                                  "or a common step count) and then call finish()")
+
+
+def finished(sites: Sites, tag: str) -> dict:
+    """``{global rank: inner steps}`` of the ranks of this rank's ring that said they finished."""
+    store = dist.distributed_c10d._get_default_store()
+    keys = {r: _finish_key(tag, r) for r in dist.get_process_group_ranks(sites.ring)}
+    return {r: int(store.get(k)) for r, k in keys.items() if store.check([k])}
 
 
 def find_sites(ranks_per_site: int | str = "auto", timeout: datetime.timedelta | None = None) -> Sites:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import logging
 import re
 
@@ -30,9 +31,10 @@ from ..stats import Counters
 from . import checkpoint
 from .checkpoint import STATE_FORMAT
 from .fragments import Fragment, first_difference, partition
-from .sites import Sites, explained, find_sites, gather_site, peers
+from .sites import Sites, explained, find_sites, finished, gather_site, peers, say_finished
 
 logger = logging.getLogger(__name__)
+_MADE = itertools.count()
 
 
 def nesterov_sgd(params: list) -> torch.optim.Optimizer:
@@ -113,6 +115,7 @@ class DiLoCo:
         self.counters = Counters()  # the fp32 exchange's bytes (THC's: its state's stats)
         self.thc, self.started, self._resumed_model = None, False, None
         self._others = _unsynchronized(model, named)
+        self._tag = str(next(_MADE))  # this synchronizer's keys in the job's store (made alike on every rank)
         self._outer_factory = outer_optimizer or nesterov_sgd
         self.outer = [f.read() for f in self.fragments]
         self.outer_optimizer = self._outer_factory(self.outer)
@@ -130,10 +133,7 @@ class DiLoCo:
     def step(self) -> None:
         """After an inner optimizer step: merge the exchanges due now, then launch (and
         with ``overlap=0`` merge) the fragments whose offset this step is."""
-        if not self.started:
-            if self.sites.n_sites > 1:
-                logger.warning("hhook.diloco: started at the first step(), after an inner step: the model's forward "
-                               "did not run through the module given to DiLoCo; call outer.start() before training")
+        if not self.started:  # (no forward through the module given: call start() before training)
             self.start()
         if self.sites.n_sites == 1:
             self.position += 1
@@ -150,8 +150,7 @@ class DiLoCo:
                     self._merge(p)
 
     def in_flight(self) -> int:
-        """Exchanges launched and not merged yet."""
-        return len(self.pending)
+        return len(self.pending)  # exchanges launched and not merged yet
 
     def wait(self) -> None:
         """Wait for the exchanges in flight (their means are kept for their merge): before
@@ -159,13 +158,28 @@ class DiLoCo:
         for p, exchange in self.pending.items():
             self._mean(p, exchange)
 
+    def finish(self) -> None:
+        """End on one model and leave cleanly (collective; every site after the same inner
+        step, else ConfigMismatchError on every rank naming each site's count): merge the
+        exchanges in flight, exchange every fragment once more and write the common outer
+        parameters into the model, so every site holds the same (evaluation, export)."""
+        self.start()
+        if self.sites.n_sites == 1:
+            return
+        say_finished(self.sites, self._tag, self.position)
+        for p in sorted(self.pending):
+            self._merge(p)
+        for p in range(len(self.fragments)):
+            self._launch(p)
+            self._merge(p, final=True)
+
     def _launch(self, p: int) -> None:
         local = self.fragments[p].read()
         delta = self.outer[p] - local
         try:
             future = self._exchange(p, delta)
         except Exception as exc:  # noqa: BLE001 - a peer lost before the launch: named by its site
-            err = _site_error(self.sites, p, self.position, exc)
+            err = _site_error(self.sites, p, self.position, exc, self._tag)
             if err is exc:
                 raise
             raise err from exc
@@ -181,7 +195,7 @@ class DiLoCo:
         with explained(f"hhook.diloco's fp32 exchange of fragment {p}", self.sites.ring):
             return plain_allreduce(delta, self.sites.ring, self.sites.n_sites)
 
-    def _merge(self, p: int) -> None:
+    def _merge(self, p: int, final: bool = False) -> None:
         exchange = self.pending.pop(p)
         mean = self._mean(p, exchange)
         if not bool(torch.isfinite(mean).all()):
@@ -191,7 +205,9 @@ class DiLoCo:
         outer.grad = mean
         self.outer_optimizer.step()
         outer.grad = None
-        if self.alpha is not None:  # Streaming DiLoCo's mixing
+        if final:
+            new = outer
+        elif self.alpha is not None:  # Streaming DiLoCo's mixing
             new = self.alpha * self.fragments[p].read() + (1 - self.alpha) * outer
         else:  # the new outer value plus the local progress since the launch
             new = outer if exchange.snap is None else outer + (self.fragments[p].read() - exchange.snap)
@@ -205,7 +221,7 @@ class DiLoCo:
                 if self.thc is not None:
                     self.thc.check_deferred(wait=True)  # a GPU decode's bad prefix: ConfigMismatchError here
             except Exception as exc:  # noqa: BLE001 - re-raised; a lost or stalled peer named by its site
-                err = _site_error(self.sites, p, exchange.launched_at, exc)
+                err = _site_error(self.sites, p, exchange.launched_at, exc, self._tag)
                 if err is exc:
                     raise
                 raise err from exc
@@ -268,17 +284,7 @@ class DiLoCo:
                              "build a new DiLoCo and load it before training")
         saved = checkpoint.validated(saved, self._options(), [len(t) for t in self.outer], self.offsets,
                                      self.thc is not None)
-        outer = [t.detach().clone() for t in saved["outer"]]
-        optimizer = self._outer_factory(outer)
-        optimizer.load_state_dict(saved["outer_optimizer"])  # raises before anything of this object changed
-        if self.thc is not None:
-            before = self.thc.state_dict()
-            try:
-                self.thc.load_state_dict(saved["thc"])
-            except Exception:
-                self.thc.load_state_dict(before)
-                raise
-        self.outer, self.outer_optimizer = outer, optimizer
+        self.outer, self.outer_optimizer = checkpoint.loaded_outer(saved, self._outer_factory, self.thc)
         self.counters.load_state_dict(saved["counters"])
         self.position, self.syncs = saved["position"], saved["syncs"]
         self.pending = {p: _Exchange(None, e["launched_at"], e["merge_at"], e["snap"], e["mean"])
@@ -297,10 +303,19 @@ class DiLoCo:
                 "exchange": "fp32" if self.bits is None else f"thc:{self.bits}"}
 
 
-def _site_error(sites: Sites, p: int, launched_at: int, exc: BaseException) -> BaseException:
-    """``exc`` as the error to raise: a lost or stalled peer (THC's error, or the fp32
-    path's transport error explained) with the sites and the site of each rank it names;
-    anything else as it is."""
+def _site_error(sites: Sites, p: int, launched_at: int, exc: BaseException, tag: str) -> BaseException:
+    """``exc`` as the error to raise: a peer that finished (:meth:`DiLoCo.finish`) as
+    such; a lost or stalled peer (THC's error, or the fp32 path's transport error
+    explained) with the sites and the site of each rank it names; anything else as it is."""
+    try:
+        left = {r: n for r, n in finished(sites, tag).items() if r != dist.get_rank()}
+    except Exception:  # noqa: BLE001 - a store that does not answer: nobody known to have finished
+        left = {}
+    if left:
+        said = ", ".join(f"site {sites.site_of(r)} (rank {r}) after inner step {n}" for r, n in left.items())
+        return ConfigMismatchError(f"hhook.diloco: the outer exchange of fragment {p} (after inner step {launched_at}) "
+                                   f"found that {said} finished (a clean leave, finish()) while this site trains on: "
+                                   "every site must run the same number of inner steps")
     err = exc
     if not isinstance(exc, (PeerLostError, PeerTimeoutError)):
         err = explain(exc, f"hhook.diloco's exchange of fragment {p}", None, peers(sites.ring))

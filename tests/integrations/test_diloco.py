@@ -104,7 +104,7 @@ def _split(rank, sites):
     436, the embedding split between them; each site sets its own values, steps one period
     without inner progress; the outer step (SGD, lr 1) leaves every site on their mean."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 8))
+    model = outer_model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 8))
     outer = hhook.diloco.DiLoCo(model, None, sites, every=4, bits=None, fragments=2,
                                 outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
     outer.start()
@@ -112,8 +112,16 @@ def _split(rank, sites):
     _set_flat(model, mine)
     for _ in range(4):
         outer.step()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 8))
+    mixed = hhook.diloco.DiLoCo(model, None, sites, every=4, bits=None, fragments=2, alpha=0.25,
+                                outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
+    mixed.start()
+    _set_flat(model, mine)
+    for _ in range(4):
+        mixed.step()
     return {"sizes": [f.numel for f in outer.fragments], "names": [f.names for f in outer.fragments],
-            "mine": mine, "params": _flat(model)}
+            "mine": mine, "params": _flat(outer_model), "alpha": _flat(model)}
 
 
 def _streamed(rank, sites, fragments, overlap):
@@ -148,6 +156,7 @@ def test_streaming_syncs_each_fragment_at_its_offset_with_a_fraction_of_the_byte
     mean = (split[0]["mine"] + split[1]["mine"]) / 2
     for r in split:
         torch.testing.assert_close(r["params"], mean, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(r["alpha"], 0.25 * r["mine"] + 0.75 * mean, rtol=1e-6, atol=1e-6)  # alpha's mixing
 
 
 GPT2_SMALL = [("transformer.wte.weight", (50257, 768)), ("transformer.wpe.weight", (1024, 768))] + [
@@ -605,13 +614,16 @@ def _robustness(rank, world):
         fresh.start()
     except hhook.ConfigMismatchError as e:
         out["mixed"] = str(e), time.monotonic() - t0
+    outer.finish()  # fragment 0's exchange was in flight: merged, then every fragment once more
+    out["finished"] = _flat(model), torch.equal(torch.cat(outer.outer), torch.cat([f.read() for f in outer.fragments]))
     return out
 
 
 def test_outer_optimizer_parameters_and_checkpoints_are_checked():
     """lr 0.7 against 0.1 raises on every rank naming it; every parameter and buffer starts
     from site 0's; a bad checkpoint raises ValueError and changes nothing; a site resumed
-    beside a fresh one raises ConfigMismatchError on every rank within 5 s."""
+    beside a fresh one raises ConfigMismatchError on every rank within 5 s; finish() leaves
+    every site on the same parameters, the outer ones."""
     results = run_world(_robustness, 2)
     for r in results:
         assert "o.lr: 0.7 on rank 0, 0.1 on rank 1" in r.get("lr", ""), r.get("lr")
@@ -619,3 +631,27 @@ def test_outer_optimizer_parameters_and_checkpoints_are_checked():
         assert r["loads"] == {what: "same" for what in r["loads"]}, r["loads"]
         message, took = r["mixed"]
         assert "inner steps: 6 on rank 0, 0 on rank 1" in message and took < 5, (message, took)
+        assert torch.equal(r["finished"][0], results[0]["finished"][0]) and r["finished"][1], "finish(): one model"
+
+
+def _uneven(rank, world):
+    """Rank 1's data ends after 4 inner steps (it finishes), rank 0's after 10."""
+    outer = hhook.diloco.DiLoCo(_net(), None, hhook.diloco.find_sites(1), every=2, bits=None)
+    outer.start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(4 if rank == 1 else 10):
+            outer.step()
+        outer.finish()
+    except hhook.ConfigMismatchError as e:
+        return str(e), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+def test_a_site_that_finishes_early_says_so():
+    """A site that finishes (finish()) after fewer inner steps is reported to the other as
+    finished, not as died; it learns that the other trains on; both within the timeout."""
+    results = run_outcomes(_uneven, 2, pg_timeout_s=4, timeout=90)
+    (m0, t0), (m1, t1) = [r["value"] or (r["error"], None) for r in results]
+    assert "site 1 (rank 1) after inner step 4 finished (a clean leave" in m0 and t0 < 12, (m0, t0)
+    assert "site 0 (rank 0) not within 4 s: it trains on" in m1 and t1 < 12, (m1, t1)
