@@ -31,7 +31,7 @@ from ..stats import Counters
 from . import checkpoint
 from .checkpoint import STATE_FORMAT
 from .fragments import Fragment, first_difference, partition
-from .sites import Sites, explained, find_sites, finished, gather_site, peers, say_finished
+from .sites import Sites, explained, find_sites, finished, gather_ints, gather_site, peers, say_finished
 
 logger = logging.getLogger(__name__)
 _MADE = itertools.count()
@@ -198,9 +198,9 @@ class DiLoCo:
     def _merge(self, p: int, final: bool = False) -> None:
         exchange = self.pending.pop(p)
         mean = self._mean(p, exchange)
-        if not bool(torch.isfinite(mean).all()):
+        if not bool(torch.isfinite(mean).all()):  # on every site alike: ask each whether it holds them
             raise FloatingPointError(f"hhook.diloco: the mean pseudo-gradient of fragment {p} (inner step "
-                                     f"{exchange.launched_at}) is not finite: a site's parameters hold inf or NaN")
+                                     f"{exchange.launched_at}) is not finite: {_non_finite(self, p)}")
         outer = self.outer[p]
         outer.grad = mean
         self.outer_optimizer.step()
@@ -358,6 +358,17 @@ def _agree(outer: DiLoCo, extra: tuple = ()) -> None:
         if "parameters:" in str(e):  # every rank has the same message: name the first differing parameter
             raise ConfigMismatchError(f"{e} {first_difference(fragments)}") from e
         raise
+
+
+def _non_finite(outer: DiLoCo, p: int) -> str:
+    """Which sites' fragment ``p`` (its outer shard or its parameters now) holds inf or
+    NaN: one small all-gather over the ring, which every rank of it makes alike."""
+    mine = bool(torch.isfinite(outer.outer[p]).all()) and bool(torch.isfinite(outer.fragments[p].read()).all())
+    rows = gather_ints([int(mine)], outer.sites.ring, "hhook.diloco's look for non-finite values")
+    ring = dist.get_process_group_ranks(outer.sites.ring)
+    bad = [f"site {outer.sites.site_of(r)} (rank {r})" for r, row in zip(ring, rows) if not row[0]]
+    return (f"{', '.join(bad)} hold{'s' if len(bad) == 1 else ''} inf or NaN in it" if bad else
+            "no site holds inf or NaN in it now (the pseudo-gradient overflowed in the exchange?)")
 
 
 def _start_together(sites: Sites, fragments: list[Fragment], outer: list[torch.Tensor], others: list) -> None:

@@ -616,6 +616,15 @@ def _robustness(rank, world):
         out["mixed"] = str(e), time.monotonic() - t0
     outer.finish()  # fragment 0's exchange was in flight: merged, then every fragment once more
     out["finished"] = _flat(model), torch.equal(torch.cat(outer.outer), torch.cat([f.read() for f in outer.fragments]))
+    outer = hhook.diloco.DiLoCo(model, None, sites, every=1, bits=4)
+    outer.start()
+    if rank == 1:
+        with torch.no_grad():
+            model[2].weight[0, 0] = float("nan")
+    try:
+        outer.step()
+    except FloatingPointError as e:
+        out["nan"] = str(e)
     return out
 
 
@@ -623,7 +632,8 @@ def test_outer_optimizer_parameters_and_checkpoints_are_checked():
     """lr 0.7 against 0.1 raises on every rank naming it; every parameter and buffer starts
     from site 0's; a bad checkpoint raises ValueError and changes nothing; a site resumed
     beside a fresh one raises ConfigMismatchError on every rank within 5 s; finish() leaves
-    every site on the same parameters, the outer ones."""
+    every site on the same parameters, the outer ones; a NaN on one site is named on every
+    site."""
     results = run_world(_robustness, 2)
     for r in results:
         assert "o.lr: 0.7 on rank 0, 0.1 on rank 1" in r.get("lr", ""), r.get("lr")
@@ -632,6 +642,7 @@ def test_outer_optimizer_parameters_and_checkpoints_are_checked():
         message, took = r["mixed"]
         assert "inner steps: 6 on rank 0, 0 on rank 1" in message and took < 5, (message, took)
         assert torch.equal(r["finished"][0], results[0]["finished"][0]) and r["finished"][1], "finish(): one model"
+        assert "site 1 (rank 1) holds inf or NaN" in r.get("nan", ""), r.get("nan")
 
 
 def _uneven(rank, world):
