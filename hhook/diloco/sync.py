@@ -10,7 +10,12 @@ Streaming (``fragments=P``): the parameters in ``P`` strided fragments
 (:mod:`hhook.diloco.fragments`), fragment ``p`` synced at its own offset in each period of
 ``H`` steps; with ``overlap=tau`` its exchange is a future that runs while the next ``tau``
 inner steps compute, and is merged after them: the fragment becomes the new outer value
-plus the local progress made meanwhile. ``overlap=0`` waits at once (DiLoCo itself).
+plus the local progress made meanwhile (hhook's rule), or with ``alpha`` Streaming
+DiLoCo's mix of the two. ``overlap=0`` waits at once (DiLoCo itself).
+
+The common start (:meth:`DiLoCo.start`) runs before the model's first forward, not at
+construction, so that loads before or after construction are alike: a fresh run takes site
+0's parameters and buffers then, a resumed one keeps what the checkpoints hold.
 """
 
 from __future__ import annotations
