@@ -166,11 +166,19 @@ def say_finished(sites: Sites, tag: str, position: int) -> None:
                                   "or a common step count) and then call finish()")
 
 
-def finished(sites: Sites, tag: str) -> dict:
-    """``{global rank: inner steps}`` of the ranks of this rank's ring that said they finished."""
+def finished(sites: Sites, tag: str, bound_s: float | None = None) -> dict:
+    """``{global rank: inner steps}`` of the ranks of this rank's ring that said they
+    finished; ``bound_s``: the store's operations time out after that meanwhile (on an
+    error path, where the store's host may be the rank that died)."""
     store = dist.distributed_c10d._get_default_store()
     keys = {r: _finish_key(tag, r) for r in dist.get_process_group_ranks(sites.ring)}
-    return {r: int(store.get(k)) for r, k in keys.items() if store.check([k])}
+    old = store.timeout
+    if bound_s is not None:
+        store.set_timeout(datetime.timedelta(seconds=bound_s))
+    try:
+        return {r: int(store.get(k)) for r, k in keys.items() if store.check([k])}
+    finally:
+        store.set_timeout(old)
 
 
 def find_sites(ranks_per_site: int | str = "auto", timeout: datetime.timedelta | None = None) -> Sites:

@@ -313,7 +313,7 @@ def _site_error(sites: Sites, p: int, launched_at: int, exc: BaseException, tag:
     such; a lost or stalled peer (THC's error, or the fp32 path's transport error
     explained) with the sites and the site of each rank it names; anything else as it is."""
     try:
-        left = {r: n for r, n in finished(sites, tag).items() if r != dist.get_rank()}
+        left = {r: n for r, n in finished(sites, tag, bound_s=2.0).items() if r != dist.get_rank()}
     except Exception:  # noqa: BLE001 - a store that does not answer: nobody known to have finished
         left = {}
     if left:
