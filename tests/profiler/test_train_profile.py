@@ -189,6 +189,24 @@ def test_figures_from_step_times_and_the_eval_curve():
     assert "not reached" in lines[3] and lines[5].startswith("powersgd:2") and "hung (timeout)" in lines[5]
 
 
+def test_a_diloco_row_that_never_synchronized_claims_no_bytes_or_speedup():
+    """One host is one site: DiLoCo trained locally, exchanged nothing between sites. Its
+    row must say so, with no speed-up and no MB figure in the table (issue 61)."""
+    fp32 = _result([1.0] + [0.010] * 9, [0.9], [1.0], [400] * 10)
+    local = _result([1.0] + [0.005] * 9, [0.9], [1.0], [0] * 10)
+    local.update(diloco_stats={"sites": 1, "ranks_per_site": 2, "syncs": 0, "outer_steps": 0, "wire_bytes": 0},
+                 step_sync=[False] * 10, step_in_flight=[False] * 10, step_outer_bytes=[0] * 10)
+    rows = [summarize(Method("fp32", "fp32"), "ok", "", [fp32, fp32], warmup=1, target=0.5),
+            summarize(Method("diloco:4:h=10", "diloco"), "ok", "", [local, local], warmup=1, target=0.5)]
+    add_speedups(rows)
+    d = rows[1]
+    assert d["synchronized"] is False and rows[0].get("synchronized") is None
+    assert d["speedup_vs_fp32"] is None and d["tta_speedup_vs_fp32"] is None
+    line = [ln for ln in table(rows, 0.5).splitlines() if ln.startswith("diloco")][0]
+    assert "did not synchronize" in line and "1 site" in line and "x" not in line.split("did not")[0], line
+    assert not re.search(r"\d\.\d\dx", line), line
+
+
 # -- end to end: 2 ranks on loopback ---------------------------------------------------------
 def _torchrun(*args, timeout=240, ranks=2, **env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
