@@ -454,3 +454,31 @@ def test_diloco_rows_report_bytes_between_sites_and_steps_in_flight(tmp_path):
     assert streamed["in_flight_steps"] + streamed["sync_steps"] + streamed["quiet_steps"] == 22
     assert streamed["in_flight_steps"] > 0 and streamed["in_flight_vs_quiet"] > 0
     assert any(ln.startswith("# diloco:4:h=8: 2 sites x 1 rank(s), 3 outer steps") for ln in proc.stdout.splitlines())
+
+
+def test_stages_print_one_line_per_stage_and_quarter_in_a_log():
+    """Not a terminal (a file, a pipe): the ~20 s of a method's training show as lines."""
+    import io
+
+    from hhook.profile.progress import Stages
+
+    log = io.StringIO()
+    stages = Stages("thc:4", steps=100, stream=log)
+    for beat in ("starting", "starting", "model", "step 0", *(f"step {i}" for i in range(1, 101))):
+        stages.beat(beat)
+    stages.close()
+    lines = log.getvalue().splitlines()
+    assert lines == ["# thc:4: starting", "# thc:4: model", "# thc:4: training (step 0)", "# thc:4: step 25/100",
+                     "# thc:4: step 50/100", "# thc:4: step 75/100", "# thc:4: step 100/100"], lines
+    quiet = io.StringIO()
+    Stages("thc:4", steps=100, enabled=False, stream=quiet).beat("step 50")
+    assert quiet.getvalue() == ""
+
+
+def test_the_footer_explains_val_loss():
+    import argparse
+
+    from hhook.profile.commands.train import footer
+
+    args = argparse.Namespace(warmup=1, target_accuracy=0.9, eval_every=10, steps=20, parallel="ddp")
+    assert any(line.startswith("# val loss = cross-entropy on the held-out test set") for line in footer([], args))

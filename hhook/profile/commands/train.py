@@ -295,7 +295,9 @@ def footer(rows: list[dict], args) -> list[str]:
 
     lines = [f"# step = forward + backward + optimizer step on rank 0, median and p90 after {args.warmup} "
              f"warm-up steps; s to {args.target_accuracy * 100:g}% = training time (eval excluded) until the "
-             f"first evaluation (every {args.eval_every} steps) reaching it"]
+             f"first evaluation (every {args.eval_every} steps) reaching it",
+             "# val loss = cross-entropy on the held-out test set at the last evaluation (the same data for every "
+             "method; lower is better)"]
     if getattr(args, "parallel", "ddp") in ("fsdp", "hsdp"):
         lines.append("# MB/rank/step: tensors handed to torch.distributed collectives (FSDP2: every one counted; "
                      "reduce-scatter input and all-gather output, NCCL's semantics: Gloo's emulated reduce-scatter "
@@ -347,6 +349,7 @@ def run(args, cfg) -> int:
     """``hhook-profile train``: every rank runs this; returns the exit status."""
     from ...launch import free_port
     from .. import plot, report
+    from ..progress import Stages
 
     set_threads(args.threads)
     try:
@@ -387,7 +390,11 @@ def run(args, cfg) -> int:
                     "batch_size": cfg["batch_size"], "steps": args.steps, "eval_every": args.eval_every,
                     "pg_timeout_s": args.timeout, "data_path": data_path, "parallel": args.parallel,
                     "ranks_per_node": args.ranks_per_node}
-            mine = train.run_child(spec, workdir, args.timeout)
+            stages = Stages(method.name, args.steps, enabled=rank0 and not args.quiet)
+            try:
+                mine = train.run_child(spec, workdir, args.timeout, stages.beat)
+            finally:
+                stages.close()
             train.quiet_barrier(control)
             results = control.allgather_object(mine)
             status, message = train.verdict(results)
