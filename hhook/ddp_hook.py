@@ -3,6 +3,7 @@ r"""The DDP communication hook: THC compression for every gradient bucket."""
 # No ``from __future__ import annotations`` here: DDP inspects the hook's annotations
 # and compares them with dist.GradBucket and Future[Tensor] objects, not strings.
 import dataclasses
+import inspect
 import logging
 import weakref
 
@@ -218,10 +219,13 @@ def _per_parameter(state: THCState, grad: torch.Tensor, param: torch.Tensor) -> 
     return completed(grad)
 
 
-def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCState | None = None,
-             **options) -> THCState:
-    r"""Register :func:`thc_hook` on ``ddp_model``; ``options`` go to :class:`THCState`,
-    or pass ``state`` (e.g. one loaded from a checkpoint) instead.
+def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCState | None = None, *,
+             process_group: "dist.ProcessGroup | None" = None, bits: int | str = "auto", block_size: int = 1024,
+             seed: int = 0, error_feedback: bool = False, start_iter: int = 2, scales: str = "agreed",
+             chunk_mb: float | str = "auto", topology: str | int = "flat", rounding: str = "correlated") -> THCState:
+    r"""Register :func:`thc_hook` on ``ddp_model``; the options (each documented at
+    :class:`THCState`, defaults alike but ``bits``) build its state, or pass ``state`` (e.g.
+    one loaded from a checkpoint) instead.
 
     ``bits`` defaults to ``"auto"``: the hook measures this job's step with THC at the
     auto rule's width and narrower ones (down to 2 bits, while each bit fewer still buys
@@ -259,7 +263,9 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
         >>> torch.save({"hook": state.state_dict(), ...}, path)
         >>> state = hhook.register(new_ddp_model, state=torch.load(path, weights_only=True)["hook"])  # resume
     """
-    state = _state_for(ddp_model, state, options)
+    state = _state_for(ddp_model, state, dict(
+        process_group=process_group, bits=bits, block_size=block_size, seed=seed, error_feedback=error_feedback,
+        start_iter=start_iter, scales=scales, chunk_mb=chunk_mb, topology=topology, rounding=rounding))
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         return _not_ddp(ddp_model, state)
     if ddp_model in _REGISTERED:
@@ -291,11 +297,13 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
 
 def _state_for(ddp_model, state, options: dict) -> THCState:
     """:func:`register`'s state: built of ``options``, or ``state`` (a state dict loads)."""
-    if state is not None and options:
-        raise TypeError(f"hhook.register: pass options or a state, not both (got {sorted(options)})")
+    defaults = inspect.signature(register).parameters
+    given = sorted(name for name, value in options.items() if value != defaults[name].default)
+    if state is not None and given:
+        raise TypeError(f"hhook.register: pass options or a state, not both (got {given})")
     if state is None:
-        options.setdefault("process_group", getattr(ddp_model, "process_group", None))
-        options.setdefault("bits", "auto")
+        if options["process_group"] is None:
+            options["process_group"] = getattr(ddp_model, "process_group", None)
         return THCState(**options)
     if isinstance(state, dict):  # a THCState.state_dict(), e.g. torch.load(path, weights_only=True)["hook"]
         return _from_state_dict(state, getattr(ddp_model, "process_group", None))

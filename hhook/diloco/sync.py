@@ -73,7 +73,8 @@ class DiLoCo:
         sites: a :class:`~hhook.diloco.Sites`, or ``ranks_per_site`` for
             :func:`~hhook.diloco.find_sites` (default ``"auto"``: sites are nodes).
         every: H, inner steps between two syncs of a fragment.
-        bits: THC's bits per coordinate (1..8), or None: an fp32 allreduce.
+        bits: THC's bits per coordinate (1..8), ``"auto"`` (the error rule's width for the number of
+            sites, not measured: docs/usage.md#defaults-of-each-entry-point), or None: an fp32 allreduce.
         error_feedback: carry each rank's rounding error into its next outer exchange.
         fragments: P (layer ``i`` in fragment ``i mod P``) or lists of parameter names.
         overlap: inner steps an exchange runs behind before it is merged (0..H/P).
@@ -105,7 +106,7 @@ class DiLoCo:
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer=None, sites: Sites | int | str | None = None, *,
-                 every: int = 50, bits: int | None = 4, error_feedback: bool = False, fragments=1, overlap: int = 0,
+                 every: int = 50, bits: int | str | None = 4, error_feedback: bool = False, fragments=1, overlap: int = 0,
                  alpha: float | None = None, outer_optimizer=None, seed: int = 0, block_size: int = 1024):
         named = _synchronized(model, inner_optimizer)
         groups = _validated_options(named, every, bits, error_feedback, fragments, overlap, alpha, seed, block_size)

@@ -118,3 +118,26 @@ def table(rows_: list[dict]) -> str:
         lines.append(f"{r['sites']:>5} {r['link_gbit']:>6g} {r['lane_bits']:>4} {cells} "
                      f"{r['diloco_thc_vs_ddp_fp32']:>10.1f}x {r['diloco_thc_vs_ddp_thc']:>9.1f}x")
     return "\n".join(lines)
+
+
+def panel(ax, rows_: list[dict], link_gbit: float) -> None:
+    """``model --diloco H --plot``: wall time per token against the number of sites at
+    one link rate, one series (colour and marker) per way."""
+    from .plot import MARKERS, SERIES
+
+    at = sorted((r for r in rows_ if r["link_gbit"] == link_gbit), key=lambda r: r["sites"])
+    sites = [r["sites"] for r in at]
+    for i, (key, label) in enumerate(WAYS):
+        ax.plot(sites, [r[f"{key}_us_per_token"] for r in at], "-", marker=MARKERS[i], color=SERIES[i], ms=4,
+                label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sites)
+    ax.set_xticklabels([str(n) for n in sites])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("sites")
+    ax.set_ylabel("wall time per token, us (model)")
+    r = at[0] if at else {"every": "?", "rtt_ms": 0}
+    ax.set_title(f"{link_gbit:g} Gbit/s between sites, RTT {r['rtt_ms']:g} ms, H = {r['every']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)

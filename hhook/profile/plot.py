@@ -15,7 +15,13 @@ _METHOD_COLORS = {"fp32": "black", "thc": "tab:red", "fp16": "tab:blue", "bf16":
 _AGREED_COLORS = {2: "indigo", 4: "maroon", 8: "darkgreen"}
 _THC_BITS_COLORS = {1: "tab:pink", 2: "tab:purple", 3: "tab:olive", 4: "tab:red", 5: "tab:cyan", 6: "tab:orange",
                     7: "tab:gray", 8: "tab:green"}
-_SERIES = ["tab:red", "tab:orange", "tab:purple", "tab:green", "tab:pink", "tab:olive"]
+SERIES = ["tab:red", "tab:orange", "tab:purple", "tab:green", "tab:pink", "tab:olive", "tab:blue", "tab:brown",
+           "tab:cyan", "black", "tab:gray", "gold"]
+#: One marker per method of a panel, in the order the methods come: shapes tell series apart
+#: where colours are close (or printed in grey).
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
+#: A title wider than this many characters is wrapped (a panel is 6.4 inches wide).
+TITLE_CHARS = 60
 
 
 def method_color(method: str) -> str:
@@ -32,6 +38,20 @@ def method_color(method: str) -> str:
     if kind in ("sbc", "lgc"):  # hhook.baselines
         return "darkorange" if kind == "sbc" else "olive"
     return "tab:gray"
+
+
+def styles(methods) -> dict:
+    """``method -> (colour, marker)`` for the methods of one panel: each its
+    :func:`method_color` unless an earlier method took it (the next free colour of the
+    series then), and each its own marker, so no two series look alike."""
+    out, taken = {}, set()
+    for i, m in enumerate(dict.fromkeys(methods)):
+        color = method_color(m)
+        if color in taken:
+            color = next((c for c in SERIES if c not in taken), color)
+        taken.add(color)
+        out[m] = (color, MARKERS[i % len(MARKERS)])
+    return out
 
 
 def _size_axis(ax, sizes):
@@ -51,9 +71,10 @@ def busbw_panel(ax, rows, fit=None):
     methods = list(dict.fromkeys(r["method"] for r in rows))
     n = rows[0].get("world_size", "?") if rows else "?"
     key = "algbw_GBps" if n == 1 else "busbw_GBps"  # one rank has no bus
+    look = styles(methods)
     for m in methods:
         pts = sorted((r["bytes"], r[key]) for r in rows if r["method"] == m and r[key] is not None)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=method_color(m), label=m, ms=4)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", marker=look[m][1], color=look[m][0], label=m, ms=4)
     if fit and fit.get("beta_GBps") and n != 1:
         ax.axhline(fit["beta_GBps"], color="gray", ls=":", label=f"link (fit) {fit['beta_GBps']:.3g} GB/s")
     _size_axis(ax, [r["bytes"] for r in rows])
@@ -75,8 +96,9 @@ def breakdown_panel(ax, rows):
     size = max(r["bytes"] for r in rows)
     top = [r for r in rows if r["bytes"] == size]
     width = 0.38
+    look = styles(r["method"] for r in top)
     for i, r in enumerate(top):
-        color = method_color(r["method"])
+        color = look[r["method"]][0]
         if r["wire_us"] is None:  # thc_allreduce timed whole (topology=): one bar, centred
             parts = ((0.0, r["time_us"], dict(color=color, edgecolor="black")),)
         else:
@@ -93,8 +115,8 @@ def breakdown_panel(ax, rows):
     ax.set_xticklabels([r["method"] for r in top])
     ax.set_yscale("log")
     ax.set_ylabel("time per allreduce (ms, log scale)")
-    ax.set_title(f"where the time goes at {format_size(size)}: wire (solid), codec (hatched); "
-                 "outlined: thc_allreduce whole")
+    ax.set_title(f"where the time goes at {format_size(size)}:\nwire (solid), codec (hatched), "
+                 "thc_allreduce whole (outlined)")
     ax.margins(y=0.25)
     ax.grid(True, axis="y", which="both", alpha=0.3)
 
@@ -106,13 +128,14 @@ def speedup_panel(ax, rows, models=("ring",)):
     methods = list(dict.fromkeys(r["method"] for r in rows))
     workers = sorted({r["workers"] for r in rows})
     ax.plot(workers, workers, color="lightgray", ls="-", label="ideal (no communication)")
-    styles = {"ring": ("o-", "ring allreduce"), "paper": ("x--", "paper model (parameter server)")}
+    lines = {"ring": ("-", "ring allreduce"), "paper": ("--", "paper model (parameter server)")}
+    look = styles(methods)
     for m in methods:
         for model in models:
             pts = sorted((r["workers"], r["speedup"]) for r in rows if r["method"] == m and r["model"] == model)
             if pts:
-                ls, name = styles[model]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, color=method_color(m), ms=4,
+                ls, name = lines[model]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, marker=look[m][1], color=look[m][0], ms=4,
                         label=m if len(models) == 1 else f"{m}, {name}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(workers)
@@ -149,17 +172,26 @@ def link_panel(ax, rows, fit=None):
 
 
 def codec_panel(ax, rows):
+    """One series per bits, block, implementation, threads and rounding (each rounding its
+    own line: two modes in one series would zig-zag between them)."""
     rows = [r for r in rows if r["op"] == "codec"]
-    def key(r):
-        return r["bits"], r["block_size"], r.get("impl", ""), r.get("threads", "")
 
-    for i, (bits, block, impl, threads) in enumerate(dict.fromkeys(map(key, rows))):
-        pts = sorted((r["bytes"], r["algbw_GBps"]) for r in rows if key(r) == (bits, block, impl, threads))
-        label = f"bits {bits}, block {block}" + (f", {impl}, {threads} thr" if impl else "")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=_SERIES[i % len(_SERIES)], ms=4, label=label)
-    copy = sorted({(r["bytes"], r.get("copy_GBps")) for r in rows if r.get("copy_GBps")})
+    def key(r):
+        return r["bits"], r["block_size"], r.get("impl", ""), r.get("threads", ""), r.get("rounding", "")
+
+    for i, (bits, block, impl, threads, rounding) in enumerate(dict.fromkeys(map(key, rows))):
+        pts = sorted((r["bytes"], r["algbw_GBps"]) for r in rows if key(r) == (bits, block, impl, threads, rounding))
+        label = (f"bits {bits}, block {block}" + (f", {impl}, {threads} thr" if impl else "")
+                 + (f", {rounding}" if rounding else ""))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", marker=MARKERS[i % len(MARKERS)],
+                color=SERIES[i % len(SERIES)], ms=4, label=label)
+    copies = {}
+    for r in rows:  # measured beside every row: one point per size (the best), not a zig-zag between rows
+        if r.get("copy_GBps"):
+            copies[r["bytes"]] = max(copies.get(r["bytes"], 0.0), r["copy_GBps"])
+    copy = sorted(copies.items())
     if copy:
-        ax.plot([c[0] for c in copy], [c[1] for c in copy], ":", color="gray", label="memory copy")
+        ax.plot([c[0] for c in copy], [c[1] for c in copy], ":", color="gray", label="memory copy (best of its runs)")
     _size_axis(ax, [r["bytes"] for r in rows])
     ax.set_yscale("log")
     ax.set_ylabel("encode + decode throughput (GB/s)")
@@ -168,8 +200,52 @@ def codec_panel(ax, rows):
     ax.legend(fontsize=8)
 
 
-def save(path: str, panels) -> None:
-    """Draw ``panels`` (callables taking an Axes) side by side, two per row, into ``path``."""
+def _compared(rows) -> list:
+    """``hhook-profile train``'s rows with figures to compare (a DiLoCo row that never
+    synchronized is local training: left out, its line in the table says so)."""
+    return [r for r in rows if r["status"] == "ok" and r.get("synchronized") is not False]
+
+
+def accuracy_panel(ax, rows: list, target: float) -> None:
+    """``train``: test accuracy against training wall-clock time, one series per method."""
+    ok = _compared(rows)
+    look = styles(r["method"] for r in ok)
+    for r in ok:
+        color, marker = look[r["method"]]
+        ax.plot([0.0] + [e["time_s"] for e in r["evals"]], [None] + [e["accuracy"] for e in r["evals"]], "-",
+                marker=marker, ms=4, color=color, label=r["method"])
+    ax.axhline(target, color="gray", ls=":", label=f"target {target:g}")
+    ax.set_xlabel("training time, s (evaluation excluded)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title("time to accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def step_panel(ax, rows: list) -> None:
+    """``train``: median step time per method, with the p90 as a whisker; a marker at each
+    bar's top matches the method's series in the accuracy panel."""
+    ok = _compared(rows)
+    look = styles(r["method"] for r in ok)
+    xs = range(len(ok))
+    ax.bar(xs, [r["median_ms"] for r in ok], color=[look[r["method"]][0] for r in ok],
+           yerr=[[0] * len(ok), [r["p90_ms"] - r["median_ms"] for r in ok]], capsize=3)
+    for x, r in zip(xs, ok):
+        ax.plot([x], [r["median_ms"]], marker=look[r["method"]][1], color="white", mec="black", ms=6)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([r["method"] for r in ok], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ms per step (median, whisker to p90)")
+    ax.set_title("step time")
+    ax.grid(axis="y", alpha=0.3)
+
+
+def save(path: str, panels, link: str) -> None:
+    """Draw ``panels`` (callables taking an Axes) side by side, two per row, into ``path``;
+    ``link`` (:func:`hhook.profile.where.link_label`, or what a model assumed) is written
+    under them, so that no figure leaves its network unsaid. Titles wider than a panel
+    are wrapped."""
+    import textwrap
+
     from .deps import require
 
     require("matplotlib", "plots (--plot)").use("Agg")
@@ -181,8 +257,13 @@ def save(path: str, panels) -> None:
     fig, axes = plt.subplots(nrows, cols, figsize=(6.4 * cols, 4.6 * nrows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         panel(ax)
+        title = ax.get_title()
+        if any(len(line) > TITLE_CHARS for line in title.splitlines()):
+            ax.set_title("\n".join(textwrap.fill(line, TITLE_CHARS) for line in title.splitlines()), fontsize=10)
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
-    fig.tight_layout()
+    fig.text(0.5, 0.005, textwrap.fill(f"link: {link}", 12 * TITLE_CHARS // 5 * cols), ha="center", va="bottom",
+             fontsize=9, color="dimgray")
+    fig.tight_layout(rect=(0, 0.045 / nrows, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -110,3 +110,51 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+class Stages:
+    r"""Progress of one long task watched through its heartbeat (``train``'s child:
+    ``"starting"``, ``"model"``, ``"step 40"``): on a terminal a :class:`Progress` bar over
+    its ``steps``; in a log (stderr a file or a pipe) one line per stage and per quarter of
+    the steps, so a person reading the log sees the ~20 s of a method's training advance.
+
+    Example::
+        >>> stages = Stages("thc:4", steps=100, enabled=False)
+        >>> stages.beat("step 50"); stages.close()
+    """
+
+    def __init__(self, name: str, steps: int, enabled: bool = True, stream=None):
+        self.name, self.steps = name, max(1, int(steps))
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = bool(enabled)
+        self.bar = Progress(self.steps, enabled=self.enabled, stream=self.stream, delay=0.5) if self.enabled else None
+        self.step, self.said = 0, set()
+
+    def beat(self, text: str | None) -> None:
+        """What the heartbeat says now (None: nothing yet); repeated beats are ignored."""
+        if not self.enabled or not text:
+            return
+        parts = text.split()
+        step = int(parts[1]) if len(parts) == 2 and parts[0] == "step" and parts[1].isdigit() else None
+        if self.bar is not None and self.bar.enabled:
+            if step is not None and step > self.step:
+                self.bar.advance(step - self.step, f"{self.name}: step {step}/{self.steps}")
+                self.step = step
+            elif step is None:
+                self.bar.advance(0, f"{self.name}: {text}")
+            return
+        if step is None:
+            key = text
+        else:
+            quarter = 4 * step // self.steps
+            if step and not quarter:
+                return
+            key = f"quarter {quarter}" if step else "step 0"
+            text = f"step {step}/{self.steps}" if step else "training (step 0)"
+        if key not in self.said:
+            self.said.add(key)
+            print(f"# {self.name}: {text}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

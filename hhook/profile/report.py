@@ -17,6 +17,8 @@ import sys
 from typing import Callable
 
 import numpy as np
+
+from .where import link_label
 import torch
 
 from .units import format_size
@@ -52,6 +54,7 @@ def meta(subcommand: str, comm, hosts: list[dict] | None, options: dict) -> dict
     m["mca"] = {k[len("OMPI_MCA_"):]: v for k, v in sorted(os.environ.items())
                 if k.startswith("OMPI_MCA_") and not k[len("OMPI_MCA_"):].startswith(_MCA_INTERNAL)}
     m["hosts"] = hosts or [{"rank": 0, "host": platform.node(), "pid": os.getpid(), "device": "cpu"}]
+    m["link"] = link_label(m["world_size"])
     return m
 
 
@@ -78,6 +81,8 @@ def header(m: dict) -> str:
     for h in hosts:
         extra = f"  threads {h['torch_threads']}" if "torch_threads" in h else ""
         lines.append(f"#   rank {h['rank']:3d}  host {h['host']:<16s} pid {h['pid']:<8d} device {h['device']}{extra}")
+    if m.get("link") and m.get("world_size", 1) > 1:
+        lines.append(f"# link: {m['link']}")
     return "\n".join(lines)
 
 

@@ -248,19 +248,23 @@ def _series(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["ranks_per_node"] == k]
 
 
+#: The THC series of the scale model's panels: (label, method, auto bits, line and marker,
+#: colour), each with its own colour and marker (auto bits: a lighter colour, dotted).
+SERIES_STYLES = (("flat, 4 bits", "thc", False, "o-", "tab:red"), ("two-level, 4 bits", "thc2", False, "s-", "tab:purple"),
+                 ("flat, auto bits", "thc", True, "D:", "salmon"), ("two-level, auto bits", "thc2", True, "v:", "plum"))
+
+
 def speedup_panel(ax, rows: list[dict], base: str = "fp32") -> None:
     """Speedup against ``base`` by node count (nodes of the widest layout): flat and
     two-level THC, fixed and auto bits."""
     rows = _series(rows)
     k = rows[0]["ranks_per_node"]
-    for (label, method, auto, style) in (("flat THC", "thc", False, "o-"), ("two-level THC", "thc2", False, "s-"),
-                                         ("flat THC, auto bits", "thc", True, "o:"),
-                                         ("two-level THC, auto bits", "thc2", True, "s:")):
+    for (label, method, auto, style, color) in SERIES_STYLES:
         pts = sorted((r["nodes"], r["speedup_vs_" + base]) for r in rows
                      if r["method"] == method and r.get("auto_bits", False) == auto)
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label,
-                    color="tab:red" if method == "thc" else "tab:purple", ms=4)
+            name = label.replace(", 4 bits", "").replace("flat", "flat THC").replace("level", "level THC")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, color=color, ms=4)
     other = "bf16" if base == "fp32" else "fp32"
     pts = sorted((r["nodes"], r["speedup_vs_" + base]) for r in rows
                  if r["method"] == other and not r.get("auto_bits"))
@@ -279,13 +283,11 @@ def bits_panel(ax, rows: list[dict]) -> None:
     """Wire bits per coordinate between nodes by node count."""
     rows = _series(rows)
     k = rows[0]["ranks_per_node"]
-    for (label, method, auto, style) in (("flat, 4 bits", "thc", False, "o-"), ("two-level, 4 bits", "thc2", False, "s-"),
-                                         ("flat, auto", "thc", True, "o:"), ("two-level, auto", "thc2", True, "s:")):
+    for (label, method, auto, style, color) in SERIES_STYLES:
         pts = sorted((r["nodes"], r["wire_bits"]) for r in rows
                      if r["method"] == method and r.get("auto_bits", False) == auto)
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label,
-                    color="tab:red" if method == "thc" else "tab:purple", ms=4)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, color=color, ms=4)
     ax.axhline(16, color="tab:cyan", lw=0.8, label="bf16")
     ax.set_xscale("log", base=2)
     ax.set_xlabel(f"nodes of {k} ranks")

@@ -116,8 +116,9 @@ def master_addr(control) -> str:
 _CHILD = "import sys; from hhook.profile.train_child import child_main; child_main(sys.argv[1])"
 
 
-def run_child(spec: dict, workdir: str, timeout_s: float) -> dict:
-    """Start the child, watch its heartbeat, return its result (or why there is none)."""
+def run_child(spec: dict, workdir: str, timeout_s: float, on_beat=None) -> dict:
+    """Start the child, watch its heartbeat (each new one also to ``on_beat``, e.g.
+    :class:`hhook.profile.progress.Stages`), return its result (or why there is none)."""
     import hhook
 
     paths = {k: os.path.join(workdir, f"{k}.{spec['method']['name'].replace(':', '_')}")
@@ -144,6 +145,8 @@ def run_child(spec: dict, workdir: str, timeout_s: float) -> dict:
             now = time.monotonic()
             if beat != last_beat:
                 last_beat, last_change = beat, now
+                if on_beat is not None:
+                    on_beat(beat)
             elif now - last_change > (timeout_s if (beat or "").startswith("step") else max(timeout_s, STARTUP_S)):
                 hung = True
                 proc.kill()

@@ -73,7 +73,9 @@ class Reporting:
         exact allreduces), ``intra_wire_bytes`` what stayed inside the node, ``ratio``
         dense over inter-node bytes, ``inter_calls`` the shards' THC calls
         (:func:`hhook.stats.two_level_stats`). ``iter``: the DDP iterations; ``decision``:
-        ``bits="auto"``'s method, phase and last decisions.
+        ``bits="auto"``'s method, phase and last decisions. Where ``bits="auto"``
+        installed no hook (one host, CPU tensors): ``installed: False``, ``method`` says
+        why, and ``ratio`` is None (nothing went through hhook to compare).
         """
         self.check_deferred()
         if self.inter is not None:
@@ -83,6 +85,10 @@ class Reporting:
         s["iter"] = self.iter
         if hasattr(self.decision, "summary"):  # not while it is still the plain data of a checkpoint
             s["decision"] = self.decision.summary()
+            if s["decision"].get("phase") == "not measured" and s["decision"].get("hook") is None:
+                # hhook.register installed nothing: no tensor went through hhook, so a
+                # ratio (the handshake's bytes against none) would read as a result
+                s.update(installed=False, method="none: " + s["decision"]["reason"], ratio=None)
         return s
 
     def warn_if_idle(self, where: str) -> bool:

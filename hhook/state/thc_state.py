@@ -81,7 +81,7 @@ class THCState(Checkpointed, report.Reporting):
     __slots__ = ("process_group", "options", "keys", "runtime", "runtimes", "contexts", "restored", "counters",
                  "intra_counters", "iter", "inter", "decision", "prober", "variants", "registration", "__weakref__")
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, bits: int = 4, block_size: int = 1024,
+    def __init__(self, process_group: dist.ProcessGroup | None = None, bits: int | str = 4, block_size: int = 1024,
                  seed: int = 0, error_feedback: bool = False, start_iter: int = 2, scales: str = "agreed",
                  chunk_mb: float | str = "auto", topology: str | int = "flat", rounding: str = "correlated"):
         self.options = Options(bits, block_size, seed, error_feedback, start_iter, scales, chunk_mb, topology, rounding)

@@ -103,6 +103,10 @@ def test_auto_on_one_host_with_cpu_tensors_installs_nothing_and_says_why(monkeyp
         assert decision["method"] == "plain" and decision["hook"] is None and decision["phase"] == "not measured"
         assert "one host" in decision["reason"] and "HHOOK_AUTO_ONE_HOST=measure" in decision["reason"]
         assert skip["stats"]["compressed_calls"] == skip["stats"]["dense_calls"] == 0
+        # no ratio of the handshake's bytes against none: it says nothing was installed, and why
+        assert skip["stats"]["installed"] is False and skip["stats"]["ratio"] is None, skip["stats"]
+        assert skip["stats"]["method"].startswith("none: ") and "one host" in skip["stats"]["method"]
+        assert "installed" not in out["two_nodes"]["stats"] and out["two_nodes"]["stats"]["ratio"] is not None
         # DDP's own allreduce averaged the gradient: two rows of 1s (rank 0) and of 2s (rank 1): 3s.
         assert torch.allclose(skip["grad"], torch.full((4, 8), 3.0)), skip["grad"]
         assert skip["saved_decision"] == {"not_measured": decision["reason"], "kept": None}

@@ -542,3 +542,89 @@ def test_diloco_model_matches_hand_computation(tmp_path, capsys, monkeypatch):
     doc = json.loads(out.read_text())
     assert {(r["sites"], r["link_gbit"]) for r in doc["results"]} == {(n, g) for n in (2, 4, 8, 16, 32, 64)
                                                                        for g in (0.1, 1.0, 10.0)}
+
+
+# -- issue 61: a profiler that never flatters, plots a person can read ---------------------
+def _local(monkeypatch):
+    for name in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                 "GLOO_SOCKET_IFNAME", "OMPI_MCA_btl_tcp_if_include"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_model_without_codec_inputs_says_it_assumed_0_ms(tmp_path, capsys, monkeypatch):
+    _local(monkeypatch)
+    out = tmp_path / "m.json"
+    assert cli.main(["model", "--workers", "1,4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    note = [line for line in text.splitlines() if "ASSUMED 0 ms" in line]
+    assert note and "thc" in note[0] and "fp16" in note[0] and "--allreduce-json" in text, text
+    assert json.loads(out.read_text())["meta"]["codec_assumed_zero"] == ["thc", "fp16"]
+    assert cli.main(["model", "--workers", "1,4", "--ratio", "thc=5", "--codec-ms", "thc=3", "--json", str(out)]) == 0
+    assert "ASSUMED" not in capsys.readouterr().out
+    assert json.loads(out.read_text())["meta"]["codec_assumed_zero"] == []
+
+
+def test_model_diloco_writes_its_plot_and_gpu_cluster_refuses_one(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    _local(monkeypatch)
+    png = tmp_path / "diloco.png"
+    assert cli.main(["model", "--diloco", "50", "--sites", "2,4,8", "--plot", str(png)]) == 0, capsys.readouterr().err
+    assert png.stat().st_size > 10_000
+    assert cli.main(["model", "--gpu-cluster", "--thc-ms", "1", "--cast-ms", "1", "--plot", str(png)]) == 2
+    assert "--gpu-cluster draws no plot" in capsys.readouterr().err
+
+
+def test_every_series_has_its_own_colour_and_marker():
+    from hhook.profile import plot
+
+    look = plot.styles(["fp32", "diloco:4:h=8", "diloco:fp32:h=8", "thc:4", "thc:4"])
+    assert len(look) == 4
+    assert len({c for c, _ in look.values()}) == 4 and len({m for _, m in look.values()}) == 4, look
+
+
+def test_the_codec_plot_draws_each_rounding_as_its_own_series():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hhook.profile import plot
+
+    rows = [{"op": "codec", "bits": 4, "block_size": 1024, "impl": "fused", "threads": 1, "rounding": rounding,
+             "bytes": size, "algbw_GBps": gbps} for rounding, gbps in (("correlated", 2.0), ("independent", 2.5))
+            for size in (2**20, 2**22)]
+    fig, ax = plt.subplots()
+    plot.codec_panel(ax, rows)
+    lines = ax.get_lines()
+    assert len(lines) == 2 and {tuple(line.get_ydata()) for line in lines} == {(2.0, 2.0), (2.5, 2.5)}
+    assert len({line.get_marker() for line in lines}) == 2 and len({line.get_color() for line in lines}) == 2
+    plt.close(fig)
+
+
+def test_every_plot_names_its_link(tmp_path, monkeypatch):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hhook.profile import plot, where
+
+    _local(monkeypatch)
+    assert where.link_label(1) == "none (one process)"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert where.link_label().startswith("loopback")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert where.link_label().startswith("network between 2 hosts")
+    drawn = {}
+    real = plt.Figure.savefig
+
+    def keep(fig, path, **kw):
+        drawn["texts"] = [t.get_text() for t in fig.texts]
+        drawn["titles"] = [ax.get_title() for ax in fig.axes]
+        return real(fig, path, **kw)
+
+    monkeypatch.setattr(plt.Figure, "savefig", keep)
+    long = "a title far too long for one panel of six inches at the default font size, cut off before"
+    plot.save(str(tmp_path / "x.png"), [lambda ax: ax.set_title(long)], link="loopback: 2 ranks on one host")
+    assert drawn["texts"] == ["link: loopback: 2 ranks on one host"]
+    assert all(len(line) <= plot.TITLE_CHARS for line in drawn["titles"][0].splitlines())
+    assert (tmp_path / "x.png").exists()

@@ -189,6 +189,24 @@ def test_figures_from_step_times_and_the_eval_curve():
     assert "not reached" in lines[3] and lines[5].startswith("powersgd:2") and "hung (timeout)" in lines[5]
 
 
+def test_a_diloco_row_that_never_synchronized_claims_no_bytes_or_speedup():
+    """One host is one site: DiLoCo trained locally, exchanged nothing between sites. Its
+    row must say so, with no speed-up and no MB figure in the table (issue 61)."""
+    fp32 = _result([1.0] + [0.010] * 9, [0.9], [1.0], [400] * 10)
+    local = _result([1.0] + [0.005] * 9, [0.9], [1.0], [0] * 10)
+    local.update(diloco_stats={"sites": 1, "ranks_per_site": 2, "syncs": 0, "outer_steps": 0, "wire_bytes": 0},
+                 step_sync=[False] * 10, step_in_flight=[False] * 10, step_outer_bytes=[0] * 10)
+    rows = [summarize(Method("fp32", "fp32"), "ok", "", [fp32, fp32], warmup=1, target=0.5),
+            summarize(Method("diloco:4:h=10", "diloco"), "ok", "", [local, local], warmup=1, target=0.5)]
+    add_speedups(rows)
+    d = rows[1]
+    assert d["synchronized"] is False and rows[0].get("synchronized") is None
+    assert d["speedup_vs_fp32"] is None and d["tta_speedup_vs_fp32"] is None
+    line = [ln for ln in table(rows, 0.5).splitlines() if ln.startswith("diloco")][0]
+    assert "did not synchronize" in line and "1 site" in line and "x" not in line.split("did not")[0], line
+    assert not re.search(r"\d\.\d\dx", line), line
+
+
 # -- end to end: 2 ranks on loopback ---------------------------------------------------------
 def _torchrun(*args, timeout=240, ranks=2, **env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
@@ -436,3 +454,31 @@ def test_diloco_rows_report_bytes_between_sites_and_steps_in_flight(tmp_path):
     assert streamed["in_flight_steps"] + streamed["sync_steps"] + streamed["quiet_steps"] == 22
     assert streamed["in_flight_steps"] > 0 and streamed["in_flight_vs_quiet"] > 0
     assert any(ln.startswith("# diloco:4:h=8: 2 sites x 1 rank(s), 3 outer steps") for ln in proc.stdout.splitlines())
+
+
+def test_stages_print_one_line_per_stage_and_quarter_in_a_log():
+    """Not a terminal (a file, a pipe): the ~20 s of a method's training show as lines."""
+    import io
+
+    from hhook.profile.progress import Stages
+
+    log = io.StringIO()
+    stages = Stages("thc:4", steps=100, stream=log)
+    for beat in ("starting", "starting", "model", "step 0", *(f"step {i}" for i in range(1, 101))):
+        stages.beat(beat)
+    stages.close()
+    lines = log.getvalue().splitlines()
+    assert lines == ["# thc:4: starting", "# thc:4: model", "# thc:4: training (step 0)", "# thc:4: step 25/100",
+                     "# thc:4: step 50/100", "# thc:4: step 75/100", "# thc:4: step 100/100"], lines
+    quiet = io.StringIO()
+    Stages("thc:4", steps=100, enabled=False, stream=quiet).beat("step 50")
+    assert quiet.getvalue() == ""
+
+
+def test_the_footer_explains_val_loss():
+    import argparse
+
+    from hhook.profile.commands.train import footer
+
+    args = argparse.Namespace(warmup=1, target_accuracy=0.9, eval_every=10, steps=20, parallel="ddp")
+    assert any(line.startswith("# val loss = cross-entropy on the held-out test set") for line in footer([], args))

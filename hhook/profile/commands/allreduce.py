@@ -7,6 +7,7 @@ from ..common import UsageError, add_comm_options, add_output_options, add_sweep
     check_sweep, integer, run_distributed, say
 from ..collectives import DEFAULT_METHODS
 from ..units import iterations
+from ..where import link_label
 
 
 def add_parser(sub) -> None:
@@ -95,5 +96,6 @@ def _measure(args, cfg, comm) -> tuple[dict, list[dict]]:
     if rank0:
         say(report.allreduce_footer(rows))
         if args.plot:
-            plot.save(args.plot, [lambda ax: plot.busbw_panel(ax, rows), lambda ax: plot.breakdown_panel(ax, rows)])
+            plot.save(args.plot, [lambda ax: plot.busbw_panel(ax, rows), lambda ax: plot.breakdown_panel(ax, rows)],
+                      link=link_label(comm.size))
     return {"methods": [m.name for m in methods]}, rows

@@ -98,5 +98,6 @@ def _measure(args, cfg) -> tuple[dict, list[dict]]:
                         "ratio": size / wire, "codec_us": t_us, "encode_us": r["encode_ms"] * 1e3,
                         "decode_us": r["decode_ms"] * 1e3, "vnmse": r["vnmse"]})
     if args.plot:
-        plot.save(args.plot, [lambda ax: plot.codec_panel(ax, results)])
+        plot.save(args.plot, [lambda ax: plot.codec_panel(ax, results)],
+                  link="none: the codec alone, in one process (no network)")
     return {"world_size_layout": cfg["world"], "cpu_build": dict(cpu_kernels.build_info)}, results

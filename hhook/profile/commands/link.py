@@ -8,6 +8,7 @@ import math
 from ..common import UsageError, add_comm_options, add_output_options, add_sweep_options, check_backend, \
     check_sweep, run_distributed, say
 from ..units import iterations
+from ..where import link_label
 
 NEED_RANKS = "link needs at least 2 ranks (ping-pong between neighbours)"
 
@@ -54,5 +55,5 @@ def _measure(args, cfg, comm) -> tuple[dict, list[dict]]:
         say(report.link_table(rows))
         say(report.fit_line(extra["fit"], n_pairs))
         if args.plot:
-            plot.save(args.plot, [lambda ax: plot.link_panel(ax, rows, extra["fit"])])
+            plot.save(args.plot, [lambda ax: plot.link_panel(ax, rows, extra["fit"])], link=link_label(comm.size))
     return extra, rows

@@ -100,6 +100,8 @@ def check(args, env) -> dict:
     from ...codec import THCCodec
     from .. import models, report
 
+    if args.gpu_cluster and args.plot:
+        raise UsageError("model --gpu-cluster draws no plot: drop --plot (its table and --json hold the figures)")
     try:
         THCCodec(args.bits, args.block_size)
     except (ValueError, TypeError) as e:
@@ -211,6 +213,13 @@ def _diloco(args) -> tuple[dict, list[dict]]:
     rows = diloco_model.rows(**given, sites=sorted(set(args.sites)), links_gbit=sorted(set(args.links)))
     say(diloco_model.assumptions(**given))
     say(diloco_model.table(rows))
+    if args.plot:
+        from .. import plot
+
+        links = sorted(set(args.links))
+        plot.save(args.plot, [lambda ax, g=g: diloco_model.panel(ax, rows, g) for g in links],
+                  link=f"modelled: {', '.join(f'{g:g}' for g in links)} Gbit/s between sites, round trip "
+                  f"{args.rtt_ms:g} ms (a model, not a measurement)")
     return {"model": "diloco", "labelled": "a model, not a measurement", **given}, rows
 
 
@@ -252,6 +261,10 @@ def _predict(args, cfg) -> tuple[dict, list[dict]]:
         ratio = "lane layout at M" if m.bits is not None and not args.fixed_ratio else f"{m.ratio:.3f}"
         say(f"#   {m.name:<7s} ratio {ratio}, codec {m.encode_s * 1e3:.2f} ms encode + {m.decode_s * 1e3:.2f} ms decode"
             f"{f' (x M/{m.n_ref})' if m.collective == 'allgather' else ''}, {m.collective}, h = {m.h:g}")
+    unmeasured = [m.name for m in cfg["methods"] if m.name != "fp32" and m.encode_s == 0 and m.decode_s == 0]
+    if unmeasured:
+        say(f"# NOTE codec time ASSUMED 0 ms for {', '.join(unmeasured)}: not measured, their predictions omit encode\n"
+            "#   and decode (give --allreduce-json from `hhook-profile allreduce --json`, or --codec-ms METHOD=MS)")
     say("#")
     say(report.MODEL_GUIDE)
     say("#")
@@ -297,9 +310,12 @@ def _predict(args, cfg) -> tuple[dict, list[dict]]:
             panels.append(lambda ax: plot.breakdown_panel(ax, ar_doc["results"]))
         drawn = ("ring", "paper") if args.plot_models == "both" else (args.plot_models,)
         panels.append(lambda ax: plot.speedup_panel(ax, rows, drawn))
-        plot.save(args.plot, panels)
+        measured = f"; measured on: {link_doc['meta']['link']}" if link_doc and link_doc["meta"].get("link") else ""
+        plot.save(args.plot, panels, link=f"modelled, alpha {alpha * 1e6:.3g} us, {beta * 8 / 1e9:.4g} Gbit/s ({src})"
+                  f"{measured}; codec time assumed 0 ms for {', '.join(unmeasured) or 'none'}")
     extra = {"alpha_us": alpha * 1e6, "beta_GBps": beta / 1e9, "compute_ms": C * 1e3, "model_bytes": W,
-             "link_json": args.link_json, "allreduce_json": args.allreduce_json}
+             "link_json": args.link_json, "allreduce_json": args.allreduce_json,
+             "codec_assumed_zero": unmeasured}
     return extra, rows
 
 
@@ -360,6 +376,8 @@ def _scale_tables(args, cfg: dict) -> tuple[dict, list[dict]]:
 
         sc = [r for r in rows if r["op"] == "scale"]
         plot.save(args.plot, [lambda ax: speedup_panel(ax, sc, "fp32"), lambda ax: speedup_panel(ax, sc, "bf16"),
-                              lambda ax: bits_panel(ax, sc)])
+                              lambda ax: bits_panel(ax, sc)],
+                  link=f"modelled: between nodes alpha {f(inp.alpha_inter * 1e6)} us, {f(inp.beta_inter * 8 / 1e9)} "
+                  f"Gbit/s per node; inside alpha {f(inp.alpha_intra * 1e6)} us, {f(inp.beta_intra / 1e9)} GB/s")
     extra = {"scale_inputs": dataclasses.asdict(inp), "layouts": [f"{N}x{k}" for N, k in layouts]}
     return extra, rows

@@ -206,6 +206,9 @@ def diloco_summary(r0: dict, results: list[dict], warmup: int) -> dict:
            "outer_bytes_per_step": sum(r0["step_outer_bytes"]) / len(r0["step_outer_bytes"]),
            "outer_bytes_per_sync": stats["wire_bytes"] / max(1, stats["syncs"]),
            "outer_bytes_per_outer_step": stats["wire_bytes"] / max(1e-9, stats["outer_steps"])}
+    # One site (the launcher's nodes: one host is one site) or no outer step: nothing was
+    # exchanged between sites, so the row is local training, not a method to compare.
+    out["synchronized"] = stats["sites"] > 1 and stats["outer_steps"] > 0
     for kind, times in kinds.items():
         out[f"{kind}_step_ms"] = _percentile(times, 0.5) if times else None
         out[f"{kind}_steps"] = len(times)
@@ -220,7 +223,7 @@ def add_speedups(rows: list[dict]) -> None:
     for r in rows:
         for ref in ("fp32", "fp16"):
             base = ok.get(ref)
-            good = r["status"] == "ok" and base is not None
+            good = r["status"] == "ok" and base is not None and r.get("synchronized") is not False
             r[f"speedup_vs_{ref}"] = base["median_ms"] / r["median_ms"] if good else None
             both = good and base["time_to_target_s"] is not None and r["time_to_target_s"] is not None
             r[f"tta_speedup_vs_{ref}"] = base["time_to_target_s"] / r["time_to_target_s"] if both else None
@@ -251,13 +254,24 @@ def table(rows: list[dict], target: float) -> str:
         Column("speedup (to acc)", "vs fp32", 7, lambda r: _x(r["tta_speedup_vs_fp32"])),
         Column("speedup (to acc)", "vs fp16", 7, lambda r: _x(r["tta_speedup_vs_fp16"])),
     ]
-    lines = fixed_table(cols, [r for r in rows if r["status"] == "ok"]).splitlines()
+    compared = [r for r in rows if r["status"] == "ok" and r.get("synchronized") is not False]
+    lines = fixed_table(cols, compared).splitlines()
     head, body = lines[:2], iter(lines[2:])
     out = list(head)
     for r in rows:
         message = r["message"] if len(r["message"]) <= 100 else r["message"][:97] + "..."  # whole in --json
-        out.append(next(body) if r["status"] == "ok" else f"{r['method']:<{wide}s}  {message}")
+        if r["status"] == "ok" and r.get("synchronized") is False:
+            message = unsynchronized(r)
+        out.append(next(body) if r in compared else f"{r['method']:<{wide}s}  {message}")
     return "\n".join(out)
+
+
+def unsynchronized(row: dict) -> str:
+    """What a diloco row that never synchronized says instead of figures to compare."""
+    s = row["diloco_stats"][0]
+    return (f"did not synchronize: {s['sites']} site(s), {s['outer_steps']:g} outer steps (local training, "
+            f"{row['median_ms']:.1f} ms/step: no bytes or speed-up to compare; sites = the launcher's nodes, or "
+            "--ranks-per-node K)")
 
 
 def decision_line(decision: dict) -> str:
@@ -281,7 +295,9 @@ def footer(rows: list[dict], args) -> list[str]:
 
     lines = [f"# step = forward + backward + optimizer step on rank 0, median and p90 after {args.warmup} "
              f"warm-up steps; s to {args.target_accuracy * 100:g}% = training time (eval excluded) until the "
-             f"first evaluation (every {args.eval_every} steps) reaching it"]
+             f"first evaluation (every {args.eval_every} steps) reaching it",
+             "# val loss = cross-entropy on the held-out test set at the last evaluation (the same data for every "
+             "method; lower is better)"]
     if getattr(args, "parallel", "ddp") in ("fsdp", "hsdp"):
         lines.append("# MB/rank/step: tensors handed to torch.distributed collectives (FSDP2: every one counted; "
                      "reduce-scatter input and all-gather output, NCCL's semantics: Gloo's emulated reduce-scatter "
@@ -305,6 +321,9 @@ def footer(rows: list[dict], args) -> list[str]:
             flight = "" if not r.get("in_flight_step_ms") else (
                 f"; median step {r['quiet_step_ms']:.1f} ms with no exchange, {r['in_flight_step_ms']:.1f} ms with one "
                 f"in flight ({r['in_flight_vs_quiet']:.3f}x), {r['sync_step_ms']:.1f} ms launching or merging")
+            if not r["synchronized"]:
+                lines.append(f"# WARNING {r['method']}: {unsynchronized(r)}")
+                continue
             lines.append(f"# {r['method']}: {s['sites']} sites x {s['ranks_per_site']} rank(s), {s['outer_steps']:g} outer "
                          f"steps; between sites {sig(r['outer_bytes_per_outer_step'] / 1e6, 4)} MB per outer step, "
                          f"{sig(r['outer_bytes_per_step'] / 1e3, 4)} kB per inner step (rank 0){flight}; MB/rank/step "
@@ -325,41 +344,12 @@ def footer(rows: list[dict], args) -> list[str]:
     return lines
 
 
-def accuracy_panel(ax, rows: list[dict], target: float) -> None:
-    """Test accuracy against training wall-clock time, one line per method."""
-    from ..plot import method_color
-
-    for i, r in enumerate(r for r in rows if r["status"] == "ok"):
-        ax.plot([0.0] + [e["time_s"] for e in r["evals"]], [None] + [e["accuracy"] for e in r["evals"]], "o-",
-                ms=3, color=method_color(r["method"]), label=r["method"])
-    ax.axhline(target, color="gray", ls=":", label=f"target {target:g}")
-    ax.set_xlabel("training time, s (evaluation excluded)")
-    ax.set_ylabel("test accuracy")
-    ax.set_title("time to accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def step_panel(ax, rows: list[dict]) -> None:
-    """Median step time per method, with the p90 as a whisker."""
-    from ..plot import method_color
-
-    ok = [r for r in rows if r["status"] == "ok"]
-    xs = range(len(ok))
-    ax.bar(xs, [r["median_ms"] for r in ok], color=[method_color(r["method"]) for r in ok],
-           yerr=[[0] * len(ok), [r["p90_ms"] - r["median_ms"] for r in ok]], capsize=3)
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels([r["method"] for r in ok], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("ms per step (median, whisker to p90)")
-    ax.set_title("step time")
-    ax.grid(axis="y", alpha=0.3)
-
-
 # -- the subcommand -------------------------------------------------------------------------
 def run(args, cfg) -> int:
     """``hhook-profile train``: every rank runs this; returns the exit status."""
     from ...launch import free_port
     from .. import plot, report
+    from ..progress import Stages
 
     set_threads(args.threads)
     try:
@@ -400,7 +390,11 @@ def run(args, cfg) -> int:
                     "batch_size": cfg["batch_size"], "steps": args.steps, "eval_every": args.eval_every,
                     "pg_timeout_s": args.timeout, "data_path": data_path, "parallel": args.parallel,
                     "ranks_per_node": args.ranks_per_node}
-            mine = train.run_child(spec, workdir, args.timeout)
+            stages = Stages(method.name, args.steps, enabled=rank0 and not args.quiet)
+            try:
+                mine = train.run_child(spec, workdir, args.timeout, stages.beat)
+            finally:
+                stages.close()
             train.quiet_barrier(control)
             results = control.allgather_object(mine)
             status, message = train.verdict(results)
@@ -409,6 +403,8 @@ def run(args, cfg) -> int:
             if rank0 and not args.quiet:
                 done = (f"median {row['median_ms']:.1f} ms/step, final accuracy {row['final_accuracy']:.4f}"
                         if status == "ok" else message)
+                if status == "ok" and row.get("synchronized") is False:
+                    done = unsynchronized(row)
                 print(f"# {method.name}: {done}", file=sys.stderr, flush=True)
         add_speedups(rows)
         if rank0:
@@ -418,8 +414,8 @@ def run(args, cfg) -> int:
             if args.json:
                 report.write_json(args.json, m, rows)
             if args.plot:
-                plot.save(args.plot, [lambda ax: accuracy_panel(ax, rows, args.target_accuracy),
-                                      lambda ax: step_panel(ax, rows)])
+                plot.save(args.plot, [lambda ax: plot.accuracy_panel(ax, rows, args.target_accuracy),
+                                      lambda ax: plot.step_panel(ax, rows)], link=m["link"])
         control.barrier()
     except UsageError as e:
         error(str(e), rank0)
