@@ -71,6 +71,21 @@ def pytest_make_collect_report(collector):
     return report
 
 
+_SHARED_SCOPES = ("module", "class", "package", "session")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (ci/test.sh: ``--dist loadgroup``) tests go to whichever worker is free,
+    except a module whose tests share a fixture wider than one test (a world run once for
+    a module, a job cached per module): its tests stay on one worker, which then builds that
+    fixture once, not once per worker."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d.scope in _SHARED_SCOPES and d.baseid for fixture in defs for d in fixture):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture
 def no_tf32():
     """TF32 off for the test (the CUDA tests: TF32 switched on by the environment would make
