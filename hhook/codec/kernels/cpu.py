@@ -82,7 +82,7 @@ build_info: dict = {}
 _c_int, _c_i64, _c_u32, _c_ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
 _SIGNATURES = {
     "hh_prepare": (_c_ptr, _c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, ctypes.c_float, _c_ptr, _c_ptr, _c_ptr,
-                   _c_ptr),
+                   _c_ptr, _c_ptr),
     "hh_quantize": (_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_int, _c_int, _c_u32, _c_ptr, _c_u32, _c_int, _c_u32,
                     _c_i64, _c_int, _c_int, _c_int, _c_i64, _c_i64, _c_ptr),
     "hh_decode": (_c_ptr, _c_int, _c_i64, _c_int, _c_ptr, _c_int, _c_int, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
@@ -317,9 +317,10 @@ def scaled_signs(seed: int, block: int) -> torch.Tensor:
 
 
 # -- stages ------------------------------------------------------------------------
-def rotate(codec, source: torch.Tensor):
+def rotate(codec, source: torch.Tensor, residual: torch.Tensor | None = None):
     """``(blocks, maxima, digest, nonfinite)`` of a flat tensor: the fused stage 1 without
-    the header (tests compare its blocks with the reference quantizer's input)."""
+    the header (tests compare its blocks with the reference quantizer's input).
+    ``nonfinite`` covers ``residual`` too (:meth:`hhook.codec.THCCodec.prepare`)."""
     lib = _library()
     numel = source.numel()
     block = codec.block_for(numel)
@@ -330,11 +331,15 @@ def rotate(codec, source: torch.Tensor):
     signs = rotation.signs(codec.seed, block, torch.device("cpu"))
     norm = rotation.norm(block)
     dtype = _DTYPE_CODE[src.dtype]
+    if residual is not None:
+        backend.check(residual, n_blocks * block, "residual", torch.float32, device_type="cpu")
+        residual = residual.contiguous()
 
     def run(first, last):
         digest, nonfinite = ctypes.c_uint64(0), ctypes.c_int32(0)
         lib.hh_prepare(src.data_ptr(), dtype, numel, block, first, last, signs.data_ptr(), norm, blocks.data_ptr(),
-                       maxima.data_ptr(), ctypes.byref(digest), ctypes.byref(nonfinite))
+                       maxima.data_ptr(), residual.data_ptr() if residual is not None else None,
+                       ctypes.byref(digest), ctypes.byref(nonfinite))
         return digest.value, nonfinite.value
 
     parts = _parallel(run, n_blocks, block)
@@ -343,9 +348,9 @@ def rotate(codec, source: torch.Tensor):
     return blocks, maxima, digest, nonfinite
 
 
-def prepare(codec, source: torch.Tensor):
+def prepare(codec, source: torch.Tensor, residual: torch.Tensor | None = None):
     numel = source.numel()
-    blocks, maxima, digest, nonfinite = rotate(codec, source)
+    blocks, maxima, digest, nonfinite = rotate(codec, source, residual)
     if nonfinite:
         maxima.zero_()
     head = codec.header(numel, float(nonfinite), digest)
