@@ -5,6 +5,7 @@ of inputs tried is in docs/reliability.md ("Inputs tried")."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import hhook
@@ -54,10 +55,9 @@ def _residual_rows(rank: int, world: int) -> dict:
     return rows
 
 
-def test_a_nonfinite_residual_flags_the_exchange_on_every_rank_and_a_checkpoint_holding_one_is_refused():
-    out = run_world(_residual_rows, 2)
-    for rank, rows in enumerate(out):
-        for scales, row in rows.items():
+def test_a_nonfinite_residual_flags_the_exchange_on_every_rank_and_a_checkpoint_holding_one_is_refused(world):
+    for rank, rows in enumerate(world):
+        for scales, row in rows["residual"].items():
             if rank == 1:
                 assert len(row["refused"]) == 3, row["refused"]
                 for message, words in zip(row["refused"], ("non-finite", "non-finite", "below 1.84e+19")):
@@ -83,9 +83,12 @@ def _shaped(case: str, rank: int) -> torch.Tensor:
         "strided": lambda: torch.randn(3000, generator=g)[::3],
         "channels-last": lambda: torch.randn(4, 8, 5, 6, generator=g).to(memory_format=torch.channels_last),
         "expanded": lambda: torch.randn(1, 300, generator=g).expand(7, 300),
+        "expanded on one rank": lambda: torch.randn(1, 300, generator=g).expand(7, 300).contiguous(),
         "NaN on one rank": lambda: torch.randn(2000, generator=g),
         "inf on one rank": lambda: torch.randn(2000, generator=g),
     }[case]()
+    if case == "expanded on one rank" and rank == 1:
+        base = base[:1].expand(7, 300)
     if case == "NaN on one rank" and rank == 1:
         base[17] = float("nan")
     if case == "inf on one rank" and rank == 1:
@@ -93,13 +96,14 @@ def _shaped(case: str, rank: int) -> torch.Tensor:
     return base
 
 
-SHAPED = ["empty", "0-dim", "1 element", "transposed", "strided", "channels-last", "expanded", "NaN on one rank",
-          "inf on one rank"]
+SHAPED = ["empty", "0-dim", "1 element", "transposed", "strided", "channels-last", "expanded", "expanded on one rank",
+          "NaN on one rank", "inf on one rank"]
 
 
 def _shaped_rows(rank: int, world: int) -> dict:
     """Each case through thc_allreduce (both scale modes, twice: a predicting key's second
-    call), per case: ("mean", max error, shape and strides kept) or ("raised", message)."""
+    call), per case: ("mean", vNMSE, shape and strides kept), ("nan", all NaN, kept) or
+    ("raised", message)."""
     rows = {}
     for scales in MODES:
         state = hhook.THCState(bits=4, scales=scales)
@@ -118,7 +122,8 @@ def _shaped_rows(rank: int, world: int) -> dict:
                 if not want.isfinite().all():
                     outcome = ("nan", bool(t.isnan().all()), kept)
                 else:
-                    outcome = ("mean", float((t - want).abs().max()) if t.numel() else 0.0, kept)
+                    error = float(((t - want) ** 2).sum() / (want**2).sum()) if t.numel() else 0.0
+                    outcome = ("mean", error, kept)
             rows[(scales, case)] = outcome
     return rows
 
@@ -168,3 +173,45 @@ def _ddp_rows(rank: int, world: int) -> dict:
             steps.append((bool(got.isnan().all()), error))
         rows[scales] = steps
     return rows
+
+
+def _every_row(rank: int, world: int) -> dict:
+    """One world for every test here (each costs about 2 s to start)."""
+    return {"residual": _residual_rows(rank, world), "shaped": _shaped_rows(rank, world), "ddp": _ddp_rows(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_world(_every_row, 2, timeout=400)
+
+
+def test_tensors_of_every_shape_and_layout_average_or_raise_on_every_rank(world):
+    """thc_allreduce of empty, 0-dim, 1-element, transposed, strided and channels-last
+    tensors: the mean within the codec's error, the tensor's shape and strides kept; NaN or
+    inf on one rank: NaN on every rank; an expanded tensor (stride 0: one memory location
+    for several means) raised torch's "unsupported operation" after the exchange, now
+    hhook's ValueError on every rank before it, and ConfigMismatchError when only one rank's is."""
+    for rank, rows in enumerate(world):
+        for (scales, case), outcome in rows["shaped"].items():
+            where = (rank, scales, case, outcome)
+            if case == "expanded":
+                assert outcome[0] == "raised" and outcome[1].startswith("ValueError: hhook averages the tensor in "
+                                                                        "place, but this one is expanded"), where
+            elif case == "expanded on one rank":
+                assert outcome[0] == "raised" and outcome[1].startswith("ConfigMismatchError"), where
+                assert "expanded" in outcome[1], where
+            elif "one rank" in case:
+                assert outcome == ("nan", True, True), where
+            else:
+                assert outcome[0] == "mean" and outcome[1] < 0.1 and outcome[2], where
+
+
+def test_ddp_gradients_of_every_shape_and_layout_average_and_nan_reaches_every_rank(world):
+    """hhook.register(ddp, bits=4) over a 0-dim, a 1-element, an empty, a transposed and
+    channels-last parameters: after the plain iterations the mean within the codec's error;
+    one rank's NaN gradient makes every rank's NaN, and the next step is right again."""
+    for rank, rows in enumerate(world):
+        for scales, steps in rows["ddp"].items():
+            nan, errors = zip(*steps)
+            assert nan == (False, False, True, False), (rank, scales, steps)
+            assert errors[0] == errors[1] == 0.0 and errors[3] < 0.05, (rank, scales, steps)  # 0.005 measured
