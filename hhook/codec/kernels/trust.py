@@ -49,8 +49,9 @@ def not_private(path, info=None) -> str | None:
     """Why ``path`` (the cache folder, or a library: ``info`` is its ``fstat``) may hold
     code planted by someone else, or None."""
     info = os.stat(path) if info is None else info
-    if _owner(path, info):
-        return _owner(path, info)
+    foreign = _owner(path, info)
+    if foreign:
+        return foreign
     if info.st_mode & 0o022:
         return f"{path} is writable by its group or others (mode {info.st_mode & 0o777:o})"
     return None
@@ -70,8 +71,9 @@ def unsafe_folder(folder: Path) -> str | None:
         return problem
     for above in _folders_above(folder):
         info = os.stat(above)
-        if _owner(above, info):
-            return f"{_owner(above, info)}, above the cache {folder}"
+        foreign = _owner(above, info)
+        if foreign:
+            return f"{foreign}, above the cache {folder}"
         if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
             return (f"{above}, above the cache {folder}, is writable by its group or others without the "
                     f"sticky bit (mode {info.st_mode & 0o7777:o}): they could swap the cache for their own")
