@@ -91,6 +91,24 @@ def _fingerprint(bits: int, block_size: int, seed: int, world_size: int, roundin
     return h >> (32 - _FINGERPRINT_BITS)
 
 
+def _flag_residual(prepared: Prepared, residual: torch.Tensor | None, block: int) -> Prepared:
+    """Set ``prepared``'s non-finite flag (and zero its maxima) when ``residual`` holds
+    inf/NaN or a value at the overflow limit: tensor operations, no host read (the CPU
+    kernel does this inside its own pass)."""
+    if residual is None or residual.numel() == 0:
+        return prepared
+    expected = -(-prepared.numel // block) * block
+    if residual.numel() != expected:
+        raise ValueError(f"hhook: the residual must have {expected} elements, got {tuple(residual.shape)}")
+    bad = ~(residual.abs().amax() < overflow_limit(block))
+    flag = torch.maximum(prepared.scales[0], bad.to(torch.float32))
+    prepared.scales[0] = flag
+    prepared.scales[HEADER:].masked_fill_(bad, 0.0)
+    if prepared.header is not None:
+        prepared.header[0] = flag
+    return prepared
+
+
 class THCCodec:
     """Rotation, common scales, stochastic rounding and lane packing for ``world_size`` ranks."""
 
@@ -195,13 +213,17 @@ class THCCodec:
             head[4::2] = -halves
         return head
 
-    def prepare(self, x: torch.Tensor) -> Prepared:
+    def prepare(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Prepared:
         """Stage 1: the scale vector of ``x`` (any shape, fp32/fp16/bf16).
 
         The header carries the non-finite flag (block maxima are zeroed when it is set),
         the fingerprint of the configuration and length, and the digest of ``x``'s bits;
-        the rest is this rank's max ``|y|`` per block of the rotated tensor. Nothing here
-        reads a device value on the host.
+        the rest is this rank's max ``|y|`` per block of the rotated tensor. ``residual``:
+        the error feedback that :meth:`quantize` will add (float32 ``(n_blocks, B)``); the
+        flag covers it, so whatever this rank encodes (``y + residual``) holding inf/NaN
+        flags the exchange on every rank rather than rounding to a finite wrong code (a
+        NaN rounds to code 0). Both below :func:`~hhook.codec.layout.overflow_limit`,
+        their sum is finite. Nothing here reads a device value on the host.
         """
         if x.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"hhook compresses float32, float16 and bfloat16 tensors, not {x.dtype}")
@@ -209,8 +231,10 @@ class THCCodec:
         block = self.block_for(numel)
         source = x.reshape(-1)
         backend = fused_backend(x, block)
+        if backend is cpu_kernels:
+            return backend.prepare(self, source, residual)
         if backend is not None:
-            return backend.prepare(self, source)
+            return _flag_residual(backend.prepare(self, source), residual, block)
         n_blocks = self.n_blocks(numel)
         flat = source.to(torch.float32)
         bits = flat.view(torch.int32)
@@ -230,7 +254,8 @@ class THCCodec:
         nonfinite = ~(maxima < overflow_limit(block)).all()  # inf, NaN, or too large to sum (layout.overflow_limit)
         maxima.masked_fill_(nonfinite, 0.0)
         scales[:HEADER] = self.header(numel, nonfinite, rng.digest(bits), device=x.device)
-        return Prepared(numel, source, scales, blocks, header=scales[:HEADER].clone())
+        prepared = Prepared(numel, source, scales, blocks, header=scales[:HEADER].clone())
+        return _flag_residual(prepared, residual, block)
 
     # -- stage 3 ------------------------------------------------------------
     def quantize(

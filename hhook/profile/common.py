@@ -228,28 +228,43 @@ def check_outputs(args) -> str | None:
         problem = path and _unwritable(path)
         if problem:
             return f"{flag} {path}: {problem}"
+    if args.json and args.plot and _same_file(args.json, args.plot):
+        return (f"--json {args.json} and --plot {args.plot} name the same file ({os.path.realpath(args.json)}): "
+                "one would overwrite the other; name two files")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         return '--plot needs matplotlib (pip install "hhook[profile]")'
     return None
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths are one file: spelt otherwise, through symbolic links, or hard links."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist yet: realpath said it all
+        return False
+
+
 def _unwritable(path: str) -> str | None:
     """Why the run's results could not be written to ``path`` at its end, or None: the
     file is opened for appending now (as root too, where permission bits say nothing),
-    and removed again if this made it."""
-    if os.path.isdir(path):
+    and removed again if this made it. A symbolic link is written through at the end, so
+    its target is what is checked (and removed again), never the user's link."""
+    target = os.path.realpath(path)
+    if os.path.isdir(target):
         return "is a directory (name a file)"
-    parent = os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(target)
     if not os.path.isdir(parent):
         return f"directory {parent} does not exist"
-    existed = os.path.exists(path)
+    existed = os.path.lexists(target)
     try:
-        with open(path, "a"):
+        with open(target, "a"):
             pass
     except OSError as e:
         return f"not writable ({e.strerror})"
     if not existed:
-        os.unlink(path)
+        os.unlink(target)
     return None
 
 

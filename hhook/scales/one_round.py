@@ -100,11 +100,11 @@ class PredictedScales(ScalePolicy):
             # Padded to whole blocks, like the codes: tensors whose lengths differ within a
             # block make equally long messages, so the fingerprint reports the mismatch.
             padded = codec.n_blocks(numel) * codec.block_for(numel)
-            prepared = codec.prepare(tensor.detach())
+            residual = self.residual(state, codec, tensor.device)
+            prepared = codec.prepare(tensor.detach(), residual)
             flag = prepared.scales[0].to(dtype)
             maxima = prepared.scales[HEADER:]
             n_meta = 2 * maxima.numel()
-            residual = self._residual(state, codec, tensor.device)
             if residual is not None:  # sent exactly now: hand the carried error over too
                 back = unrotated(residual, codec, numel)
                 flat = flat + back.to(dtype)

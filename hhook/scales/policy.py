@@ -218,7 +218,8 @@ class ScalePolicy:
             return None
         return unrotated(state.residual, self.codec(state.world_size), numel)
 
-    def _residual(self, state: KeyState | None, codec: THCCodec, device) -> torch.Tensor | None:
+    def residual(self, state: KeyState | None, codec: THCCodec, device) -> torch.Tensor | None:
+        """``state``'s error feedback (zeros on first use), or None when there is none."""
         if not self.error_feedback or state is None:
             return None
         shape = (codec.n_blocks(state.numel), codec.block_for(state.numel))
@@ -258,7 +259,7 @@ class ScalePolicy:
         plan.error = error
         try:
             if error is None:
-                plan.prepared = codec.prepare(tensor.detach())
+                plan.prepared = codec.prepare(tensor.detach(), self.residual(state, codec, tensor.device))
                 # This rank's flag and digest, for the prefix: the MAX round overwrites the scales.
                 plan.header = plan.prepared.header
         except Exception as exc:  # noqa: BLE001 - sent on as filler, raised on every rank
@@ -290,7 +291,7 @@ class ScalePolicy:
     def _encode(self, plan: Plan, agreed, length: int) -> torch.Tensor:
         codec, prepared, numel = plan.codec, plan.prepared, plan.tensor.numel()
         words = torch.empty(length, dtype=codec.layout.word_dtype, device=plan.tensor.device)
-        residual = self._residual(plan.state, codec, plan.tensor.device)
+        residual = self.residual(plan.state, codec, plan.tensor.device)
         # Written by quantize(), kept by decode() only if the step was not skipped.
         plan.new_residual = torch.empty_like(residual) if residual is not None else None
         if plan.kind == PREDICTED:

@@ -16,7 +16,22 @@ from .handshake import agree
 def call_fields(tensor: torch.Tensor) -> tuple:
     """What every rank of a :func:`thc_allreduce_async` call must hand in alike."""
     return (("runs", "thc_allreduce"), ("numel", tensor.numel()), ("dtype", str(tensor.dtype)[6:]),
-            ("sparse", tensor.is_sparse))
+            ("sparse", tensor.is_sparse), ("expanded", _expanded(tensor)))
+
+
+def _expanded(tensor: torch.Tensor) -> bool:
+    """Whether elements share memory (a stride 0, as ``expand`` makes): no in-place mean."""
+    return not tensor.is_sparse and any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape))
+
+
+def check_expanded(tensor: torch.Tensor) -> None:
+    """Refuse, on every rank (after the call's handshake), a tensor whose elements share memory."""
+    if _expanded(tensor):
+        raise ValueError(
+            f"hhook averages the tensor in place, but this one is expanded (shape {tuple(tensor.shape)}, strides "
+            f"{tensor.stride()}): several of its elements are one memory location, which cannot hold different "
+            "means. Pass tensor.contiguous() (a copy) and use the result"
+        )
 
 
 def thc_allreduce_async(tensor: torch.Tensor, state, key=None, layout=None) -> torch.futures.Future:
@@ -40,12 +55,14 @@ def thc_allreduce_async(tensor: torch.Tensor, state, key=None, layout=None) -> t
     layout raises :class:`~hhook.errors.ConfigMismatchError` on every rank, naming each
     rank's. float32, float16 and bfloat16 tensors are compressed; float64 and sparse
     tensors take an exact plain allreduce (one log line says so, once); any other dtype
-    (integers, bool, complex) raises :class:`TypeError` on every rank.
+    (integers, bool, complex) raises :class:`TypeError` on every rank, an expanded tensor
+    (elements sharing memory) :class:`ValueError`.
     """
     check_tensor(tensor)
     ctx = state.context()
     agree(ctx.group, call_fields(tensor), ctx.counters, "this thc_allreduce call", arrive=False)
     check_dtype(tensor)
+    check_expanded(tensor)
     return ctx.schedule(ctx, tensor, key, layout)
 
 

@@ -62,7 +62,7 @@ def reduce_scatter(ctx: CallContext, output: torch.Tensor, buffer: torch.Tensor,
     for j, plan in enumerate(plans):
         if plan.prepared is None and plan.error is None:
             try:
-                plan.prepared = codec.prepare(chunks[j].detach())
+                plan.prepared = codec.prepare(chunks[j].detach(), policy.residual(plan.state, codec, device))
             except Exception as exc:  # noqa: BLE001 - sent as filler, raised on every rank
                 plan.error = exc
         words[j] = policy.finish(plan, scales[j * S:(j + 1) * S])

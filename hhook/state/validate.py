@@ -77,9 +77,20 @@ def _is_number(value) -> bool:
         return False
 
 
-def _int(value, path: str, low: int | None = 0) -> None:
+#: Integers a checkpoint holds are counters, sizes and ranks: int64 on every path they take.
+INT_BOUND = 2**63
+#: A residual holds at most one rounding step of its block's scale (docs/reliability.md):
+#: no run's error feedback comes near this, and a larger one would decode every later step
+#: finite and wrong (its rank's codes clip), so a checkpoint holding one is refused.
+RESIDUAL_BOUND = 2.0**64
+_DIGEST_BITS = 48  # hhook.codec.rng.digest's width
+
+
+def _int(value, path: str, low: int | None = 0, high: int = INT_BOUND) -> None:
     if not _is_int(value) or (low is not None and value < low):
         _fail(path, "an integer" if low is None else f"an integer >= {low}", value)
+    if abs(value) >= high:
+        _fail(path, f"an integer below 2**{high.bit_length() - 1}", value)
 
 
 def _dict(value, path: str) -> dict:
@@ -107,6 +118,8 @@ def _state(saved: dict, path: str, current: Options, live_decision) -> None:
         _dict(origin, at + "origin")
         _int(origin.get("rank"), at + "origin.rank")
         _int(origin.get("world_size"), at + "origin.world_size", 1)
+        if origin["rank"] >= origin["world_size"]:
+            _fail(at + "origin.rank", f"below origin.world_size ({origin['world_size']})", origin["rank"])
     for name in ("iter", "calls"):
         if name in saved:
             _int(saved[name], at + name)
@@ -143,7 +156,12 @@ def _layout(layout, path: str) -> None:
         _fail(path + ".two_level", "True or False", layout["two_level"])
     for name in ("world_size", "n_nodes", "ranks_per_node"):
         _int(layout[name], f"{path}.{name}", 1)
-    _int(layout["fingerprint"], path + ".fingerprint", None)
+    if layout["world_size"] != layout["n_nodes"] * layout["ranks_per_node"]:
+        _fail(path, "a layout of world_size == n_nodes * ranks_per_node",
+              {name: layout[name] for name in ("world_size", "n_nodes", "ranks_per_node")})
+    if not layout["two_level"] and layout["n_nodes"] != 1:
+        _fail(path + ".n_nodes", "1 for a flat layout", layout["n_nodes"])
+    _int(layout["fingerprint"], path + ".fingerprint", 0, 2**24)  # layout_fingerprint's width
 
 
 def _parts(saved: dict, at: str, options: Options, live_decision) -> None:
@@ -210,7 +228,7 @@ def _key_state(fields, path: str, codec: THCCodec) -> None:
         _fail(path, f"a per-key state with fields {list(names)}", f"fields {unknown}")
     _int(fields.get("numel"), path + ".numel")
     _int(fields.get("world_size"), path + ".world_size", 1)
-    _int(fields.get("digest", 0), path + ".digest", None)
+    _int(fields.get("digest", 0), path + ".digest", 0, 2**_DIGEST_BITS)
     _int(fields.get("steps", 0), path + ".steps")
     numel = fields["numel"]
     blocks, block = codec.n_blocks(numel), codec.block_for(numel)
@@ -218,10 +236,38 @@ def _key_state(fields, path: str, codec: THCCodec) -> None:
     if scales is not None and not (isinstance(scales, torch.Tensor) and scales.dtype == torch.float32
                                    and tuple(scales.shape) == (blocks,)):
         _fail(path + ".scales", f"None or a float32 tensor of shape ({blocks},) (numel {numel})", scales)
+    _usable(scales, path + ".scales", "finite scales >= 0", lambda t: bool(((t >= 0) & t.isfinite()).all()))
     residual = fields.get("residual")
     if residual is not None and not (isinstance(residual, torch.Tensor) and residual.dtype == torch.float32
                                      and tuple(residual.shape) == (blocks, block)):
         _fail(path + ".residual", f"None or a float32 tensor of shape ({blocks}, {block}) (numel {numel})", residual)
+    _usable(residual, path + ".residual", f"finite values below {RESIDUAL_BOUND:.3g} in magnitude",
+            lambda t: bool((t.abs() < RESIDUAL_BOUND).all()))
+
+
+def _usable(tensor, path: str, values: str, check) -> None:
+    """A tensor a step can read and write as it is: dense, contiguous (no stride 0 of
+    ``expand``), no autograd, on CPU or CUDA (not ``meta``), and ``values`` (``check``)."""
+    if tensor is None:
+        return
+    if tensor.layout != torch.strided or tensor.is_sparse:
+        _fail(path, "a dense tensor", f"a {tensor.layout} tensor")
+    if tensor.device.type not in ("cpu", "cuda"):
+        _fail(path, "a tensor on the CPU or a GPU", f"a tensor on {tensor.device}")
+    if tensor.requires_grad:
+        _fail(path, "a tensor without requires_grad", "one that requires grad")
+    if not tensor.is_contiguous():  # an expanded one (stride 0) included
+        _fail(path, "a contiguous tensor (not expanded)", f"a tensor of strides {tensor.stride()}")
+    if not check(tensor.detach()):
+        _fail(path, values, f"a tensor holding {_extremes(tensor)}")
+
+
+def _extremes(tensor: torch.Tensor) -> str:
+    flat = tensor.detach().reshape(-1).float()
+    bad = flat[~flat.isfinite()]
+    if bad.numel():
+        return f"{bad.numel()} non-finite values (e.g. {bad[0].item()})"
+    return f"values from {flat.min().item():.3g} to {flat.max().item():.3g}"
 
 
 def _decision(decision, path: str, live_decision) -> None:

@@ -363,3 +363,24 @@ def test_a_first_use_under_bfloat16_gives_the_same_bits(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _same_bits(dtype_probe(), torch.load(tmp_path / "probe.pt", weights_only=True))
+
+
+@pytest.mark.parametrize("fused", ["0", "1"], ids=["fused", "reference"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 2.0**126])
+def test_a_nonfinite_residual_sets_the_flag_like_a_nonfinite_input(monkeypatch, fused, bad):
+    """What a rank encodes is the rotated tensor plus its residual: a NaN there rounded to
+    code 0 and decoded finite and wrong (issue 58); now the flag covers the residual, in
+    the reference and the fused CPU kernel alike, and a finite residual changes nothing."""
+    monkeypatch.setenv(FORCE_REFERENCE_ENV, "1" if fused == "0" else "0")
+    codec = THCCodec(bits=4, block_size=64)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    clean = codec.prepare(x)
+    fine = codec.prepare(x, torch.full((16, 64), 1e3))
+    assert torch.equal(fine.scales, clean.scales) and torch.equal(fine.header, clean.header)
+    residual = torch.zeros(16, 64)
+    residual[9, 17] = bad
+    spoilt = codec.prepare(x, residual)
+    assert spoilt.scales[0] == 1 and spoilt.header[0] == 1 and not spoilt.scales[HEADER:].any()
+    assert bool(codec_status(spoilt.scales)[0])
+    with pytest.raises(ValueError, match="residual"):
+        codec.prepare(x, torch.zeros(3, 64))

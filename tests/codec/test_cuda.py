@@ -365,6 +365,24 @@ def test_quantize_equals_reference_bit_for_bit(backend, bits):
             assert torch.equal(in_place, want_res) and torch.equal(into, want_res)
 
 
+def test_a_nonfinite_residual_sets_the_flag_as_in_the_reference(backend, monkeypatch):
+    """The residual that quantize adds is covered by prepare's flag (issue 58): the scale
+    vector and the rank's own header say non-finite, as the reference's do."""
+    from hhook.codec import codec as codec_module
+
+    monkeypatch.setattr(codec_module, "fused_backend", lambda x, block: cuda_kernels)
+    codec = THCCodec(bits=4, block_size=64, world_size=2)
+    x = gradient(3000, seed=2, device=backend.device)
+    for bad in (float("nan"), float("inf"), 1e3):
+        residual = torch.zeros(47, 64, device=backend.device)
+        residual[5, 3] = bad
+        got = codec.prepare(x, residual)
+        with reference():
+            want = codec.prepare(x, residual)
+        assert torch.equal(got.scales, want.scales) and torch.equal(got.header, want.header), bad
+        assert (got.header[0].item() == 1) == (bad != 1e3)
+
+
 @pytest.mark.parametrize("verdict", ["nonfinite", "identical"])
 def test_quantize_keeps_the_residual_when_the_header_says_so(backend, verdict):
     codec = THCCodec(bits=4, block_size=64, world_size=2)

@@ -628,3 +628,43 @@ def test_every_plot_names_its_link(tmp_path, monkeypatch):
     assert drawn["texts"] == ["link: loopback: 2 ranks on one host"]
     assert all(len(line) <= plot.TITLE_CHARS for line in drawn["titles"][0].splitlines())
     assert (tmp_path / "x.png").exists()
+
+
+_MODEL = ["model", "--alpha-us", "0", "--beta", "1gbit", "--ratio", "thc=5", "--compute-ms", "100",
+          "--model-bytes", "125MB", "--workers", "1,4"]
+
+
+def test_json_through_a_dangling_symbolic_link_is_written_where_it_points(tmp_path, capsys, monkeypatch):
+    """The pre-run check made the link's target and then removed the path it was given:
+    the user's link went, an empty file stayed at its target, and the JSON was written
+    in place of the link. Now the link is written through and left as it was."""
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    target = tmp_path / "results" / "model.json"
+    target.parent.mkdir()
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    assert cli.main([*_MODEL, "--json", str(link)]) == 0, capsys.readouterr().err
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert _load(target)["results"]
+
+
+@pytest.mark.parametrize("spelling", ["the same", "./ and plain", "a symbolic link", "a hard link"])
+def test_json_and_plot_naming_one_file_are_refused_before_the_run(tmp_path, capsys, monkeypatch, spelling):
+    """``--json same.png --plot same.png`` exited 0 with the plot overwritten by JSON."""
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    plot = tmp_path / "same.png"
+    json_path = {"the same": str(plot), "./ and plain": "./same.png", "a symbolic link": "alias.json",
+                 "a hard link": "hard.json"}[spelling]
+    if spelling == "a symbolic link":
+        (tmp_path / "alias.json").symlink_to(plot)
+    if spelling == "a hard link":
+        plot.write_bytes(b"an earlier plot")
+        os.link(plot, tmp_path / "hard.json")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert cli.main([*_MODEL, "--json", json_path, "--plot", "same.png"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "name the same file" in err and "Ring" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -63,6 +63,18 @@ ROWS = [
     ("bits out of range", lambda s: s.update(bits=12), ValueError, "bits must be an integer in 1..8", "ddp fsdp"),
     ("a residual of another shape", lambda s: _first_key(s).update(residual=torch.zeros(3, 5)), ValueError,
      "residual must be None or a float32 tensor of shape", "ddp"),
+    ("a residual all NaN", lambda s: _first_key(s)["residual"].fill_(float("nan")), ValueError,
+     "residual must be finite values", "ddp"),
+    ("a residual expanded", lambda s: _first_key(s).update(residual=torch.zeros(1, 1).expand(
+        _first_key(s)["residual"].shape)), ValueError, "residual must be a contiguous tensor", "ddp"),
+    ("predicted scales negative", lambda s: _first_key(s).update(
+        scales=-torch.ones(_first_key(s)["residual"].shape[0])), ValueError, "scales must be finite scales >= 0", "ddp"),
+    ("a digest of 70 bits", lambda s: _first_key(s).update(digest=2**70), ValueError,
+     "digest must be an integer below 2**48", "ddp"),
+    ("iter of 80 bits", lambda s: s.update(iter=2**80), ValueError, "iter must be an integer below 2**63", "ddp"),
+    ("a layout of 1 rank on 5 nodes of 7", lambda s: s.update(layout={
+        "two_level": True, "world_size": 1, "n_nodes": 5, "ranks_per_node": 7, "fingerprint": 5}), ValueError,
+     "world_size == n_nodes * ranks_per_node", "ddp"),
     ("a decision of fixed bits", lambda s: s.update(decision=_decision_of_ddp()), ValueError,
      "decision must be None for bits=", "ddp fsdp"),
     ("a decision's phase", lambda s: s["decision"].update(phase="done"), ValueError,

@@ -165,3 +165,67 @@ def test_another_integration_s_decision_is_refused():
     with pytest.raises(ValueError, match="another integration"):
         state.load_state_dict(ddp)
     assert state.decision.options["candidates"] == ["rs+ag", "rs", "dense"]
+
+
+def _residual_like(make):
+    return lambda r: make(r.shape)
+
+
+#: What a step needs of a checkpoint's tensors and integers (issue 58): (what, the
+#: mutation of key ``0`` of the state's policy (``{key}``), words the message must hold).
+STEP_CASES = [
+    ("a residual all NaN", "{key}.residual", _residual_like(lambda s: torch.full(s, float("nan"))), "non-finite"),
+    ("a residual all inf", "{key}.residual", _residual_like(lambda s: torch.full(s, float("inf"))), "non-finite"),
+    ("a residual of 1e30", "{key}.residual", _residual_like(lambda s: torch.full(s, 1e30)), "below 1.84e+19"),
+    ("a residual expanded", "{key}.residual", _residual_like(lambda s: torch.zeros(1, 1).expand(s)),
+     "contiguous tensor (not expanded)"),
+    ("a residual strided", "{key}.residual", _residual_like(lambda s: torch.zeros(s[0], 2 * s[1])[:, ::2]),
+     "contiguous"),
+    ("a residual requiring grad", "{key}.residual", _residual_like(lambda s: torch.zeros(s, requires_grad=True)),
+     "without requires_grad"),
+    ("a residual on meta", "{key}.residual", _residual_like(lambda s: torch.zeros(s, device="meta")),
+     "on the CPU or a GPU"),
+    ("a residual sparse", "{key}.residual", _residual_like(lambda s: torch.zeros(s).to_sparse()), "a dense tensor"),
+    ("predicted scales NaN", "{key}.scales", lambda s: torch.full(s.shape, float("nan")), "finite scales >= 0"),
+    ("predicted scales negative", "{key}.scales", lambda s: -torch.ones(s.shape), "finite scales >= 0"),
+    ("predicted scales inf", "{key}.scales", lambda s: torch.full(s.shape, float("inf")), "finite scales >= 0"),
+    ("a digest of 70 bits", "{key}.digest", 2**70, "digest must be an integer below 2**48"),
+    ("steps of 80 bits", "{key}.steps", 2**80, "steps must be an integer below 2**63"),
+    ("a numel of 80 bits", "{key}.numel", 2**80, "numel must be an integer below 2**63"),
+    ("iter of 80 bits", "iter", 2**80, "iter must be an integer below 2**63"),
+    ("calls of 80 bits", "calls", 2**80, "calls must be an integer below 2**63"),
+    ("a counter of 80 bits", "_stats.wire_bytes", 2**80, "_stats.wire_bytes must be an integer below 2**63"),
+    ("a layout of 1 rank on 5 nodes of 7", "layout",
+     {"two_level": True, "world_size": 1, "n_nodes": 5, "ranks_per_node": 7, "fingerprint": 5},
+     "world_size == n_nodes * ranks_per_node"),
+    ("a flat layout of 2 nodes", "layout",
+     {"two_level": False, "world_size": 4, "n_nodes": 2, "ranks_per_node": 2, "fingerprint": 5}, "n_nodes must be 1"),
+    ("a layout fingerprint of 40 bits", "layout",
+     {"two_level": False, "world_size": 2, "n_nodes": 1, "ranks_per_node": 2, "fingerprint": 2**40}, "fingerprint"),
+    ("origin's rank beyond its world", "origin", {"rank": 2, "world_size": 2}, "origin.rank must be below"),
+]
+
+
+@pytest.mark.parametrize("scales", ["agreed", "predicted"])
+@pytest.mark.parametrize("what,path,value,words", STEP_CASES, ids=[c[0] for c in STEP_CASES])
+def test_a_checkpoint_a_step_cannot_use_is_refused_and_changes_nothing(scales, what, path, value, words):
+    """Fields that loaded before and then corrupted every step (a NaN residual decoded
+    finite and wrong), refused in both scale modes with nothing changed."""
+    saved = round_trip(_trained_like(scales=scales).state_dict())
+    _set(path.format(key=f"policies.{scales}.keys.0"), value)(saved)
+    state = _trained_like(scales=scales)
+    before = copy.deepcopy(state.state_dict())
+    with pytest.raises(ValueError) as info:
+        state.load_state_dict(saved)
+    assert words in str(info.value) and "nothing was changed" in str(info.value), str(info.value)
+    assert same(state.state_dict(), before), what
+
+
+def test_a_checkpoint_at_the_bounds_loads():
+    saved = round_trip(_trained_like().state_dict())
+    key = saved["policies"]["predicted"]["keys"][0]
+    key.update(digest=2**48 - 1, residual=torch.full((1, 128), 1e18), scales=torch.zeros(1))
+    saved.update(iter=2**63 - 1, calls=2**63 - 1)
+    state = _trained_like()
+    state.load_state_dict(saved)
+    assert state.iter == 2**63 - 1

@@ -24,9 +24,10 @@ else Python's, else ``cc``/``gcc``/``clang``) builds it with ``-O3 -march=native
 flags and the CPU, so every later process (every rank of every job) just loads it. A
 file lock makes concurrent ranks compile once; the library is written to a temporary
 file and renamed, so no process ever loads a half-written one. Only a library of this
-user in a folder of this user, neither writable by group or others, is loaded: in a
-shared cache another user could plant code there, so the library is then built in a
-private temporary folder, with one log line. Without a working
+user (or root) in a folder that nobody else can change is loaded, from the very file that
+was checked (:mod:`hhook.codec.kernels.trust`): in a shared cache another user could
+plant code there, so the library is then built in a private temporary folder, with one
+log line. Without a working
 compiler the codec logs one line and uses the reference. ``HHOOK_CPU_MARCH`` builds for
 another ``-march`` than ``native`` (the same bits, another speed). ctypes releases the GIL, so
 the blocks are split over ``torch.get_num_threads()`` Python threads.
@@ -55,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from . import backend
+from . import backend, trust
 from .. import layout as spec
 from .. import rng, rotation
 from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by hhook.profile.codec_bench
@@ -81,7 +82,7 @@ build_info: dict = {}
 _c_int, _c_i64, _c_u32, _c_ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
 _SIGNATURES = {
     "hh_prepare": (_c_ptr, _c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, ctypes.c_float, _c_ptr, _c_ptr, _c_ptr,
-                   _c_ptr),
+                   _c_ptr, _c_ptr),
     "hh_quantize": (_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_int, _c_int, _c_u32, _c_ptr, _c_u32, _c_int, _c_u32,
                     _c_i64, _c_int, _c_int, _c_int, _c_i64, _c_i64, _c_ptr),
     "hh_decode": (_c_ptr, _c_int, _c_i64, _c_int, _c_ptr, _c_int, _c_int, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
@@ -158,17 +159,6 @@ def _file_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _not_private(path: Path) -> str | None:
-    """Why the cache's ``path`` (the folder or a library in it) may hold code planted by
-    someone else, or None: it is not this user's, or its group or others may write it."""
-    info = path.stat()
-    if hasattr(os, "getuid") and info.st_uid != os.getuid():
-        return f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()})"
-    if info.st_mode & 0o022:
-        return f"{path} is writable by its group or others (mode {info.st_mode & 0o777:o})"
-    return None
-
-
 _private: list = []  # the private folder of this process, once made
 
 
@@ -184,22 +174,25 @@ def _private_dir(problem: str) -> Path:
     return _private[0]
 
 
-def build(arch: str | None = None) -> Path:
+def build(arch: str | None = None, folder: Path | None = None) -> Path:
     """Compile the library (for ``-march=arch``, default :func:`march`) into the cache
-    unless it is there; returns its path.
+    (or ``folder``) unless it is there; returns its path.
 
     Concurrent callers (ranks of one node) serialise on a lock file: the first compiles,
     the others find the result. The compiler writes a temporary file that is renamed
-    into place, so a reader never sees a partial library. A cache folder or library that
-    is not this user's alone (:func:`_not_private`) is not used: the library is built in
-    a private folder (:func:`_private_dir`).
+    into place, so a reader never sees a partial library. A cache folder that someone else
+    could change (:func:`hhook.codec.kernels.trust.unsafe_folder`: it, or a folder above
+    it) is not used: the library is built in a private folder (:func:`_private_dir`).
     """
     cc = compiler()
     target = library_path(cc, arch)
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    problem = _not_private(target.parent) or (_not_private(target) if target.exists() else None)
-    if problem is not None:
-        target = _private_dir(problem) / target.name
+    if folder is None:
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = trust.unsafe_folder(target.parent)
+        if problem is not None:
+            folder = _private_dir(problem)
+    if folder is not None:
+        target = folder / target.name
     start = time.perf_counter()
     with _file_lock(target.with_suffix(".lock")):
         if target.is_file():
@@ -221,6 +214,18 @@ def build(arch: str | None = None) -> Path:
     return target
 
 
+def _open(arch: str):
+    """The library, loaded from the very file that was checked (:func:`trust.load`); one
+    that someone else could have written is rebuilt in the private folder instead."""
+    path = build(arch)
+    try:
+        return trust.load(path)
+    except trust.Untrusted as exc:
+        if _private and path.parent == _private[0]:
+            raise
+        return trust.load(build(arch, _private_dir(str(exc))))
+
+
 def _library(arch: str | None = None):
     """The loaded library for ``-march=arch`` (default :func:`march`, read at every call), or
     None (logged once) when it cannot be built here."""
@@ -231,7 +236,7 @@ def _library(arch: str | None = None):
 def _load(arch: str):
     start = time.perf_counter()
     try:
-        lib = ctypes.CDLL(str(build(arch)))
+        lib = _open(arch)
     except Exception as e:  # no compiler, a failing one, an unwritable cache: use the reference
         logger.warning("hhook: fused CPU codec unavailable, using the torch reference (%s)", e)
         return None
@@ -312,9 +317,10 @@ def scaled_signs(seed: int, block: int) -> torch.Tensor:
 
 
 # -- stages ------------------------------------------------------------------------
-def rotate(codec, source: torch.Tensor):
+def rotate(codec, source: torch.Tensor, residual: torch.Tensor | None = None):
     """``(blocks, maxima, digest, nonfinite)`` of a flat tensor: the fused stage 1 without
-    the header (tests compare its blocks with the reference quantizer's input)."""
+    the header (tests compare its blocks with the reference quantizer's input).
+    ``nonfinite`` covers ``residual`` too (:meth:`hhook.codec.THCCodec.prepare`)."""
     lib = _library()
     numel = source.numel()
     block = codec.block_for(numel)
@@ -325,11 +331,15 @@ def rotate(codec, source: torch.Tensor):
     signs = rotation.signs(codec.seed, block, torch.device("cpu"))
     norm = rotation.norm(block)
     dtype = _DTYPE_CODE[src.dtype]
+    if residual is not None:
+        backend.check(residual, n_blocks * block, "residual", torch.float32, device_type="cpu")
+        residual = residual.contiguous()
 
     def run(first, last):
         digest, nonfinite = ctypes.c_uint64(0), ctypes.c_int32(0)
         lib.hh_prepare(src.data_ptr(), dtype, numel, block, first, last, signs.data_ptr(), norm, blocks.data_ptr(),
-                       maxima.data_ptr(), ctypes.byref(digest), ctypes.byref(nonfinite))
+                       maxima.data_ptr(), residual.data_ptr() if residual is not None else None,
+                       ctypes.byref(digest), ctypes.byref(nonfinite))
         return digest.value, nonfinite.value
 
     parts = _parallel(run, n_blocks, block)
@@ -338,9 +348,9 @@ def rotate(codec, source: torch.Tensor):
     return blocks, maxima, digest, nonfinite
 
 
-def prepare(codec, source: torch.Tensor):
+def prepare(codec, source: torch.Tensor, residual: torch.Tensor | None = None):
     numel = source.numel()
-    blocks, maxima, digest, nonfinite = rotate(codec, source)
+    blocks, maxima, digest, nonfinite = rotate(codec, source, residual)
     if nonfinite:
         maxima.zero_()
     head = codec.header(numel, float(nonfinite), digest)

@@ -262,10 +262,12 @@ static inline uint32_t overflow_bits(int64_t block) {
  * max |y| into maxima; returns through digest_out the sum of this range's element hashes
  * (mod 2^64; the caller reduces mod 2^48) and through nonfinite_out whether any rotated
  * value is not finite or too large to sum (overflow_bits). signs holds D (+-1), norm is float32(1/sqrt(B)), applied after the
- * butterflies. */
+ * butterflies. residual (float32, n_blocks x B, or NULL) is the error feedback that stage 3
+ * adds: the flag covers it too, so y + residual, what the rank encodes, is flagged whenever
+ * it is not finite (both below overflow_bits, their sum cannot overflow float32). */
 void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_t first_block,
                 int64_t last_block, const float *signs, float norm, float *blocks_out, float *maxima,
-                uint64_t *digest_out, int32_t *nonfinite_out) {
+                const float *residual, uint64_t *digest_out, int32_t *nonfinite_out) {
     uint64_t digest = 0;
     int32_t bad = 0;
     const uint32_t limit = overflow_bits(block);
@@ -327,6 +329,16 @@ void hh_prepare(const void *src, int dtype, int64_t numel, int64_t block, int64_
         digest += (uint64_t)lo + ((uint64_t)hi << 16);
         memcpy(maxima + b, &top, 4);
         bad |= top >= limit;
+        if (residual) {
+            uint32_t rtop = 0;
+            for (int64_t i = 0; i < block; i++) {
+                uint32_t u;
+                memcpy(&u, residual + b * block + i, 4);
+                u &= 0x7FFFFFFFu;
+                rtop = u > rtop ? u : rtop;
+            }
+            bad |= rtop >= limit;
+        }
     }
 #ifdef __AVX2__
     _mm_sfence(); /* the streamed stores are visible before the caller reads */
