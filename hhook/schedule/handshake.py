@@ -219,8 +219,11 @@ def _arrive(group, what: str) -> None:
             store.set(f"{prefix}all", "1")
         # Polled, not waited on: a store wait that times out logs a warning each time.
         while not store.check([f"{prefix}all"]):
+            if time.monotonic() >= deadline:  # first: a rank that ran something else may end with its own timeout
+                gone = {}
+                break
             gone = {g: how for g, how in liveness.ended(ranks).items() if not store.check([f"{prefix}{ranks.index(g)}"])}
-            if gone or time.monotonic() >= deadline:
+            if gone:
                 break
             time.sleep(LOOK_S)
         else:
