@@ -259,8 +259,10 @@ def _lost(gone: dict, when: str) -> PeerLostError:
 def _store_failed(exc: BaseException, what: str, ranks: list[int]) -> Exception:
     """The job's store failed under ``what``: hhook's error naming this rank, and the
     rank whose process ended where the liveness connections tell."""
-    me, gone = dist.get_rank(), liveness.ended([r for r in ranks if r != dist.get_rank()])
+    me = dist.get_rank()
+    gone, silent = liveness.ended([r for r in ranks if r != me]), liveness.quiet([r for r in ranks if r != me])
     cause = "; ".join(liveness.said(r, how) for r, how in sorted(gone.items())) or (
+        f"{_said(silent)} {_verb(silent, 'is')} silent (stopped, swapping, or stuck)" if silent else
         "its host (the rank that runs the store, rank 0 unless the launcher's) is gone or does not answer")
     kind = PeerTimeoutError if not gone and "timeout" in str(exc).lower() else PeerLostError
     return kind(f"hhook: rank {me}: the job's store failed in {what}: {cause}. The job cannot go on; restart it "

@@ -21,6 +21,7 @@ earlier attempt of torchrun's store is never read.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import selectors
 import socket
@@ -35,9 +36,10 @@ BEAT_S, QUIET_S = 1.0, 4.0
 #: What a rank that leaves normally sends before it closes its connections.
 BYE = b"B"
 DIED, LEFT = "died", "left"
+logger = logging.getLogger(__name__)
 _lock = threading.RLock()
 _mesh: list = []  # the running _Mesh of this process's default group, if any
-_made = [0]  # default groups this process has made a mesh for
+_made = [0, False]  # default groups this process has started, and whether one is current
 
 
 def attempt() -> str:
@@ -57,18 +59,22 @@ def start() -> None:
     """Publish this rank's address and start connecting to its peers (once per default
     group; nothing in a world of one or without a default group)."""
     with _lock:
-        if _mesh or not dist.is_initialized():
+        if _made[1] or not dist.is_initialized():
             return
-        _made[0] += 1
+        _made[0], _made[1] = _made[0] + 1, True
         if dist.get_world_size() > 1:
-            _mesh.append(_Mesh(f"hhook/live/{attempt()}/{_made[0]}/"))
+            try:
+                _mesh.append(_Mesh(f"hhook/live/{attempt()}/{_made[0]}/"))
+            except Exception as exc:  # noqa: BLE001 - no socket, no store: lost ranks read as before
+                logger.warning("hhook: no liveness connections (%s): a rank that dies before a handshake is "
+                               "told only at the group's timeout", exc)
 
 
 def stop() -> None:
     """Say goodbye on every connection and close them (the default group ends, or the
     process exits normally)."""
     with _lock:
-        mesh = _mesh.pop() if _mesh else None
+        mesh, _made[1] = (_mesh.pop() if _mesh else None), False
     if mesh is not None:
         mesh.close()
 
@@ -124,6 +130,7 @@ class _Mesh:
         self.heard: dict = {}  # rank -> monotonic time last heard from
         self.closed: dict = {}  # rank -> DIED or LEFT
         self.byes: set = set()
+        self.looks, self.next_look = 0, 0.0
         self.io = threading.Lock()
         self.listener = socket.create_server((_local_address(self.store), 0), backlog=128)
         self.listener.setblocking(False)
@@ -144,7 +151,12 @@ class _Mesh:
 
     def _connect(self) -> None:
         """Connect to the lower ranks whose address is published (the store is asked only
-        until every one is connected: never again once it is)."""
+        until every one is connected, never again once it is; less often as time goes:
+        a rank that never publishes, a process without hhook, costs a look every 2 s)."""
+        if not self.todo or time.monotonic() < self.next_look:
+            return
+        self.looks += 1
+        self.next_look = time.monotonic() + min(2.0, 0.1 * self.looks)
         for rank in list(self.todo):
             try:
                 if not self.store.check([f"{self.prefix}{rank}"]):
