@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import selectors
+import select
 import socket
 import struct
 import threading
@@ -35,6 +35,8 @@ import torch.distributed as dist
 BEAT_S, QUIET_S = 1.0, 4.0
 #: What a rank that leaves normally sends before it closes its connections.
 BYE = b"B"
+#: Longest wait at a normal end for the peers to have read the goodbye (they look 5 times a second).
+BYE_WAIT_S = 0.5
 DIED, LEFT = "died", "left"
 logger = logging.getLogger(__name__)
 _lock = threading.RLock()
@@ -130,12 +132,13 @@ class _Mesh:
         self.heard: dict = {}  # rank -> monotonic time last heard from
         self.closed: dict = {}  # rank -> DIED or LEFT
         self.byes: set = set()
-        self.looks, self.next_look = 0, 0.0
+        self.looks, self.next_look, self.connecting = 0, 0.0, threading.Lock()
         self.io = threading.Lock()
         self.listener = socket.create_server((_local_address(self.store), 0), backlog=128)
         self.listener.setblocking(False)
         host, port = self.listener.getsockname()[:2]
         self.store.set(f"{prefix}{self.me}", f"{host}:{port}")
+        self._connect()  # the peers already published, from this thread: a loaded host starts threads late
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="hhook-liveness", daemon=True)
         self.thread.start()
@@ -143,7 +146,6 @@ class _Mesh:
     def _run(self) -> None:
         last = 0.0
         while not self.done.wait(0.2):
-            self._connect()
             self.poll()
             if time.monotonic() - last >= BEAT_S:
                 last = time.monotonic()
@@ -153,8 +155,11 @@ class _Mesh:
         """Connect to the lower ranks whose address is published (the store is asked only
         until every one is connected, never again once it is; less often as time goes:
         a rank that never publishes, a process without hhook, costs a look every 2 s)."""
-        if not self.todo or time.monotonic() < self.next_look:
-            return
+        with self.connecting:
+            if self.todo and time.monotonic() >= self.next_look:
+                self._look()
+
+    def _look(self) -> None:
         self.looks += 1
         self.next_look = time.monotonic() + min(2.0, 0.1 * self.looks)
         for rank in list(self.todo):
@@ -167,7 +172,7 @@ class _Mesh:
                 return
             self.todo.remove(rank)
             try:
-                conn = socket.create_connection((host, int(port)), timeout=5.0)
+                conn = socket.create_connection((host, int(port)), timeout=2.0)
                 conn.sendall(struct.pack("<i", self.me))
             except OSError:  # refused: the rank published its address, then ended
                 with self.io:
@@ -181,7 +186,9 @@ class _Mesh:
             self.peers[rank], self.heard[rank] = conn, time.monotonic()
 
     def poll(self) -> None:
-        """Accept new peers and read every connection, without blocking."""
+        """Connect to peers now published, accept new ones and read every connection,
+        without blocking."""
+        self._connect()
         with self.io:
             self._accept()
             for rank, conn in list(self.peers.items()):
@@ -224,14 +231,35 @@ class _Mesh:
                     pass
 
     def close(self) -> None:
+        """Goodbye, then end-of-file, then wait (at most :data:`BYE_WAIT_S`) for each peer
+        to close its end: a socket closed with unread data (their heartbeats) sends a reset,
+        which may discard the goodbye before the peer reads it."""
         self.done.set()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout=2.0)
+        self.next_look = 0.0
+        self._connect()  # a peer not yet connected (a short program, a loaded host) hears the goodbye too
         self._send(BYE)
         with self.io:
-            for conn in list(self.peers.values()) + [self.listener]:
-                conn.close()
-            self.peers.clear()
+            conns, self.peers = list(self.peers.values()), {}
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        waiting, deadline = set(conns), time.monotonic() + BYE_WAIT_S
+        while waiting and time.monotonic() < deadline:
+            for conn in select.select(list(waiting), [], [], max(0.0, deadline - time.monotonic()))[0]:
+                try:
+                    while conn.recv(4096):
+                        pass
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                waiting.discard(conn)  # end-of-file, or reset: the peer has closed
+        for conn in conns + [self.listener]:
+            conn.close()
 
     def forget(self) -> None:
         """In a forked child: close this process's copies without a goodbye (the parent's

@@ -82,9 +82,9 @@ def end(group=None) -> None:
     on its liveness connections, :func:`liveness.stop`: its peers read that it left
     normally, not that it died)."""
     quiesce(group=group)
-    groups.end_second_groups(group)
     if group is None or (dist.is_initialized() and group == dist.GroupMember.WORLD):
-        liveness.stop()
+        liveness.stop()  # first: a peer whose collective fails when these communicators end reads the goodbye
+    groups.end_second_groups(group)
 
 
 def _observe_destroy() -> None:
