@@ -8,9 +8,13 @@ whose address it publishes in the job's store, and holds one connection to every
 rank (the higher rank connects; Gloo keeps a full mesh as well). A connection that reads
 end-of-file, or an address that refuses it, is a rank that ended. A rank that ends its
 default group or its process normally first sends :data:`BYE` on each connection: its
-peers read that it left, not that it died. A heartbeat byte each :data:`BEAT_S` from a
-thread of each rank tells a stopped rank (silent for :data:`QUIET_S`) from one that runs
-elsewhere: a heartbeat in the store could not tell death from a stop quickly.
+peers read that it left, not that it died (it then waits, at most :data:`BYE_WAIT_S`,
+for them to close their ends: a socket closed with unread data sends a reset). A
+heartbeat byte each :data:`BEAT_S` from a thread of each rank tells a stopped rank
+(silent for :data:`QUIET_S`) from one that runs elsewhere: a heartbeat in the store could
+not tell death from a stop quickly. A full mesh rather than a star around rank 0: each
+rank learns every death from its own sockets, with no relay through the store (whose
+host may be the rank that died). It costs a descriptor per peer, as Gloo's own mesh does.
 
 Everything is keyed by the process-group instance (:func:`instance`: the launcher's
 attempt and how many default groups this process has made), so what a rank said in an
