@@ -8,7 +8,7 @@ r"""A job that finishes, then ends as PyTorch documents or simply returns: it mu
 chains a callback on hhook's future that takes that long, so the thread completing the
 future is still busy when the main thread goes on (it reaches the exit first, every time).
 ``--end destroy`` (default) calls ``dist.destroy_process_group()``, ``--end return`` does
-not. ``--exit-order``: the ranks end in this order, 0.5 s apart. Each rank prints ``rank R: ok <relative error>``.
+not. Each rank prints ``rank R: ok <relative error>``.
 """
 
 from __future__ import annotations
@@ -70,15 +70,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--bits", default="auto", type=lambda v: int(v) if v.isdigit() else v, help="DDP: the hook's bits")
     p.add_argument("--end", choices=("destroy", "return"), default="destroy")
-    p.add_argument("--exit-order", default="", help="ranks in the order they end, e.g. 3,0,2,1 (0.5 s apart)")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     value = (_thc if args.what == "thc" else _ddp)(args, rank, world)
     print(f"rank {rank}: ok {value:.4f}", flush=True)
-    if args.exit_order:
-        time.sleep(0.5 * [int(r) for r in args.exit_order.split(",")].index(rank))
     if args.end == "destroy":
         dist.destroy_process_group()
 
