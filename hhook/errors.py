@@ -43,7 +43,8 @@ class Blame:
     gave up at their timeout); ``this_rank``, whether a report waits for this rank;
     ``lost``, this rank's peers that reported losing a rank (they exited after it died);
     ``elsewhere``, ``(rank, collective)`` of each report that waits for this rank, and
-    ``collective``, this rank's own (its description and group)."""
+    ``collective``, this rank's own (its description and group); ``left``, the culprits
+    that left the job normally (their program finished: uneven inputs), not died."""
 
     culprits: tuple = ()
     waiting: tuple = ()
@@ -51,6 +52,7 @@ class Blame:
     lost: tuple = ()
     elsewhere: tuple = ()
     collective: str = ""
+    left: tuple = ()
 
     def crossed(self) -> tuple:
         """``(rank, collective)`` of the ranks that wait for this one in another
@@ -125,6 +127,12 @@ def explain(exc: BaseException, what: str, timeout_s: float | None = None, peers
                 f"hhook: {what} failed: {_stalled(who, peers)} stalled or is far behind (stopped, swapping, or "
                 f"stuck): {ranks_text(who.waiting)} waited the timeout ({limit}) for it and closed its connection. "
                 f"{_SET_TIMEOUT}. Transport: {_first_line(text)}")
+        elif who is not None and who.left and set(who.culprits) <= set(who.left):
+            err = PeerLostError(
+                f"hhook: {what} failed: {ranks_text(who.left)} left the job normally (its program finished or "
+                "destroyed its process group) while this rank still waited for it in this collective: every rank "
+                "must run the same collectives (uneven inputs: a rank out of data must not stop before the others; "
+                f"use DDP's join() or stop every rank at the same step). Transport: {_first_line(text)}")
         else:
             # The rank the reports lead to (a peer that only exited after losing it names it), else the peers.
             dead = ranks_text(who.culprits) if who is not None and who.culprits else peers

@@ -13,9 +13,12 @@ closed its connection after reporting gave up waiting (it stalled nobody); one t
 it without a report died. In a world of two the same wait applies: a peer that waits for
 this rank too (each waits for the other) reports within it, and is not named as stalled.
 
-Reports are keyed by the launcher's attempt (torchrun's run id and restart count), never
+Reports are keyed by the process-group instance (:func:`hhook.schedule.liveness.instance`:
+torchrun's run id and restart count, and how many default groups the process made), never
 judged by a wall clock (hosts' clocks differ): torchrun's agents keep their store across
-restarts, and an earlier attempt's report there is not read. Every store operation here
+restarts, and a program may destroy and re-make its group; an earlier instance's report is
+not read. A silent peer that said goodbye on its liveness connection
+(:mod:`hhook.schedule.liveness`) left normally and is named so, not as dead. Every store operation here
 is bounded (a store whose host stalled answers nothing): where the store cannot tell, the
 message names the group's peers, as before. The bound is the store's own timeout, set to
 :data:`STORE_TIMEOUT_S` meanwhile: another thread's store operation in that moment is
@@ -35,13 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import threading
 import time
 
 import torch.distributed as dist
 
 from ..errors import Blame
+from . import liveness
 
 #: Longest wait (s) for the reports of the ranks a timed-out rank waited for (at most half
 #: the group's timeout).
@@ -74,7 +77,7 @@ def blame(kind: str, peers: list[int], timeout_s: float, what: str = "") -> Blam
         store, me = dist.distributed_c10d._get_default_store(), dist.get_rank()
     except Exception:  # noqa: BLE001 - no default group (destroyed, not initialized)
         return None
-    key = (kind, tuple(sorted(peers)))
+    key = (liveness.instance(), kind, tuple(sorted(peers)))
     with _lock:
         if key not in _cache:
             try:
@@ -133,54 +136,22 @@ def _walk(store, me: int, peers: list[int], what: str) -> Blame:
             mine = True
             elsewhere.append((rank, where))
         todo.extend(on)
-    return Blame(tuple(sorted(culprits)), tuple(sorted(waiting)), mine, tuple(sorted(lost)), tuple(elsewhere), what)
-
-
-def say_left() -> None:
-    """Say in the job's store that this process has left the job (at exit, or where it
-    destroys its default process group): a rank that waits for it at a handshake
-    (:func:`left_of`) then raises at once, naming it, rather than at the group's timeout.
-    Bounded; silent where the store does not answer."""
-    try:
-        store, me = dist.distributed_c10d._get_default_store(), dist.get_rank()
-        with _bounded(store):
-            store.set(f"{_key(me)}/left", "1")
-            store.add(f"{_key('left')}/count", 1)
-    except Exception:  # noqa: BLE001 - no default group, or a store that no longer answers
-        pass
-
-
-def left_of(ranks: list[int]) -> list[int]:
-    """Those of ``ranks`` (global) that said they left the job (:func:`say_left`): one store
-    read while none has, one per rank after."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        with _bounded(store):
-            if not store.add(f"{_key('left')}/count", 0):
-                return []
-            return [rank for rank in ranks if store.check([f"{_key(rank)}/left"])]
-    except Exception:  # noqa: BLE001 - a store that does not answer: nobody is known to have left
-        return []
-
-
-def attempt() -> str:
-    """The launcher's attempt, which keys what ranks say in the job's store: torchrun's
-    agents keep their store across restarts, and every rank of an attempt holds the same
-    run id and restart count."""
-    return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    left = tuple(sorted(r for r, how in liveness.ended(culprits).items() if how == liveness.LEFT))
+    return Blame(tuple(sorted(culprits)), tuple(sorted(waiting)), mine, tuple(sorted(lost)), tuple(elsewhere), what,
+                 left)
 
 
 def _key(rank) -> str:
-    """Where ``rank`` reports in this attempt."""
-    return f"{_PREFIX}{attempt()}/{rank}"
+    """Where ``rank`` reports in this process-group instance."""
+    return f"{_PREFIX}{liveness.instance()}/{rank}"
 
 
 def _report(store, me: int, kind: str, on: list[int], what: str) -> None:
     """Say, once per process, which ranks this one waited for (or lost) when it gave up,
     and in which collective."""
-    if not _reported:
+    if liveness.instance() not in _reported:
         store.set(_key(me), f"{kind}|{','.join(str(r) for r in on)}|{what}")
-        _reported.append(on)
+        _reported.append(liveness.instance())
 
 
 def _read(store, rank: int) -> tuple[str, list[int], str] | None:

@@ -123,8 +123,8 @@ def failure_cause(group) -> str:
     who = blame("lost", others, timeout, f"a collective that a peer failed on {_label(group)}")
     if who is None or not who.culprits or not who.lost:
         return ""
-    return (f"; by the job's reports, {errors.ranks_text(who.culprits)} died (killed, out of memory, preempted) "
-            f"and {errors.ranks_text(who.lost)} lost it")
+    how = "left the job normally" if set(who.culprits) <= set(who.left) else "died (killed, out of memory, preempted)"
+    return f"; by the job's reports, {errors.ranks_text(who.culprits)} {how} and {errors.ranks_text(who.lost)} lost it"
 
 
 def _label(group) -> str:

@@ -14,9 +14,11 @@ hook, ``thc_allreduce``, FSDP2's comms and the all-gather's options and plans), 
    program that took another branch) never arrives: the ranks that did raise, naming
    both sets of ranks, instead of sending a collective that would meet one of that
    rank's of another size inside the backend (Gloo aborts the process on that). A rank
-   that left the job (its process ended: hhook says so in the job's store at exit,
-   :func:`hhook.schedule.blame.say_left`) makes the others raise
-   :class:`~hhook.errors.PeerLostError` within :data:`LOOK_S`, naming it.
+   whose process ended (died, or left normally: :mod:`hhook.schedule.liveness`) makes
+   the others raise :class:`~hhook.errors.PeerLostError` within :data:`LOOK_S`, naming
+   it and how it ended; one that is stopped, :class:`~hhook.errors.PeerTimeoutError` at
+   the timeout. The store is polled, never waited on (a store wait that times out logs
+   a C++ warning each time), and its failures raise hhook's errors, naming this rank.
 2. **One small collective**: a MAX all-reduce of a 31-bit digest of the fields and of its
    negation (8 bytes). Its halves are equal on every rank exactly when every rank sent
    the same digest, so every rank reaches the same verdict.
@@ -31,7 +33,6 @@ loaded.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import struct
 import threading
@@ -42,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from ..codec import rng
-from ..errors import ConfigMismatchError, PeerLostError
-from . import blame
+from ..errors import ConfigMismatchError, PeerLostError, PeerTimeoutError
+from . import liveness
 from .groups import agrees, all_gather_flat, explained, reduces_on_host, timeout_of
 
 logger = logging.getLogger(__name__)
@@ -58,10 +59,11 @@ WORDS = 2 + 4 * MAX_FIELDS
 _MAGIC = 0x48484853  # "HHHS"
 _NONE, _INT, _BOOL, _FLOAT, _STR = range(5)
 
-#: Seconds between looks, while ranks have not all arrived, at whether a missing one left.
-LOOK_S = 1.0
+#: Seconds between looks, while ranks have not all arrived, at whether they have or a
+#: missing one ended (a look reads the store once and this rank's liveness connections).
+LOOK_S = 0.2
 _lock = threading.Lock()
-_arrivals: dict = {}  # group name -> handshakes this process arrived at on it
+_arrivals: dict = {}  # (group instance, group name) -> handshakes this process arrived at on it
 
 
 def _bytes(value: str, size: int) -> bytes:
@@ -189,42 +191,56 @@ def _said(ranks: list[int]) -> str:
 
 
 def _verb(ranks: list[int], singular: str) -> str:
-    return singular if len(ranks) == 1 else {"runs": "run", "does": "do"}[singular]
+    return singular if len(ranks) == 1 else {"runs": "run", "does": "do", "is": "are", "it": "they"}[singular]
 
 
 def _arrive(group, what: str) -> None:
     """Step 1: wait in the group's store until every rank of ``group`` has arrived at this
-    handshake (at most the group's timeout); else raise, naming who did and who did not."""
+    handshake (at most the group's timeout); else raise, naming who did and who did not:
+    :class:`~hhook.errors.PeerLostError` at once for a rank whose process ended (its
+    liveness connection closed), :class:`~hhook.errors.PeerTimeoutError` at the timeout
+    for one that is silent there too (stopped), :class:`~hhook.errors.ConfigMismatchError`
+    for one that runs elsewhere. A store that fails raises hhook's error too."""
     pg = group if group is not None else dist.group.WORLD
-    store = dist.distributed_c10d._get_process_group_store(pg)
+    store, ranks = dist.distributed_c10d._get_process_group_store(pg), _ranks(pg)
+    key = (liveness.instance(), pg.group_name)
     with _lock:
-        n = _arrivals.get(pg.group_name, 0)
-        _arrivals[pg.group_name] = n + 1
-    prefix = f"hhook/handshake/{blame.attempt()}/{n}/"
-    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    timeout = timeout_of(pg)
-    store.set(f"{prefix}{rank}", "1")
-    if store.add(f"{prefix}count", 1) == world:
-        store.set(f"{prefix}all", "1")
-    ranks, deadline = _ranks(pg), time.monotonic() + timeout.total_seconds()
-    while True:  # in slices: a rank that left the job (its process ended) never arrives
-        try:
-            store.wait([f"{prefix}all"], datetime.timedelta(seconds=max(0.01, min(LOOK_S, deadline - time.monotonic()))))
+        n = _arrivals.get(key, 0)
+        _arrivals[key] = n + 1
+    prefix = f"hhook/handshake/{key[0]}/{n}/"
+    rank, world, timeout = dist.get_rank(pg), dist.get_world_size(pg), timeout_of(pg)
+    deadline = time.monotonic() + timeout.total_seconds()
+    gone = liveness.ended(ranks)
+    if gone:  # before any store call: the store's host may be among them
+        raise _lost(gone, f"before {what}")
+    try:
+        store.set(f"{prefix}{rank}", "1")
+        if store.add(f"{prefix}count", 1) == world:
+            store.set(f"{prefix}all", "1")
+        # Polled, not waited on: a store wait that times out logs a warning each time.
+        while not store.check([f"{prefix}all"]):
+            if time.monotonic() >= deadline:  # first: a rank that ran something else may end with its own timeout
+                gone = {}
+                break
+            gone = {g: how for g, how in liveness.ended(ranks).items() if not store.check([f"{prefix}{ranks.index(g)}"])}
+            if gone:
+                break
+            time.sleep(LOOK_S)
+        else:
             return
-        except Exception:  # noqa: BLE001 - a store wait that timed out: who is missing?
-            if store.check([f"{prefix}all"]):
-                return
-        left = blame.left_of(ranks)  # one store read while nobody has left
-        gone = [g for r, g in enumerate(ranks) if g in left and not store.check([f"{prefix}{r}"])]
-        if gone or time.monotonic() >= deadline:
-            break
-    here = [r for r in range(world) if store.check([f"{prefix}{r}"])]
+        here = [r for r in range(world) if store.check([f"{prefix}{r}"])]
+    except Exception as exc:  # noqa: BLE001 - the store's host is gone or stalled
+        raise _store_failed(exc, what, ranks) from exc
     came, missing = [ranks[r] for r in here], [ranks[r] for r in range(world) if r not in here]
     if gone:
-        raise PeerLostError(
-            f"hhook: {_said(gone)} of this group left the job (its process ended, or destroyed its process group) "
-            f"before reaching {what}, where {_said(came)} waited: the job cannot go on with this group; "
-            "restart it (from a checkpoint)")
+        raise _lost(gone, f"before reaching {what}, where {_said(came)} waited")
+    stopped = liveness.quiet(missing)
+    if stopped:
+        raise PeerTimeoutError(
+            f"hhook: {_said(stopped)} of this group did not reach {what} within the group's timeout "
+            f"({timeout.total_seconds():g} s), while {_said(came)} did, and {_verb(stopped, 'is')} silent: "
+            f"{_verb(stopped, 'it')} stalled (stopped, swapping, or stuck). Set the timeout with "
+            "hhook.init_distributed(timeout_s=...) or torch.distributed.init_process_group(timeout=...).")
     raise ConfigMismatchError(
         f"hhook: {_said(missing)} of this group did not reach {what} within the group's timeout "
         f"({timeout.total_seconds():g} s), while {_said(came)} did: {_said(came)} {_verb(came, 'runs')} hhook here "
@@ -232,3 +248,22 @@ def _arrive(group, what: str) -> None:
         "every rank's model, and the same hhook calls in the same order; a rank that runs DDP without hhook or "
         "with another comm hook never reaches it (that rank's own collective then fails when this one ends)."
     )
+
+
+def _lost(gone: dict, when: str) -> PeerLostError:
+    """The error for the ranks ``gone`` (``{rank: how}``, :func:`liveness.ended`)."""
+    said = "; ".join(liveness.said(r, how) for r, how in sorted(gone.items()))
+    return PeerLostError(f"hhook: {said}, {when}: the job cannot go on with this group; restart it (from a checkpoint)")
+
+
+def _store_failed(exc: BaseException, what: str, ranks: list[int]) -> Exception:
+    """The job's store failed under ``what``: hhook's error naming this rank, and the
+    rank whose process ended where the liveness connections tell."""
+    me = dist.get_rank()
+    gone, silent = liveness.ended([r for r in ranks if r != me]), liveness.quiet([r for r in ranks if r != me])
+    cause = "; ".join(liveness.said(r, how) for r, how in sorted(gone.items())) or (
+        f"{_said(silent)} {_verb(silent, 'is')} silent (stopped, swapping, or stuck)" if silent else
+        "its host (the rank that runs the store, rank 0 unless the launcher's) is gone or does not answer")
+    kind = PeerTimeoutError if not gone and "timeout" in str(exc).lower() else PeerLostError
+    return kind(f"hhook: rank {me}: the job's store failed in {what}: {cause}. The job cannot go on; restart it "
+                f"(from a checkpoint). Store: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")

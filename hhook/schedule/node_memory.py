@@ -29,6 +29,7 @@ import atexit
 import collections
 import fcntl
 import logging
+import math
 import os
 import re
 
@@ -63,9 +64,17 @@ def free_bytes(directory: str = SHM_DIR) -> int:
 
 
 def budget_bytes(free: int, environ=None) -> int:
-    """This rank's proposal: :data:`FREE_SHARE` of ``free``, at most ``HHOOK_SHM_MB``."""
+    """This rank's proposal: :data:`FREE_SHARE` of ``free``, at most ``HHOOK_SHM_MB``
+    (ValueError naming it where it is not a finite number of MB, 0 or more)."""
     environ = os.environ if environ is None else environ
-    cap_mb = float(environ.get("HHOOK_SHM_MB", DEFAULT_CAP_MB))
+    said = environ.get("HHOOK_SHM_MB", str(DEFAULT_CAP_MB))
+    try:
+        cap_mb = float(said)
+    except ValueError:
+        cap_mb = math.nan
+    if not 0 <= cap_mb < math.inf:
+        raise ValueError(f"hhook: HHOOK_SHM_MB={said!r} is not a number of MB (0 or more): set it to the most "
+                         "node shared memory a job may map, or unset it (default 1024)")
     return max(0, min(int(FREE_SHARE * free), int(cap_mb * 2**20)))
 
 

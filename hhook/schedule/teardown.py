@@ -30,7 +30,7 @@ import time
 
 import torch.distributed as dist
 
-from . import blame, futures, groups
+from . import futures, groups, liveness
 
 #: Seconds to wait after the last continuation was released: torch destroys the
 #: callback's wrapper right after (a GIL acquisition), with no Python to observe it.
@@ -77,12 +77,14 @@ def quiesce(limit_s: float | None = None, group=None) -> bool:
 
 
 def end(group=None) -> None:
-    """:func:`quiesce` for ``group``, then end hhook's communicators over it (None: all,
-    and this process says in the job's store that it left: :func:`blame.say_left`)."""
+    """:func:`quiesce` for ``group``, then end hhook's communicators over it (None or the
+    default group, passed as ``dist.group.WORLD`` too: all, and this process says goodbye
+    on its liveness connections, :func:`liveness.stop`: its peers read that it left
+    normally, not that it died)."""
     quiesce(group=group)
+    if group is None or (dist.is_initialized() and group == dist.GroupMember.WORLD):
+        liveness.stop()  # first: a peer whose collective fails when these communicators end reads the goodbye
     groups.end_second_groups(group)
-    if group is None and dist.is_initialized():
-        blame.say_left()
 
 
 def _observe_destroy() -> None:

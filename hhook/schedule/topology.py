@@ -351,11 +351,19 @@ def _probe_shared_memory(topo: Topology) -> NodeMemory | None:
         dist.all_reduce(torch.zeros(1, dtype=torch.float32), group=topo.intra_group)  # every rank of the node has written
     if slots is not None and slots.tolist() != [r + 1 for r in topo.nodes[topo.node]]:
         ok = 0
-    verdict = torch.tensor([ok, budget_bytes(free_bytes(memory.directory))], dtype=torch.int64)
+    try:
+        budget, bad = budget_bytes(free_bytes(memory.directory)), None
+    except ValueError as exc:  # told to every rank by the MIN below (-1), raised on each
+        budget, bad = -1, exc
+    verdict = torch.tensor([ok, budget], dtype=torch.int64)
     with explained("hhook's shared-memory probe", topo.group):
         dist.all_reduce(verdict, dist.ReduceOp.MIN, group=topo.group)  # every rank has read
     memory.done(path)
     ok, memory.budget = verdict.tolist()
+    if memory.budget < 0:
+        memory.release()
+        raise bad or ValueError("hhook: HHOOK_SHM_MB on another rank of this node group is not a number of MB "
+                                "(0 or more): that rank says which value; every rank stops here")
     if not ok:
         memory.release()
         return None

@@ -8,6 +8,7 @@ import logging
 import os
 import pickle
 import queue
+import time
 import traceback
 
 import torch
@@ -141,12 +142,17 @@ def run_outcomes(fn, world_size: int, *args, pg_timeout_s: float = 10.0, timeout
     for p in procs:
         p.start()
     out = [{"value": None, "error": None, "exitcode": None} for _ in range(world_size)]
-    try:
-        for _ in range(world_size):
-            rank, ok, value = results.get(timeout=timeout)
-            out[rank]["value" if ok else "error"] = pickle.loads(value) if ok else value
-    except queue.Empty:
-        pass
+    answered, deadline, ended = set(), time.monotonic() + timeout, False
+    while len(answered) < world_size and time.monotonic() < deadline:
+        try:  # until every rank answered, or every one that did not has ended (a killed rank never answers)
+            rank, ok, value = results.get(timeout=0.5 if not ended else 0.2)
+        except queue.Empty:
+            if ended:
+                break
+            ended = all(not procs[r].is_alive() for r in range(world_size) if r not in answered)
+            continue
+        answered.add(rank)
+        out[rank]["value" if ok else "error"] = pickle.loads(value) if ok else value
     for rank, p in enumerate(procs):
         p.join(timeout=pg_timeout_s + 30)
         if p.is_alive():
