@@ -12,6 +12,9 @@ from hhook.codec import HEADER, ConfigMismatchError, THCCodec
 from hhook.codec import agreed_status as codec_status
 
 
+pytestmark = pytest.mark.quick  # the codec against its specification: the quick tier
+
+
 @pytest.fixture(autouse=True)
 def reference_codec(monkeypatch):
     """These tests specify the torch reference (tests/codec/test_cpu_kernels.py checks the fused

@@ -67,6 +67,7 @@ def _not_identical(scales: torch.Tensor) -> torch.Tensor:
 CASES = [(block, numel) for block in (1, 2, 16, 1024, 65536) for numel in (1, 5, 1000, 70001)]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block,numel", CASES)
 def test_fused_stages_match_the_reference(block, numel, dtype, reference):
@@ -155,6 +156,7 @@ def test_quantize_writes_into_the_tail_of_a_message(reference):
                 codec.quantize(p, agreed, 9, out=bad)
 
 
+@pytest.mark.quick
 def test_whole_pipeline_quality_and_words_match_the_reference(reference):
     codec = THCCodec(4, 1024, 0, 4)
     inputs = heavy_tailed(1 << 18, 4)
@@ -218,6 +220,7 @@ def test_every_instruction_set_gives_the_specifications_bits(monkeypatch, refere
     assert ran[:2] == ["x86-64", "x86-64-v2"], ran
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_input_sets_the_flag_and_decodes_to_nan(bad, reference):
     codec = THCCodec(4, 64, 0, 2)

@@ -66,7 +66,7 @@ def _compare(rank, world, reduce_dtype, reshard):
     return out
 
 
-@pytest.mark.parametrize("world,reduce_dtype,reshard", [(2, None, True), (3, None, False), (2, torch.bfloat16, True),
+@pytest.mark.parametrize("world,reduce_dtype,reshard", [pytest.param(2, None, True, marks=pytest.mark.quick), (3, None, False), (2, torch.bfloat16, True),
                                                        (2, torch.float16, True)])
 def test_matches_plain_fsdp(world, reduce_dtype, reshard):
     for out in run_world(_compare, world, reduce_dtype, reshard):

@@ -16,6 +16,7 @@ from hhook.fsdp.modules import param_group  # noqa: E402
 LOG = "hhook.fsdp.all_gather"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("bits", [8, 7, 6, 5, 4, 3, 2])
 def test_codes_pack_and_unpack_at_every_width(bits):
     from hhook.codec.weights import pack, unpack
@@ -26,6 +27,7 @@ def test_codes_pack_and_unpack_at_every_width(bits):
     assert torch.equal(unpack(out, bits, codes.numel()), codes)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("rotate", [False, True, "auto"])
 @pytest.mark.parametrize("bits", [8, 6, 4])
 def test_weight_codec_bound_and_zeros(bits, rotate):

@@ -220,6 +220,9 @@ CASES = {
                                          "bits: 4 on rank 0, 2 on rank 1", "fast", ()),
 }
 
+#: The rows of the quick tier: the handshake's comparison, through DDP registration and a checkpoint.
+QUICK = ("ddp-bits", "checkpoint-of-other-options")
+
 
 def _run_case(rank, world, name):
     """What this rank raised, in its own words, and when: seconds from ``start()``, which
@@ -243,7 +246,7 @@ def _run_case(rank, world, name):
 SEEN: dict = {}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.quick) if n in QUICK else n for n in CASES])
 def test_a_mismatch_raises_on_every_rank_and_kills_no_process(name):
     _, error, cause, speed, outside = CASES[name]
     outcomes = run_outcomes(_run_case, 2, name, pg_timeout_s=PG_TIMEOUT_S, timeout=PG_TIMEOUT_S + 90)

@@ -47,7 +47,7 @@ def _allreduce_worker(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.quick), 3, 4, 8])
 def test_thc_allreduce_averages_across_ranks(world):
     results = run_world(_allreduce_worker, world)
     for r in results:
@@ -90,6 +90,7 @@ def _nonfinite_worker(rank, world, bad_rank, bad):
     return x.isnan().all().item(), follow_up.tolist(), state.stats()["compressed_calls"]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_on_one_rank_reaches_every_rank(bad):
     for all_nan, follow_up, count in run_world(_nonfinite_worker, 3, 2, bad):
@@ -106,6 +107,7 @@ def _mismatch_worker(rank, world, option, values):
     return None
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("option,values", [("bits", (4, 8)), ("block_size", (1024, 256)), ("seed", (0, 1)),
                                            ("rounding", ("correlated", "independent"))])
 def test_mismatched_configuration_fails_on_every_rank(option, values):
@@ -120,6 +122,7 @@ def _length_mismatch_worker(rank, world):
         return str(e)
 
 
+@pytest.mark.quick
 def test_tensors_of_different_lengths_fail_on_every_rank():
     for message in run_world(_length_mismatch_worker, 2, timeout=60):
         assert message is not None and "length" in message

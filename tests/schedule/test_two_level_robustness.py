@@ -24,8 +24,14 @@ def _fake_torchrun(rank, k=2):
     os.environ.update(LOCAL_RANK=str(rank % k), LOCAL_WORLD_SIZE=str(k), GROUP_RANK=str(rank // k))
 
 
-def _hhook_files():
-    return sorted(f for f in os.listdir(node_memory.SHM_DIR) if f.startswith("hhook-"))
+def _hhook_files(job: str):
+    """This job's files in /dev/shm (``job``: ``hhook-<token>-``; tests running beside it
+    under xdist have files of their own there)."""
+    return sorted(f for f in os.listdir(node_memory.SHM_DIR) if f.startswith(job))
+
+
+def _job(memory) -> str:
+    return memory.prefix.split("-node")[0] + "-"
 
 
 class _Boom(MemoryError):
@@ -157,7 +163,7 @@ def _budget_worker(rank, world, scales):
     os.environ["HHOOK_SHM_MB"] = "1"  # 1 MB: a 300k-float tensor's region (3.6 MB) cannot fit
     state = hhook.THCState(bits=8, topology="auto", scales=scales)
     memory = state.node_layout().node_memory
-    out = {"budget": memory.budget}
+    out = {"budget": memory.budget, "job": _job(memory)}
     xs = torch.randn(4, 300_000, generator=torch.Generator().manual_seed(0))
     big = xs[rank].clone() * (10.0 if rank == 1 else 0.0 if rank == 3 else 1.0)
     exact = (xs[0] + 10 * xs[1] + xs[2]) / 4
@@ -185,7 +191,7 @@ def test_shared_memory_stays_within_its_budget(scales):
         assert r["big_err"] < 0.03 and r["refused"] >= 1, r  # reduced through collectives instead
         assert 0 < r["peak"] <= r["budget"] and r["evictions"] > 0, r
         assert abs(r["last"] - (1.5 + 39)) < 0.1, r
-    assert not _hhook_files()
+    assert not _hhook_files(res[0]["job"])
 
 
 def test_a_full_tmpfs_is_a_clear_error_not_sigbus(tmp_path, monkeypatch):
@@ -213,21 +219,21 @@ def _leftover_worker(rank, world):
     memory = state.node_layout().node_memory
     hhook.thc_allreduce(torch.randn(1000), state, key="w")
     torch.distributed.barrier()
-    between = _hhook_files()  # every region is unlinked once the node has mapped it
+    between = _hhook_files(_job(memory))  # every region is unlinked once the node has mapped it
     torch.distributed.barrier()  # every rank has looked before any makes another
     memory.region("never-used", 1000, torch.float32)  # made, never unlinked by a barrier
-    made = [f for f in _hhook_files() if f.startswith(memory.prefix)]
+    made = [f for f in _hhook_files(_job(memory)) if f.startswith(memory.prefix)]
     torch.distributed.barrier()  # every rank has counted before any exits
-    return between, made
+    return between, made, _job(memory)
 
 
 def test_a_node_s_files_live_only_while_needed_and_go_at_exit():
     """Between calls no file of the job is in /dev/shm (no lock file either: a job torn
     down by signals leaves nothing); a region made and never shared goes at exit."""
     res = run_world(_leftover_worker, 4, timeout=120)
-    assert [between for between, _ in res] == [[]] * 4, res
-    assert [len(made) for _, made in res] == [1] * 4, res
-    assert not _hhook_files()
+    assert [between for between, _, _ in res] == [[]] * 4, res
+    assert [len(made) for _, made, _ in res] == [1] * 4, res
+    assert not _hhook_files(res[0][2])
 
 
 _HOLDER = """

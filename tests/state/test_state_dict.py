@@ -83,7 +83,7 @@ def _resume_worker(rank, world, scales, compiled):
     return torch.equal(whole, resumed), stats, resumed_stats, carried, saved["hhook"]["calls"]
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [pytest.param(False, marks=pytest.mark.quick), True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("scales", MODES)
 def test_ddp_resume_from_state_dict_is_bit_exact(scales, compiled):
     for identical, stats, resumed, carried, calls in run_world(_resume_worker, 2, scales, compiled, timeout=300):
@@ -192,6 +192,7 @@ def test_components_with_their_own_state_dict_are_saved_through_it():
     assert fresh.decision is decision and decision.plain == [0.25]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("bad", [None, {"model": 1}, {"bits": 99}, {"bits": 4, "format": 99}])
 def test_bad_state_dicts_are_refused(bad):
     with pytest.raises(ValueError):

@@ -17,6 +17,8 @@ from hhook.decision import Decision
 from hhook.state import validate
 from tests.support.plain_data import round_trip, same
 
+pytestmark = pytest.mark.quick  # the state and its validation: the quick tier
+
 LAYOUT = (("w", (4, 25), "torch.float32"),)
 
 
