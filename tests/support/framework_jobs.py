@@ -1,9 +1,13 @@
 """Training jobs through real frameworks, each with hhook's one line, run by
 tests/integrations/test_frameworks.py under torchrun (Ray: its own workers) on CPU with Gloo.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/support/framework_jobs.py FRAMEWORK OUT [options]
+    python -m torch.distributed.run --nproc-per-node 2 tests/support/framework_jobs.py FRAMEWORK OUT [options] \
+        [--then OUT [options]]...
 
-Every rank writes ``OUT/rank{R}.pt``: the hook's ``stats()`` (None without hhook), the
+Each ``--then`` starts another run in the same processes, after the one before ended (one
+launch pays torchrun's, the interpreter's and the framework's start-up once): fresh
+framework objects, model, optimizer and hook state, the default process group reused, the
+global random state the launch began with. Every rank writes ``OUT/rank{R}.pt``: the hook's ``stats()`` (None without hhook), the
 final loss on the whole data set and the final parameters (Ray: under ``OUT/thc`` and
 ``OUT/plain``, with and without hhook, in one Ray session). ``--stop-at K`` saves a
 checkpoint through the framework's own mechanism after K epochs and stops; ``--resume``
@@ -225,7 +229,7 @@ def ray(args):
     ray_.shutdown()
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("framework", choices=["lightning", "accelerate", "transformers", "ray"])
     p.add_argument("out")
@@ -241,12 +245,35 @@ def main():
     p.add_argument("--stop-at", type=int, default=0, help="save a checkpoint after this many epochs and stop")
     p.add_argument("--resume", type=int, default=0, dest="stop_at_resumed",
                    help="resume from the checkpoint saved after this many epochs")
-    args = p.parse_args()
-    args.resume = bool(args.stop_at_resumed)
-    args.ckpt = args.ckpt or args.out
-    os.makedirs(args.out, exist_ok=True)
+    return p
+
+
+def runs(argv: list[str]) -> list[argparse.Namespace]:
+    """``FRAMEWORK OUT [options] [--then OUT [options]]...``: one namespace per run."""
+    framework, rest = argv[0], argv[1:]
+    segments, cut = [], 0
+    for i, word in enumerate(rest + ["--then"]):
+        if word == "--then":
+            segments.append(rest[cut:i])
+            cut = i + 1
+    parsed = []
+    for segment in segments:
+        args = parser().parse_args([framework, *segment])
+        args.resume = bool(args.stop_at_resumed)
+        args.ckpt = args.ckpt or args.out
+        parsed.append(args)
+    return parsed
+
+
+def main():
     torch.set_num_threads(1)
-    globals()[args.framework](args)
+    start = torch.get_rng_state()
+    for args in runs(sys.argv[1:]):
+        os.makedirs(args.out, exist_ok=True)
+        torch.set_rng_state(start)  # each run starts as it would in a process of its own
+        globals()[args.framework](args)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank's files written before the next run reads them, as at a process's end
     if dist.is_available() and dist.is_initialized():
         # A Gloo group left to static destruction aborts the process now and then ("terminate
         # called without an active exception", plain DDP too): end it as a program should.
