@@ -1,7 +1,8 @@
 """hhook's one line in the real frameworks (tests/support/framework_jobs.py, 2 CPU ranks, Gloo, 40
 steps): the run ends, ``stats()`` counts compressed calls at ratio >= 4.5 (4 bits), the
 loss is close to the same run without hhook, and resuming through the framework's own
-checkpoint ends bit for bit where the uninterrupted run ends. A framework that is not
+checkpoint ends bit for bit where the uninterrupted run ends. One launch per framework
+runs all of its runs (module-scoped fixtures; Ray: its own workers). A framework that is not
 installed skips, and fails the suite under ``HHOOK_REQUIRE`` (ci/test.sh)."""
 
 import os
