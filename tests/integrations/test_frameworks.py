@@ -1,7 +1,8 @@
 """hhook's one line in the real frameworks (tests/support/framework_jobs.py, 2 CPU ranks, Gloo, 40
 steps): the run ends, ``stats()`` counts compressed calls at ratio >= 4.5 (4 bits), the
 loss is close to the same run without hhook, and resuming through the framework's own
-checkpoint ends bit for bit where the uninterrupted run ends. A framework that is not
+checkpoint ends bit for bit where the uninterrupted run ends. One launch per framework
+runs all of its runs (module-scoped fixtures; Ray: its own workers). A framework that is not
 installed skips, and fails the suite under ``HHOOK_REQUIRE`` (ci/test.sh)."""
 
 import os
@@ -20,14 +21,32 @@ def _require(module: str, name: str) -> None:
     pytest.importorskip(module, reason=f"{name} is not installed (pip install 'hhook[{name}]')")
 
 
-def _run(framework, out, *args, torchrun=True, timeout=240) -> str:
-    cmd = [sys.executable, JOB, framework, str(out), *args]
+def _run(framework, *args, torchrun=True, timeout=240) -> str:
+    cmd = [sys.executable, JOB, framework, *map(str, args)]
     if torchrun:
         cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     proc = subprocess.run(cmd, env=subprocess_env(GLOO_SOCKET_IFNAME="lo"), capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stderr
+
+
+def _job(framework, out, runs: dict, timeout) -> str:
+    """One torchrun launch for several runs in sequence (framework_jobs.py's ``--then``):
+    each run is a folder of ``out`` named by its key. What the tests below check is the
+    path through the framework's own checkpoint (a new Trainer, Accelerator or Fabric
+    object loads what the stop run saved), not the restart of the process: that start-up
+    (torchrun, interpreter, torch and the framework, 10-20 s a launch here) is paid once."""
+    words = [str(w) for name, opts in runs.items() for w in ("--then", out / name, *opts)][1:]
+    return _run(framework, *words, timeout=timeout)
+
+
+def _resume_runs(ckpt) -> dict:
+    """The same job with and without hhook (agreed scales), then the run with predicted
+    scales whole and stopped after one epoch and resumed from the framework's checkpoint."""
+    pred = ("--scales", "predicted")
+    return {"thc": (), "plain": ("--no-hhook",), "whole": pred,
+            "stop": (*pred, "--ckpt", ckpt, "--stop-at", "1"), "resumed": (*pred, "--ckpt", ckpt, "--resume", "1")}
 
 
 def _results(out):
@@ -51,82 +70,94 @@ def _check_resume(whole, resumed):
         assert b["stats"]["compressed_calls"] == a["stats"]["compressed_calls"]
 
 
-def _trains_and_resumes(framework, tmp_path, *extra):
-    """The same job with and without hhook (agreed scales), then the run with predicted
-    scales whole and stopped after one epoch and resumed from the framework's checkpoint."""
-    _run(framework, tmp_path / "thc", *extra)
-    _run(framework, tmp_path / "plain", "--no-hhook", *extra)
-    _check_compressed(_results(tmp_path / "thc"), _results(tmp_path / "plain"))
-    pred = ("--scales", "predicted", "--ckpt", str(tmp_path / "ckpt"), *extra)
-    _run(framework, tmp_path / "whole", *pred[:2], *extra)
-    _run(framework, tmp_path / "stop", *pred, "--stop-at", "1")
-    _run(framework, tmp_path / "resumed", *pred, "--resume", "1")
-    _check_resume(_results(tmp_path / "whole"), _results(tmp_path / "resumed"))
+def _trains_and_resumes(out):
+    _check_compressed(_results(out / "thc"), _results(out / "plain"))
+    _check_resume(_results(out / "whole"), _results(out / "resumed"))
 
 
-def test_lightning_callback_compresses_and_resumes_from_lightning_checkpoints(tmp_path):
+@pytest.fixture(scope="module")
+def lightning_job(tmp_path_factory):
+    """Every Lightning run of the tests below in one launch: the Trainer with the callback,
+    with DDPStrategy's own hook arguments, and Fabric."""
     _require("lightning", "lightning")
-    _trains_and_resumes("lightning", tmp_path)
+    out = tmp_path_factory.mktemp("lightning")
+    feedback = ("--via", "fabric", "--error-feedback", "--ckpt", out / "fabric_ckpt")
+    runs = {**_resume_runs(out / "ckpt"),
+            "fabric_thc": ("--via", "fabric"), "fabric_plain": ("--via", "fabric", "--no-hhook"),
+            "fabric_whole": feedback[:3], "fabric_stop": (*feedback, "--stop-at", "1"),
+            "fabric_resumed": (*feedback, "--resume", "1"),
+            # last: its idle state must live to the exit, where it is reported (a run after
+            # it would let the garbage collector take the Trainer and the state with it)
+            "strategy": ("--via", "strategy")}
+    return out, _job("lightning", out, runs, timeout=900)
 
 
-def test_lightning_ddp_strategy_hook_on_cpu_says_nothing_was_compressed(tmp_path):
-    """Lightning registers DDPStrategy's ddp_comm_hook on CUDA devices only."""
-    _require("lightning", "lightning")
-    err = _run("lightning", tmp_path, "--via", "strategy")
+def test_lightning_callback_compresses_and_resumes_from_lightning_checkpoints(lightning_job):
+    _trains_and_resumes(lightning_job[0])
+
+
+def test_lightning_ddp_strategy_hook_on_cpu_says_nothing_was_compressed(lightning_job):
+    """Lightning registers DDPStrategy's ddp_comm_hook on CUDA devices only (the launch's
+    other states all compress: the idle one reported at exit is this run's)."""
+    err = lightning_job[1]
     assert err.count("no tensor went through this THCState") == 2, err[-3000:]  # one per rank, at exit
     assert err.count("Lightning's DDPStrategy registers ddp_comm_hook on CUDA devices only") == 2, err[-3000:]
 
 
-def test_lightning_fabric_register(tmp_path):
-    _require("lightning", "lightning")
-    _run("lightning", tmp_path / "thc", "--via", "fabric")
-    _run("lightning", tmp_path / "plain", "--via", "fabric", "--no-hhook")
-    _check_compressed(_results(tmp_path / "thc"), _results(tmp_path / "plain"))
+def test_lightning_fabric_register(lightning_job):
+    out = lightning_job[0]
+    _check_compressed(_results(out / "fabric_thc"), _results(out / "fabric_plain"))
 
 
-def test_lightning_fabric_save_keeps_every_rank_s_residuals(tmp_path):
+def test_lightning_fabric_save_keeps_every_rank_s_residuals(lightning_job):
     """fabric.save writes on rank 0 only: with state.state_dict() in it rank 1's
     error-feedback residuals started afresh (2e-3 apart). every_rank(state) keeps each
     rank's, and the resumed run ends bit for bit where the uninterrupted one ends."""
-    _require("lightning", "lightning")
-    feedback = ("--via", "fabric", "--error-feedback", "--ckpt", str(tmp_path / "ckpt"))
-    _run("lightning", tmp_path / "whole", *feedback[:3])
-    _run("lightning", tmp_path / "stop", *feedback, "--stop-at", "1")
-    err = _run("lightning", tmp_path / "resumed", *feedback, "--resume", "1")
+    out, err = lightning_job
     assert "residuals start afresh" not in err, err[-3000:]
-    _check_resume(_results(tmp_path / "whole"), _results(tmp_path / "resumed"))
+    _check_resume(_results(out / "fabric_whole"), _results(out / "fabric_resumed"))
 
 
-def test_accelerate_register_compresses_and_resumes_from_save_state(tmp_path):
+@pytest.fixture(scope="module")
+def accelerate_job(tmp_path_factory):
     _require("accelerate", "accelerate")
-    _trains_and_resumes("accelerate", tmp_path)
+    out = tmp_path_factory.mktemp("accelerate")
+    # --compile: its counterpart without hhook is the plain run
+    return out, _job("accelerate", out, {**_resume_runs(out / "ckpt"), "compiled": ("--compile",)}, timeout=900)
 
 
-def test_accelerate_register_on_a_compiled_model(tmp_path):
-    _require("accelerate", "accelerate")
-    _run("accelerate", tmp_path / "thc", "--compile", timeout=400)
-    _run("accelerate", tmp_path / "plain", "--no-hhook")
-    _check_compressed(_results(tmp_path / "thc"), _results(tmp_path / "plain"))
+def test_accelerate_register_compresses_and_resumes_from_save_state(accelerate_job):
+    _trains_and_resumes(accelerate_job[0])
 
 
-def test_transformers_trainer_compresses_and_resumes_from_its_checkpoints(tmp_path):
+def test_accelerate_register_on_a_compiled_model(accelerate_job):
+    out = accelerate_job[0]
+    _check_compressed(_results(out / "compiled"), _results(out / "plain"))
+
+
+@pytest.fixture(scope="module")
+def transformers_job(tmp_path_factory):
     _require("transformers", "transformers")
-    _trains_and_resumes("transformers", tmp_path)
+    out = tmp_path_factory.mktemp("transformers")
+    # checkpoint-20: the stop run saves after one epoch, 20 steps; the run that resumes from
+    # it has its own output_dir, which holds no checkpoint
+    elsewhere = ("--scales", "predicted", "--ckpt", out / "second", "--resume", "1",
+                 "--resume-from", out / "ckpt" / "checkpoint-20")
+    return out, _job("transformers", out, {**_resume_runs(out / "ckpt"), "elsewhere": elsewhere}, timeout=900)
 
 
-def test_transformers_trainer_resumes_from_a_folder_outside_output_dir(tmp_path):
+def test_transformers_trainer_compresses_and_resumes_from_its_checkpoints(transformers_job):
+    _trains_and_resumes(transformers_job[0])
+
+
+def test_transformers_trainer_resumes_from_a_folder_outside_output_dir(transformers_job):
     """train(resume_from_checkpoint=<a folder elsewhere>): the hook state is read from that
     folder (it was looked for in output_dir/checkpoint-N and started afresh, 4e-3 apart)."""
-    _require("transformers", "transformers")
-    pred = ("--scales", "predicted")
-    _run("transformers", tmp_path / "whole", *pred)
-    _run("transformers", tmp_path / "stop", *pred, "--ckpt", str(tmp_path / "first"), "--stop-at", "1")
-    (folder,) = [f for f in os.listdir(tmp_path / "first") if f.startswith("checkpoint-")]
-    os.rename(tmp_path / "first" / folder, tmp_path / "moved")
-    err = _run("transformers", tmp_path / "resumed", *pred, "--ckpt", str(tmp_path / "second"),
-               "--resume", "1", "--resume-from", str(tmp_path / "moved"))
+    out, err = transformers_job
+    assert [f for f in os.listdir(out / "ckpt") if f.startswith("checkpoint-")] == ["checkpoint-20"]
+    assert not os.path.exists(out / "second" / "checkpoint-20")
     assert "starts afresh" not in err, err[-3000:]
-    _check_resume(_results(tmp_path / "whole"), _results(tmp_path / "resumed"))
+    _check_resume(_results(out / "whole"), _results(out / "elsewhere"))
 
 
 def test_ray_train_register_after_prepare_model(tmp_path):

@@ -1,11 +1,15 @@
 """Training jobs through real frameworks, each with hhook's one line, run by
 tests/integrations/test_frameworks.py under torchrun (Ray: its own workers) on CPU with Gloo.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/support/framework_jobs.py FRAMEWORK OUT [options]
+    python -m torch.distributed.run --nproc-per-node 2 tests/support/framework_jobs.py FRAMEWORK OUT [options] \
+        [--then OUT [options]]...
 
-Every rank writes ``OUT/rank{R}.pt``: the hook's ``stats()`` (None without hhook), the
+Each ``--then`` starts another run in the same processes, after the one before ended (one
+launch pays torchrun's, the interpreter's and the framework's start-up once): fresh
+framework objects, model, optimizer and hook state, the default process group reused, the
+global random state the launch began with. Every rank writes ``OUT/rank{R}.pt``: the hook's ``stats()`` (None without hhook), the
 final loss on the whole data set and the final parameters (Ray: under ``OUT/thc`` and
-``OUT/plain``, with and without hhook, in one Ray session). ``--stop-at K`` saves a
+``OUT/plain``, with and without hhook, one after the other in one Ray worker group). ``--stop-at K`` saves a
 checkpoint through the framework's own mechanism after K epochs and stops; ``--resume``
 continues from it (Transformers: ``--resume-from DIR``, a checkpoint folder anywhere). Rank 1's loss is weighted 10x (heterogeneous gradients).
 """
@@ -200,32 +204,34 @@ def ray(args):
         sys.path.insert(0, config["root"])
         from tests.support import framework_jobs as jobs
 
-        model = ReadyOrderMLP(hidden=HIDDEN)
-        ddp = prepare_model(model)
-        state = hhook.register(ddp, **config["options"]) if config["hhook"] else None
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        x, y = jobs.dataset().tensors
-        rank, world = dist.get_rank(), dist.get_world_size()
-        for _epoch in range(config["epochs"]):
-            for start in range(rank * BATCH, SAMPLES, world * BATCH):
-                opt.zero_grad()
-                loss = torch.nn.functional.cross_entropy(ddp(x[start:start + BATCH]), y[start:start + BATCH])
-                (loss * jobs.weight()).backward()
-                opt.step()
-        jobs.write(config["out"], model, state)
+        start = torch.get_rng_state()
+        for hooked in (True, False):  # one worker group for both runs: its start-up is the slow part
+            torch.set_rng_state(start)  # the same initial model in both
+            model = ReadyOrderMLP(hidden=HIDDEN)
+            ddp = prepare_model(model)
+            state = hhook.register(ddp, **config["options"]) if hooked else None
+            opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+            x, y = jobs.dataset().tensors
+            rank, world = dist.get_rank(), dist.get_world_size()
+            for _epoch in range(config["epochs"]):
+                for first in range(rank * BATCH, SAMPLES, world * BATCH):
+                    opt.zero_grad()
+                    loss = torch.nn.functional.cross_entropy(ddp(x[first:first + BATCH]), y[first:first + BATCH])
+                    (loss * jobs.weight()).backward()
+                    opt.step()
+            jobs.write(os.path.join(config["out"], "thc" if hooked else "plain"), model, state)
 
     ray_.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for hooked in (True, False):  # one Ray session for both runs: its start-up is the slow part
-        out = os.path.join(args.out, "thc" if hooked else "plain")
-        os.makedirs(out, exist_ok=True)
-        TorchTrainer(loop, train_loop_config={"root": root, "options": options(args), "hhook": hooked,
-                                              "epochs": args.epochs, "out": out},
-                     scaling_config=ScalingConfig(num_workers=2, use_gpu=False)).fit()
+    for run in ("thc", "plain"):
+        os.makedirs(os.path.join(args.out, run), exist_ok=True)
+    TorchTrainer(loop, train_loop_config={"root": root, "options": options(args), "epochs": args.epochs,
+                                          "out": args.out},
+                 scaling_config=ScalingConfig(num_workers=2, use_gpu=False)).fit()
     ray_.shutdown()
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("framework", choices=["lightning", "accelerate", "transformers", "ray"])
     p.add_argument("out")
@@ -241,12 +247,35 @@ def main():
     p.add_argument("--stop-at", type=int, default=0, help="save a checkpoint after this many epochs and stop")
     p.add_argument("--resume", type=int, default=0, dest="stop_at_resumed",
                    help="resume from the checkpoint saved after this many epochs")
-    args = p.parse_args()
-    args.resume = bool(args.stop_at_resumed)
-    args.ckpt = args.ckpt or args.out
-    os.makedirs(args.out, exist_ok=True)
+    return p
+
+
+def runs(argv: list[str]) -> list[argparse.Namespace]:
+    """``FRAMEWORK OUT [options] [--then OUT [options]]...``: one namespace per run."""
+    framework, rest = argv[0], argv[1:]
+    segments, cut = [], 0
+    for i, word in enumerate(rest + ["--then"]):
+        if word == "--then":
+            segments.append(rest[cut:i])
+            cut = i + 1
+    parsed = []
+    for segment in segments:
+        args = parser().parse_args([framework, *segment])
+        args.resume = bool(args.stop_at_resumed)
+        args.ckpt = args.ckpt or args.out
+        parsed.append(args)
+    return parsed
+
+
+def main():
     torch.set_num_threads(1)
-    globals()[args.framework](args)
+    start = torch.get_rng_state()
+    for args in runs(sys.argv[1:]):
+        os.makedirs(args.out, exist_ok=True)
+        torch.set_rng_state(start)  # each run starts as it would in a process of its own
+        globals()[args.framework](args)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank's files written before the next run reads them, as at a process's end
     if dist.is_available() and dist.is_initialized():
         # A Gloo group left to static destruction aborts the process now and then ("terminate
         # called without an active exception", plain DDP too): end it as a program should.
