@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigMismatchError, explain
-from ..schedule import blame, handshake
+from ..schedule import handshake, liveness
 from ..schedule.groups import timeout_of
 from ..schedule.topology import node_census
 
@@ -140,7 +140,7 @@ def peers(group) -> str:
 
 
 def _finish_key(tag: str, rank: int) -> str:
-    return f"hhook.diloco/{blame.attempt()}/{tag}/finished/{rank}"
+    return f"hhook.diloco/{liveness.instance()}/{tag}/finished/{rank}"
 
 
 def say_finished(sites: Sites, tag: str, position: int) -> None:

@@ -454,9 +454,9 @@ def _messages(rank, world):
         seen.append(output[:PREFIX].clone())
         return work
 
-    def tracked(self, x):  # how many chunks' rotated blocks are alive at each prepare
+    def tracked(self, x, *residual):  # how many chunks' rotated blocks are alive at each prepare
         alive[:] = [r for r in alive if r() is not None]
-        prepared = real_prepare(self, x)
+        prepared = real_prepare(self, x, *residual)
         alive.append(weakref.ref(prepared.blocks))
         seen_alive.append(len(alive))
         return prepared
