@@ -74,6 +74,7 @@ def pytest_make_collect_report(collector):
 _SHARED_SCOPES = ("module", "class", "package", "session")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups off the marks
 def pytest_collection_modifyitems(config, items):
     """Under xdist (ci/test.sh: ``--dist loadgroup``) tests go to whichever worker is free,
     except a module whose tests share a fixture wider than one test (a world run once for
