@@ -123,17 +123,14 @@ def table(rows_: list[dict]) -> str:
 def panel(ax, rows_: list[dict], link_gbit: float) -> None:
     """``model --diloco H --plot``: wall time per token against the number of sites at
     one link rate, one series (colour and marker) per way."""
-    from .plot import MARKERS, SERIES
+    from .plot import MARKERS, SERIES, count_axis
 
     at = sorted((r for r in rows_ if r["link_gbit"] == link_gbit), key=lambda r: r["sites"])
     sites = [r["sites"] for r in at]
     for i, (key, label) in enumerate(WAYS):
         ax.plot(sites, [r[f"{key}_us_per_token"] for r in at], "-", marker=MARKERS[i], color=SERIES[i], ms=4,
                 label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sites)
-    ax.set_xticklabels([str(n) for n in sites])
-    ax.minorticks_off()
+    count_axis(ax, sites)
     ax.set_yscale("log")
     ax.set_xlabel("sites")
     ax.set_ylabel("wall time per token, us (model)")

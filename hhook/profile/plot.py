@@ -54,6 +54,14 @@ def styles(methods) -> dict:
     return out
 
 
+def count_axis(ax, counts) -> None:
+    """A log2 x axis labelled at each of ``counts`` (workers, sites): no minor ticks."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts)
+    ax.set_xticklabels([str(n) for n in counts])
+    ax.minorticks_off()
+
+
 def _size_axis(ax, sizes):
     ax.set_xscale("log", base=2)
     ticks = sorted(set(sizes))
@@ -137,10 +145,7 @@ def speedup_panel(ax, rows, models=("ring",)):
                 ls, name = lines[model]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, marker=look[m][1], color=look[m][0], ms=4,
                         label=m if len(models) == 1 else f"{m}, {name}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(workers)
-    ax.set_xticklabels([str(w) for w in workers])
-    ax.minorticks_off()
+    count_axis(ax, workers)
     ax.set_xlabel("workers M")
     ax.set_ylabel("predicted speedup C / T(M)")
     if rows:
