@@ -13,4 +13,4 @@ export HHOOK_REQUIRE="${HHOOK_REQUIRE-horovod,mpi,lightning,accelerate,transform
 # processes (ranks starting, collectives, timeouts waited out), so one test at a time left
 # the two cores half idle. A module whose tests share a wider fixture stays on one worker
 # (tests/conftest.py). HHOOK_TEST_WORKERS=0 runs in this process (pdb, -s). docs/testing.md.
-exec "${PYTHON:-python3}" -m pytest -q -rs -p no:benchmark -n "${HHOOK_TEST_WORKERS:-3}" --dist loadgroup "$@"
+exec "${PYTHON:-python3}" -m pytest -q -rs -p no:benchmark -n "${HHOOK_TEST_WORKERS:-2}" --dist loadgroup "$@"
