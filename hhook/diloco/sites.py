@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigMismatchError, explain
-from ..schedule import handshake, liveness
+from ..schedule import blame, handshake, liveness
 from ..schedule.groups import timeout_of
 from ..schedule.topology import node_census
 
@@ -172,13 +172,8 @@ def finished(sites: Sites, tag: str, bound_s: float | None = None) -> dict:
     error path, where the store's host may be the rank that died)."""
     store = dist.distributed_c10d._get_default_store()
     keys = {r: _finish_key(tag, r) for r in dist.get_process_group_ranks(sites.ring)}
-    old = store.timeout
-    if bound_s is not None:
-        store.set_timeout(datetime.timedelta(seconds=bound_s))
-    try:
+    with blame.bounded(store, bound_s) if bound_s is not None else contextlib.nullcontext():
         return {r: int(store.get(k)) for r, k in keys.items() if store.check([k])}
-    finally:
-        store.set_timeout(old)
 
 
 def find_sites(ranks_per_site: int | str = "auto", timeout: datetime.timedelta | None = None) -> Sites:

@@ -81,7 +81,7 @@ def blame(kind: str, peers: list[int], timeout_s: float, what: str = "") -> Blam
     with _lock:
         if key not in _cache:
             try:
-                with _bounded(store):
+                with bounded(store):
                     _cache[key] = _resolve(store, me, sorted(peers), kind, timeout_s, what)
             except Exception:  # noqa: BLE001 - a store that does not answer: the group's peers
                 _cache[key] = None
@@ -164,11 +164,11 @@ def _read(store, rank: int) -> tuple[str, list[int], str] | None:
 
 
 @contextlib.contextmanager
-def _bounded(store):
-    """The store's operations time out after :data:`STORE_TIMEOUT_S` meanwhile (every
-    thread's: the store is the process's)."""
+def bounded(store, seconds: float = STORE_TIMEOUT_S):
+    """The store's operations time out after ``seconds`` meanwhile (every thread's: the
+    store is the process's); for error paths, where the store's host may be gone."""
     old = store.timeout
-    store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    store.set_timeout(datetime.timedelta(seconds=seconds))
     try:
         yield
     finally:

@@ -164,7 +164,7 @@ def test_an_earlier_attempt_s_report_is_not_read(monkeypatch):
     assert found.culprits == (1,) and found.waiting == (), found
 
 
-@pytest.mark.xfail(strict=True, reason="confirmed, not fixed: blame._bounded bounds the process's store for every "
+@pytest.mark.xfail(strict=True, reason="confirmed, not fixed: blame.bounded bounds the process's store for every "
                    "thread while it reads the reports; a client of its own cannot be connected then (a stalled store "
                    "host does not bound the connect) and would have to be made at the handshake (hhook/schedule/context.py)")
 def test_the_report_s_bound_leaves_the_shared_store_s_timeout_alone(monkeypatch):
