@@ -8,11 +8,11 @@ set -u
 SRC=$(realpath "$1"); OUT=$(realpath -m "$2"); shift 2
 mkdir -p $OUT
 declare -A SED FILE
-FILE[1]=hhook/codec/kernels/csrc/thc_cpu.c;  SED[1]='s/+ st->offset) << (24 - L)/+ st->offset + 1) << (24 - L)/'
-FILE[2]=hhook/schedule/handshake.py;         SED[2]='s/if agrees(group, digest(words), device, counters, torch.int32):/if agrees(group, 0, device, counters, torch.int32):/'
-FILE[3]=hhook/state/validate.py;             SED[3]='s/^            _int(saved\[name\], at + name)$/            pass/'
-FILE[4]=hhook/codec/weights.py;              SED[4]='s/        y.sub_(self.q).mul_(scales.abs()/        y.sub_(self.q - 1).mul_(scales.abs()/'
-FILE[5]=hhook/schedule/two_level.py;         SED[5]='s/            rows\[:width\].add_(rows\[width:2 \* width\])/            rows[:width].sub_(rows[width:2 * width])/'
+FILE[1]=src/hhook/codec/kernels/csrc/thc_cpu.c;  SED[1]='s/+ st->offset) << (24 - L)/+ st->offset + 1) << (24 - L)/'
+FILE[2]=src/hhook/schedule/handshake.py;         SED[2]='s/if agrees(group, digest(words), device, counters, torch.int32):/if agrees(group, 0, device, counters, torch.int32):/'
+FILE[3]=src/hhook/state/validate.py;             SED[3]='s/^            _int(saved\[name\], at + name)$/            pass/'
+FILE[4]=src/hhook/codec/weights.py;              SED[4]='s/        y.sub_(self.q).mul_(scales.abs()/        y.sub_(self.q - 1).mul_(scales.abs()/'
+FILE[5]=src/hhook/schedule/two_level.py;         SED[5]='s/            rows\[:width\].add_(rows\[width:2 \* width\])/            rows[:width].sub_(rows[width:2 * width])/'
 for b in ${BREAKS:-1 2 3 4 5}; do
   D=/tmp/brk$b; rm -rf $D; mkdir -p $D
   (cd $SRC && git ls-files -z | xargs -0 cp --parents -t $D) 2>/dev/null

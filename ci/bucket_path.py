@@ -32,7 +32,7 @@ import sys
 import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]  # src layout: the package, and tests/
 
 import torch  # noqa: E402
 

@@ -36,6 +36,13 @@ HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
+def package_root(root: str) -> str:
+    """Where ``root``'s hhook package lives: ``src/`` (the src layout) or, in a checkout
+    from before it, the root itself."""
+    src = os.path.join(root, "src")
+    return src if os.path.isdir(os.path.join(src, "hhook")) else root
+
+
 # -- the jobs (run inside each rank; hhook is the checkout's under test) -------------------
 
 def _grads(model):
@@ -337,7 +344,7 @@ def compare(base: str, head: str, allowed: set, handshake: bool = False, base_re
             if paths.get(label):
                 continue
             paths[label] = os.path.join(tmp, f"{label}.pt")
-            env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root(root), root]), OMP_NUM_THREADS="1")
             subprocess.run([sys.executable, HERE, "--emit", paths[label], "--root", root], env=env, check=True)
         import torch
 
@@ -369,10 +376,10 @@ def main() -> None:
                              "repeatable")
     args = parser.parse_args()
     if args.emit:
-        sys.path.insert(0, args.root)
+        sys.path[:0] = [package_root(args.root), args.root]
         import hhook
 
-        assert os.path.dirname(os.path.dirname(os.path.abspath(hhook.__file__))) == os.path.abspath(args.root), \
+        assert os.path.dirname(os.path.dirname(os.path.abspath(hhook.__file__))) == os.path.abspath(package_root(args.root)), \
             (hhook.__file__, args.root)
         emit(args.root, args.emit)
         return

@@ -90,7 +90,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "tests" / "support"):
+for _path in (ROOT, ROOT / "src", ROOT / "tests" / "support"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 NETCLUSTER = ROOT / "ci" / "netcluster.sh"
@@ -175,7 +175,7 @@ def source_identity() -> dict:
     import hashlib
 
     digest = hashlib.sha256()
-    for path in sorted((ROOT / "hhook").rglob("*.py")) + sorted((ROOT / "hhook").rglob("*.cu")) + [Path(__file__)]:
+    for path in sorted((ROOT / "src" / "hhook").rglob("*.py")) + sorted((ROOT / "src" / "hhook").rglob("*.cu")) + [Path(__file__)]:
         digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
     out = {"sources_sha256": digest.hexdigest()[:16]}
     if shutil.which("git") and (ROOT / ".git").exists():

@@ -10,10 +10,10 @@
 # network namespaces work; it needs root there, and takes them down when it ends.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"  # src layout: the package, and tests/
 export PYTHONUNBUFFERED=1
 # A fresh kernel cache: the env stage times the NVRTC compile from scratch, and a read-only
-# home does not matter (hhook copes with one too; see hhook/codec/kernels/cuda.py).
+# home does not matter (hhook copes with one too; see src/hhook/codec/kernels/cuda.py).
 # One machine: every rendezvous on loopback (NCCL leaves lo out unless told).
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}" NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-lo}"
 export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-$(mktemp -d -t hhook-cupy-XXXXXX)}"

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PYTHONPATH = f"{ROOT / 'src'}{os.pathsep}{ROOT}"  # src layout: the package, and tests/
 NETCLUSTER = [str(ROOT / "ci" / "netcluster.sh")]
 SCRIPT = str(ROOT / "examples" / "resilient_train.py")
 MASTER = "10.77.0.1"
@@ -30,7 +31,7 @@ NODES = 2
 
 def node_cmd(i: int, port: int, *argv: str, launcher: str = "plain", restarts: int = 0, k: int = 1) -> list[str]:
     """Rank ``i`` of a job (``k`` ranks per node; torchrun: the node's agent) in its node's namespace."""
-    env = ["env", f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1", "GLOO_SOCKET_IFNAME=eth0"]
+    env = ["env", f"PYTHONPATH={PYTHONPATH}", "OMP_NUM_THREADS=1", "GLOO_SOCKET_IFNAME=eth0"]
     if launcher == "torchrun":
         run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", "1",
                "--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{MASTER}:{port}",
@@ -164,7 +165,7 @@ def main() -> int:
         if want("checkpoint"):
             _truncated(base, tmp, args.every, ref_acc)
             proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/state/test_checkpoint_faults.py"], cwd=ROOT,
-                                  text=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                                  text=True, capture_output=True, env=dict(os.environ, PYTHONPATH=PYTHONPATH))
             summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-200:]
             row("bad checkpoints", "truncated file; other world size, codec version, rank, bits, scale mode",
                 ("clear error or fresh start with one log line, gradients the mean: " if proc.returncode == 0
@@ -215,7 +216,7 @@ def _exits(runs: int, ddp_runs: int) -> None:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
                                "--master-port", str(Job.port), str(ROOT / "tests" / "support" / "exit_job.py"), *argv],
                               cwd=ROOT, text=True, capture_output=True, timeout=300,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"))
+                              env=dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"))
         return int(proc.returncode == 0 and (proc.stdout + proc.stderr).count(": ok ") == 4)
 
     before = shm_files()
@@ -234,7 +235,7 @@ def _mpirun_kill(base, kill_step) -> None:
     """SIGKILL to rank 1 inside the hook's collectives of an Open MPI job (ci/netcluster.sh
     mpirun): mpirun is expected to end the whole job and name the killed rank."""
     Job.port += 1
-    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="eth0", MASTER_ADDR=MASTER,
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, GLOO_SOCKET_IFNAME="eth0", MASTER_ADDR=MASTER,
                MASTER_PORT=str(Job.port))
     started = time.time()
     try:
@@ -325,7 +326,7 @@ def _links(base, ref_acc) -> None:
 
 
 def _leaks(steps: int) -> None:
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
     from tests.support.distributed import run_world
     from tests.reliability.test_faults import _long_run_worker
 

@@ -11,7 +11,7 @@ new (``--rounds``), and the medians are printed side by side with new / old:
   stubbed out, the Python time per bucket of prepare + quantize + decode (the host's work
   without the GPU's).
 
-The old checkout: ``--old-tree DIR`` (a directory holding ``hhook/``), or ``--old REV``
+The old checkout: ``--old-tree DIR`` (a directory holding ``hhook/`` or ``src/hhook/``), or ``--old REV``
 exported with ``git archive`` (default ``main``)::
 
     python measure/kernel_ab.py                          # on a GPU: main against this checkout
@@ -87,10 +87,13 @@ print("RESULT " + json.dumps(out))
 
 
 def export(rev: str) -> Path:
-    """``hhook/`` at git revision ``rev``, in a temporary directory."""
+    """``hhook/`` at git revision ``rev``, in a temporary directory (``src/hhook/`` since the
+    src layout, ``hhook/`` before it)."""
     folder = Path(tempfile.mkdtemp(prefix="hhook-old-"))
     archive = folder / "old.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), rev, "hhook"], check=True)
+    src = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{rev}:src/hhook"]).returncode == 0
+    subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), rev, "src/hhook" if src else "hhook"],
+                   check=True)
     with tarfile.open(archive) as tar:
         tar.extractall(folder)
     archive.unlink()
@@ -98,9 +101,10 @@ def export(rev: str) -> Path:
 
 
 def run_child(tree: Path, args: dict, timeout: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    package = tree / "src" if (tree / "src" / "hhook").is_dir() else tree  # the src layout, or a tree before it
+    env = {**os.environ, "PYTHONPATH": str(package)}
     env.pop("HHOOK_FORCE_REFERENCE", None)
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], cwd=tree, env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], cwd=package, env=env, capture_output=True,
                           text=True, timeout=timeout)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -111,7 +115,7 @@ def run_child(tree: Path, args: dict, timeout: float) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", default="main", help="git revision of the old kernels (default main)")
-    ap.add_argument("--old-tree", type=Path, default=None, help="a directory holding the old hhook/ instead")
+    ap.add_argument("--old-tree", type=Path, default=None, help="a directory holding the old hhook/ (or src/hhook/) instead")
     ap.add_argument("--new-tree", type=Path, default=ROOT, help="default: this checkout")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of old and new")
     ap.add_argument("--iters", type=int, default=20)

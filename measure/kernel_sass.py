@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "hhook" / "codec" / "kernels" / "csrc" / "thc_kernels.cu"
+SOURCE = ROOT / "src" / "hhook" / "codec" / "kernels" / "csrc" / "thc_kernels.cu"
 DEFAULT_KERNELS = ("hh_prepare_f32", "hh_quantize_f32_i32", "hh_decode_i32_f32", "hh_prepare_bf16",
                    "hh_quantize_bf16_i32", "hh_decode_i32_bf16", "hh_wq_encode_f32", "hh_wq_decode_f32")
 #: Instruction classes by SASS opcode (the part before the first dot).
@@ -125,8 +125,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     source = args.source or SOURCE
     if args.rev:
-        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.rev}:{SOURCE.relative_to(ROOT)}"],
-                              capture_output=True, text=True, check=True).stdout
+        at = SOURCE.relative_to(ROOT).as_posix()
+        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.rev}:{at}"], capture_output=True, text=True)
+        if shown.returncode:  # a revision from before the src layout
+            shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.rev}:{at.removeprefix('src/')}"],
+                                   capture_output=True, text=True, check=True)
+        text = shown.stdout
         source = Path(tempfile.mkdtemp()) / "thc_kernels.cu"
         source.write_text(text)
     if args.log2b is not None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bits="auto" (hhook.register's default, hhook/decision/) against every fixed exchange,
+# bits="auto" (hhook.register's default, src/hhook/decision/) against every fixed exchange,
 # in one run per layout and link: wide-cnn, hhook-profile train with
 # fp32, the fp16 hook, the bf16 hook, THC at 2, 3, 4 and 8 bits and thc:auto, written to
 # OUT/decision-LAYOUT.json (the footer names what auto chose and its measured steps):

@@ -28,6 +28,12 @@ HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
+def package_root(root: str) -> str:
+    """Where ``root``'s hhook package lives: ``src/`` (the src layout), else the root itself."""
+    src = os.path.join(root, "src")
+    return src if os.path.isdir(os.path.join(src, "hhook")) else root
+
+
 def _timed_hook(state, bucket):
     """``thc_hook`` with its host time added to ``_TIMES`` (the hook's own call only: the
     continuations run on Gloo's threads): (thread CPU seconds, wall seconds)."""
@@ -82,7 +88,7 @@ def _rank(rank, world, port, steps, scales, results):
 
 def run_world(root: str, steps: int, scales: str) -> dict:
     """One world of two ranks with the hhook of ``root``; rank 0's figures."""
-    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=package_root(root), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, HERE, "--world", root, "--steps", str(steps), "--scales", scales], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -93,7 +99,7 @@ def _world(root: str, steps: int, scales: str) -> None:
 
     import torch.multiprocessing as mp
 
-    sys.path.insert(0, root)
+    sys.path.insert(0, package_root(root))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:

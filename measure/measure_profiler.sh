@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE="${1:?usage: measure/measure_profiler.sh 1gbit|100mbit}"
 P="${PYTHON:-python3} -m hhook.profile"
-export HH_MPIRUN_ARGS="${HH_MPIRUN_ARGS:-} -x PYTHONPATH=$PWD"
+export HH_MPIRUN_ARGS="${HH_MPIRUN_ARGS:-} -x PYTHONPATH=$PWD/src:$PWD"
 trap 'bash ci/netcluster.sh down >/dev/null 2>&1 || true' EXIT
 bash ci/netcluster.sh up 4 "$RATE"
 D="bench/profile-$RATE"  # measurements in bench/, the pages in docs/

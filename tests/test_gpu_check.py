@@ -318,7 +318,7 @@ def test_gpu_cluster_model_follows_the_ring_and_the_lane_width():
 
 
 def test_gpu_cluster_model_command(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     done = subprocess.run([sys.executable, "-m", "hhook.profile", "model", "--gpu-cluster", "--thc-ms", "0.33",
                            "--cast-ms", "0.064", "--json", str(tmp_path / "m.json")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -369,7 +369,7 @@ def test_gpu_cluster_model_takes_its_times_from_a_check_json(tmp_path):
     assert [r["thc_ms"] for r in slow_host] == [r["thc_ms"] for r in fast_host]  # the larger of the two bounds
     assert all(r["thc_host_ms"] == pytest.approx(4 * 0.3) for r in slow_host)
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     done = subprocess.run([sys.executable, "-m", "hhook.profile", "model", "--gpu-cluster", "--from", str(path),
                            "--json", str(tmp_path / "m.json")], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)

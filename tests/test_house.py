@@ -1,5 +1,5 @@
 """The house's size limits, measured with ``ast`` over hhook/: no module over 450 lines,
-no class over 250, no function over 80 outside hhook/profile/ (whose command bodies
+no class over 250, no function over 80 outside src/hhook/profile/ (whose command bodies
 are exempt, as examples are); ``THCState``, the user's options and checkpoint, under 150
 lines and without methods that only hand ``self`` to another module's function."""
 
@@ -7,7 +7,7 @@ import ast
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "hhook"
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / "hhook"
 MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 450, 250, 80
 
 
@@ -107,7 +107,7 @@ def test_every_hhook_import_names_a_module_of_this_checkout():
 
 # -- THCState's own methods, and what the schedule's functions take ------------------------
 def _state_classes():
-    """THCState and its bases in hhook/state/ (its checkpoint and its reports)."""
+    """THCState and its bases in src/hhook/state/ (its checkpoint and its reports)."""
     found = {}
     for path in (ROOT / "state").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -177,7 +177,7 @@ def _sources(skip=("profile/",)):
 
 
 def test_one_options_handshake():
-    """hhook/schedule/handshake.py is the one options handshake of every path (DDP,
+    """src/hhook/schedule/handshake.py is the one options handshake of every path (DDP,
     two-level, thc_allreduce, FSDP2's reduce-scatter and all-gather): nothing else
     defines one, keeps a record of one, or runs the MAX of a fingerprint that it is made of
     (the decision's own check of its state, decision/prober.py, uses the same primitive)."""
@@ -193,7 +193,7 @@ def test_one_options_handshake():
 def test_one_dense_fallback():
     """One byte count for what THC does not compress: every dense exchange of the schedule,
     of FSDP2's reduce-scatter and HSDP's replica all-reduce, and of DiLoCo's fp32 outer
-    exchange is counted by hhook/schedule/dense.py's ``count``. The
+    exchange is counted by src/hhook/schedule/dense.py's ``count``. The
     others that say "dense_calls": the counters' fields, the report that reads them,
     Horovod's warm-up step (a message of its own kind) and the parameter all-gather
     (counted in its own dtype, docs/fsdp.md)."""
@@ -206,7 +206,7 @@ def test_one_dense_fallback():
 
 def test_one_failure_status_word():
     """The message status word (inf/NaN, a rank that failed) is defined once, in
-    hhook/codec/layout.py beside the prefix the CUDA kernels write (hhook/scales/message.py
+    src/hhook/codec/layout.py beside the prefix the CUDA kernels write (src/hhook/scales/message.py
     re-exports it and spreads it over FSDP2's chunks), for every exchange: nothing else
     names its value or its place, or keeps status bits of its own."""
     own = re.compile(r"RANK_FAILED|1 << 20|\b(NONFINITE|FAILED)\s*=|\[:, *1\]\s*=|def (status_word|any_failed|"

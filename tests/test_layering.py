@@ -8,7 +8,7 @@ sit above what they share."""
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "hhook"
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / "hhook"
 
 
 def _graph() -> dict:
@@ -113,7 +113,7 @@ LAYERS = (
     ("schedule", {"schedule"}),
     ("state", {"state"}),
     ("decision", {"decision"}),
-    # "": the package's front, hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
+    # "": the package's front, src/hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
     # adapters, over the DDP hook; diloco: the outer synchronization across sites, over thc_allreduce_async
     ("integrations", {"ddp_hook", "horovod", "fsdp", "diloco", "", "adapters", "lightning", "accelerate",
                       "transformers"}),

@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-HHOOK = pathlib.Path(__file__).resolve().parents[1] / "hhook"
+HHOOK = pathlib.Path(__file__).resolve().parents[1] / "src" / "hhook"
 LISTING = pathlib.Path(__file__).resolve().parent / "data" / "torch-2.11-api.txt"
 
 

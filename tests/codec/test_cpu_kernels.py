@@ -369,7 +369,7 @@ _BUILD = textwrap.dedent("""
 
 
 def _spawn(cache: Path, **env):
-    full = {**os.environ, "HHOOK_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT), **env}
+    full = {**os.environ, "HHOOK_CACHE_DIR": str(cache), "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}", **env}
     full.pop("HHOOK_FORCE_REFERENCE", None)
     return subprocess.Popen([sys.executable, "-c", _BUILD], env=full, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -401,7 +401,7 @@ def test_without_a_compiler_the_reference_is_used_with_one_log_line(tmp_path):
     lines = [ln for ln in err.splitlines() if ln.startswith("LOG")]
     assert len(lines) == 1 and "reference" in lines[0] and "no-such-cc" in lines[0]
     script = "import torch; from hhook.codec import THCCodec; print(THCCodec().prepare(torch.ones(10)).backend)"
-    env = {**os.environ, "HHOOK_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), "CC": str(tmp_path / "x")}
+    env = {**os.environ, "HHOOK_CACHE_DIR": str(tmp_path), "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}", "CC": str(tmp_path / "x")}
     env.pop("HHOOK_FORCE_REFERENCE", None)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "None"
@@ -446,7 +446,7 @@ def test_a_library_built_under_a_permissive_umask_is_loaded_again(tmp_path):
     untrusted: it is written read-only for group and others."""
     cache = tmp_path / "cache"
     script = "import os; os.umask(0o002); exec(os.environ['BUILD'])"
-    env = {**os.environ, "HHOOK_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT), "BUILD": _BUILD}
+    env = {**os.environ, "HHOOK_CACHE_DIR": str(cache), "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}", "BUILD": _BUILD}
     env.pop("HHOOK_FORCE_REFERENCE", None)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

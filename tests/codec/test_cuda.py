@@ -1,4 +1,4 @@
-"""The CUDA kernels (hhook/codec/kernels/csrc/thc_kernels.cu, hhook/codec/kernels/cuda.py) against the reference codec.
+"""The CUDA kernels (src/hhook/codec/kernels/csrc/thc_kernels.cu, src/hhook/codec/kernels/cuda.py) against the reference codec.
 
 Layers, so that most of it runs without a GPU:
 
@@ -40,7 +40,7 @@ from tests.support.cuda_support import (KINDS, agreed_from, build_emulator, emul
                                         gradient, mine, parity_case, reference)
 
 ROOT = Path(__file__).resolve().parents[2]
-CSRC = ROOT / "hhook" / "codec" / "kernels" / "csrc"
+CSRC = ROOT / "src" / "hhook" / "codec" / "kernels" / "csrc"
 CU_FILES = sorted(CSRC.glob("*.cu"))
 NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
 SMALLEST_NORMAL = float(torch.finfo(torch.float32).tiny)

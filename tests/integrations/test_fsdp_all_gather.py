@@ -1,4 +1,4 @@
-"""hhook.fsdp's compressed parameter all-gather (hhook/fsdp/all_gather.py) on FSDP2, Gloo on CPU."""
+"""hhook.fsdp's compressed parameter all-gather (src/hhook/fsdp/all_gather.py) on FSDP2, Gloo on CPU."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""hhook.fsdp.register's bits="auto" (hhook/fsdp/auto.py): the DDP hook's decision between
+"""hhook.fsdp.register's bits="auto" (src/hhook/fsdp/auto.py): the DDP hook's decision between
 THC's reduce-scatter with the compressed all-gather, THC's reduce-scatter alone and plain
 FSDP2, on FSDP2 with Gloo on CPU. Step times come from a fake clock per rank."""
 

@@ -1,5 +1,5 @@
-"""The stall report (hhook/schedule/blame.py) and the teardown's wait
-(hhook/schedule/teardown.py), issue 45 item 5: each suspected fault confirmed here first,
+"""The stall report (src/hhook/schedule/blame.py) and the teardown's wait
+(src/hhook/schedule/teardown.py), issue 45 item 5: each suspected fault confirmed here first,
 then fixed.
 
 * In a world of two where each rank waits for the other, a rank reads the other's report
@@ -166,7 +166,7 @@ def test_an_earlier_attempt_s_report_is_not_read(monkeypatch):
 
 @pytest.mark.xfail(strict=True, reason="confirmed, not fixed: blame.bounded bounds the process's store for every "
                    "thread while it reads the reports; a client of its own cannot be connected then (a stalled store "
-                   "host does not bound the connect) and would have to be made at the handshake (hhook/schedule/context.py)")
+                   "host does not bound the connect) and would have to be made at the handshake (src/hhook/schedule/context.py)")
 def test_the_report_s_bound_leaves_the_shared_store_s_timeout_alone(monkeypatch):
     store = _store(timeout_s=10.0)
     _as_rank(monkeypatch, store, 0, 3)

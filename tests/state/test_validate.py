@@ -1,4 +1,4 @@
-"""A malformed checkpoint is refused whole (hhook/state/validate.py): ``load_state_dict``
+"""A malformed checkpoint is refused whole (src/hhook/state/validate.py): ``load_state_dict``
 raises ``ValueError`` naming the field and what it must be, and the state is left exactly
 as it was (its ``state_dict()`` equal, tensor for tensor); the fixtures of earlier hhooks
 still pass. The 2-rank form, with training after each refusal, is

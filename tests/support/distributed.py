@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SRC = os.path.join(ROOT, "src")  # the package (src layout); ROOT holds tests/
 
 
 def free_port() -> int:
@@ -28,7 +29,7 @@ def free_port() -> int:
 def subprocess_env(**extra) -> dict:
     """The environment for a launched job that imports this checkout's hhook."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([SRC, ROOT, env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     # Ranks share two cores: yield instead of busy-polling while waiting.
     env["OMPI_MCA_mpi_yield_when_idle"] = "1"

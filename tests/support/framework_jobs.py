@@ -23,7 +23,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.join(_ROOT, "src"), _ROOT]  # src layout: the package, and tests/
 
 import hhook  # noqa: E402
 from tests.support.ready_order import ReadyOrderMLP  # noqa: E402
@@ -201,7 +202,7 @@ def ray(args):
     def loop(config):
         from ray.train.torch import prepare_model
 
-        sys.path.insert(0, config["root"])
+        sys.path[:0] = [os.path.join(config["root"], "src"), config["root"]]
         from tests.support import framework_jobs as jobs
 
         start = torch.get_rng_state()

@@ -17,7 +17,8 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.join(_ROOT, "src"), _ROOT]  # src layout: the package, and tests/
 
 import horovod.torch as hvd  # noqa: E402
 
