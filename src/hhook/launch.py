@@ -227,7 +227,7 @@ def _attempt_store(info: DistributedEnv, timeout: datetime.timedelta) -> dist.St
     try:
         store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False, timeout=timeout)
         return dist.PrefixStore(attempt_prefix(store, info.world_size), store)
-    except dist.DistError as exc:
+    except (dist.DistStoreError, dist.DistNetworkError) as exc:
         raise store_failed(exc, info.rank, "hhook.init_distributed's count of this attempt's ranks",
                            f"torchrun's agent store at {info.master_addr}:{info.master_port} is gone or does not "
                            "answer (its agent ended, or the address is not reachable)") from exc

@@ -132,11 +132,12 @@ def store_failed(exc: BaseException, what: str, ranks) -> Exception:
 
 @contextlib.contextmanager
 def store_calls(what: str, ranks):
-    """torch's store and network errors (:class:`torch.distributed.DistError`) inside
-    raise :func:`store_failed`'s error: hhook's class, this rank, the cause."""
+    """torch's store and network errors inside (``DistStoreError``, ``DistNetworkError``;
+    not a backend's own) raise :func:`store_failed`'s error: hhook's class, this rank, the
+    cause."""
     try:
         yield
-    except dist.DistError as exc:
+    except (dist.DistStoreError, dist.DistNetworkError) as exc:
         raise store_failed(exc, what, ranks) from exc
 
 
