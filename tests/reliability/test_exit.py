@@ -140,9 +140,10 @@ def test_a_rank_ending_3_s_after_the_store_s_host_prints_what_plain_ddp_prints()
     exits 0 and prints what plain DDP's prints (nothing). Before, rank 1's exit-time "I
     left" store write printed a 13-frame C++ trace (``sendBytes failed ... Broken pipe``)."""
     printed = {}
-    for plain in (["--plain"], []):
-        ranks = launched(2, "--what", "ddp", "--bits", "4", "--steps", "4", "--end", "return", "--late-s", "3", *plain)
-        for rank, proc in enumerate(ranks):
-            assert proc.returncode == 0 and f"rank {rank}: ok" in proc.stdout, (plain, rank, proc.stdout, proc.stderr)
-        printed[bool(plain)] = [proc.stderr for proc in ranks]
+    args = ("--what", "ddp", "--bits", "4", "--steps", "4", "--end", "return", "--late-s", "3")
+    with ThreadPoolExecutor(2) as pool:  # both jobs at once: they mostly import torch and wait
+        for plain, ranks in zip((True, False), pool.map(lambda extra: launched(2, *args, *extra), (["--plain"], []))):
+            for rank, proc in enumerate(ranks):
+                assert proc.returncode == 0 and f"rank {rank}: ok" in proc.stdout, (plain, rank, proc.stdout, proc.stderr)
+            printed[plain] = [proc.stderr for proc in ranks]
     assert printed[False] == printed[True], printed
