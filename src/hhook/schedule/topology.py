@@ -426,7 +426,7 @@ def detect_topology(group=None, ranks_per_node="auto", environ=None, hostname: s
     mine: dict = {}
     # The sub-groups wait as long as the parent (new_group's default is torch's 30 minutes).
     timeout = timeout_of(group)
-    with liveness.store_calls("hhook's two-level sub-groups", others_of(group) + [dist.get_rank()]):
+    with liveness.store_calls("hhook's two-level sub-groups", others_of(group)):
         for role in ("intra", "gather"):  # the same calls, in the same order, on every rank
             for node in plan.nodes:
                 g = dist.new_group(list(node), timeout=timeout)
