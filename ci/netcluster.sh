@@ -78,9 +78,8 @@
 #       MASTER_ADDR=10.77.0.1 MASTER_PORT=29500 GLOO_SOCKET_IFNAME=eth0 \
 #       OMP_NUM_THREADS=1 python /tmp/gloo_ar.py &
 #   done; wait
-# c10d logs "The hostname of the client socket cannot be retrieved. err=-3"
-# once per rank: its store sees peers as ::ffff:10.77.0.x, which has no
-# reverse entry and no DNS is reachable. Harmless.
+# (c10d's "The hostname of the client socket cannot be retrieved. err=-3",
+# once per rank, is gone: "up" writes each address's IPv4-mapped form too.)
 #
 # Recipe 2 -- Open MPI + mpi4py, 4 ranks:
 #   ci/netcluster.sh up 4 1gbit
@@ -403,10 +402,17 @@ cmd_up() {
     done
     # Keep the machine's own entries: "ip netns exec" without our hostname
     # switch still reports the root hostname, which must keep resolving.
+    # Each address also in its IPv4-mapped IPv6 form (::ffff:a.b.c.d): c10d's
+    # store client connects through an IPv6 socket to that form of
+    # MASTER_ADDR and names it with getnameinfo, which finds no IPv4 line for
+    # it and asks DNS, which no namespace reaches: torch then logged "The
+    # hostname of the client socket cannot be retrieved. err=-3" once per
+    # rank (and per process group).
     local hosts
     hosts=$(cat /etc/hosts 2>/dev/null || printf '127.0.0.1\tlocalhost\n'
             echo "# netcluster.sh ranks"
-            for (( i = 0; i < n; i++ )); do printf '%s\t%s%d\n' "$(addr_of "$i")" "$NP" "$i"; done)
+            for (( i = 0; i < n; i++ )); do printf '%s\t%s%d\n' "$(addr_of "$i")" "$NP" "$i"; done
+            for (( i = 0; i < n; i++ )); do printf '::ffff:%s\t%s%d\n' "$(addr_of "$i")" "$NP" "$i"; done)
     for (( i = 0; i < n; i++ )); do
         mkdir -p "/etc/netns/$NP$i"
         echo "$hosts" >"/etc/netns/$NP$i/hosts"

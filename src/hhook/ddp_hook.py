@@ -28,10 +28,13 @@ _REGISTERED: "weakref.WeakSet" = weakref.WeakSet()
 class Registration:
     """What :func:`register` learnt of the DDP model, kept in ``state.registration``: its
     parameters' names (``id(parameter) -> name``), so a resumed run finds the saved
-    buckets again, and this DDP's iterations, counted by the hook."""
+    buckets again, this DDP's iterations, counted by the hook, and the DDP itself (a weak
+    reference: what its ``join`` asked for)."""
 
     names: dict
     iterations: int = 0
+    model: object = None
+    told_join: bool = False
 
 
 def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -88,7 +91,22 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
         state.iter += 1
         if registration is not None:
             registration.iterations += 1
+            _join_weighting(registration)
     return fut.then(_value_or_raise)
+
+
+def _join_weighting(registration: Registration) -> None:
+    """One log line where the program asked DDP's ``join(divide_by_initial_world_size=False)``:
+    DDP's own allreduce then divides a step some ranks sat out by the ranks still training,
+    but a comm hook (torch's own too) averages over the whole group, the joined ranks'
+    zeros included: the flag is not honoured, and the user should know."""
+    ddp = registration.model() if registration.model is not None else None
+    if registration.told_join or getattr(ddp, "_divide_by_initial_world_size", True) is not False:
+        return
+    registration.told_join = True
+    logger.warning("hhook: DDP's join(divide_by_initial_world_size=False) is not honoured by a comm hook (hhook's, "
+                   "like torch's own): a step that some ranks sat out (out of data) is averaged over the whole "
+                   "world, their zeros included, as with the default divide_by_initial_world_size=True")
 
 
 def _from_state_dict(saved: dict, process_group) -> THCState:
@@ -274,7 +292,8 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
             "already. Keep the THCState the first call returned (state.load_state_dict resumes it from a checkpoint), "
             "or wrap a new DDP model")
     module = getattr(ddp_model, "module", ddp_model)
-    state.registration = Registration({id(p): name for name, p in module.named_parameters()})
+    state.registration = Registration({id(p): name for name, p in module.named_parameters()},
+                                      model=weakref.ref(ddp_model))
     if dist.is_initialized():
         # On every rank, here, before anything else is exchanged: the options handshake (a
         # rank without hhook, or with other options, raises here on every rank that runs

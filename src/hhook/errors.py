@@ -148,6 +148,20 @@ def explain(exc: BaseException, what: str, timeout_s: float | None = None, peers
     return err
 
 
+def store_failed(exc: BaseException, rank, what: str, cause: str, ended: bool = False) -> Exception:
+    """The job's store (or the connections made through it) failed under ``what`` on
+    ``rank``: :class:`PeerTimeoutError` where it timed out and no rank is known to have
+    ended (``ended``), else :class:`PeerLostError`, naming the rank, ``cause`` and the
+    store's own first line; ``exc`` is the ``__cause__``. Raised on every store or
+    network call of hhook's (the handshake, the second communicator's set-up, the launch)."""
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    kind = PeerTimeoutError if not ended and re.search(r"time(d)? ?out", said, re.I) else PeerLostError
+    err = kind(f"hhook: rank {rank}: the job's store failed in {what}: {cause}. The job cannot go on; restart it "
+               f"(from a checkpoint). Store: {said}")
+    err.__cause__ = exc
+    return err
+
+
 def _first_line(text: str) -> str:
     """The transport's own message, without torch's callback wrapping and traceback."""
     text = text.split("\n\nAt:", 1)[0].strip()

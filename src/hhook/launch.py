@@ -17,6 +17,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .errors import store_failed
+
 # (rank, world size, local rank) variables of each launcher, most specific first.
 _LAUNCHERS = (
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -218,6 +220,19 @@ def attempt_prefix(store, world_size: int) -> str:
     return f"/hhook/w{world_size}/g{(joined - 1) // world_size}/"
 
 
+def _attempt_store(info: DistributedEnv, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's agent store under this attempt's keys (:func:`attempt_prefix`); its host
+    gone or silent raises hhook's error naming this rank (a raw ``DistNetworkError``
+    before)."""
+    try:
+        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False, timeout=timeout)
+        return dist.PrefixStore(attempt_prefix(store, info.world_size), store)
+    except (dist.DistStoreError, dist.DistNetworkError) as exc:
+        raise store_failed(exc, info.rank, "hhook.init_distributed's count of this attempt's ranks",
+                           f"torchrun's agent store at {info.master_addr}:{info.master_port} is gone or does not "
+                           "answer (its agent ended, or the address is not reachable)") from exc
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> DistributedEnv:
     r"""Initialise the default process group from the launcher's environment.
 
@@ -240,8 +255,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=timeout_s)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False, timeout=timeout)
-        store = dist.PrefixStore(attempt_prefix(store, info.world_size), store)
+        store = _attempt_store(info, timeout)
         dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size,
                                 timeout=timeout)
         return info

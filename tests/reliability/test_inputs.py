@@ -1,7 +1,8 @@
 """Inputs a rank encodes that could decode finite and wrong (issue 58): an error-feedback
 residual holding NaN or inf flags the exchange on every rank (NaN result, counted in
-``nonfinite_calls``), and a checkpoint holding one (or 1e30) is refused at load. The table
-of inputs tried is in docs/reliability.md ("Inputs tried")."""
+``nonfinite_calls``), and a checkpoint holding one (or 1e30) is refused at load; tensors
+and gradients of every shape and layout; uneven inputs, under DDP's join or not. The
+table of inputs tried is in docs/reliability.md ("Inputs tried")."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import hhook
-from tests.support.distributed import run_world
+from tests.support.distributed import run_outcomes, run_world
 from tests.support.plain_data import round_trip
 
 MODES = ["agreed", "predicted"]
@@ -138,15 +139,16 @@ class _Odd(torch.nn.Module):
         self.one = torch.nn.Parameter(torch.ones(1))
         self.empty = torch.nn.Parameter(torch.empty(0))
         self.transposed = torch.nn.Parameter(torch.randn(8, 6).t())  # non-contiguous
+        self.strided = torch.nn.Parameter(torch.randn(24)[::3])  # stride 3
 
     def forward(self, x):
         y = self.conv(x.to(memory_format=torch.channels_last)).mean((2, 3))  # (n, 8)
-        return (y @ self.transposed.t()).sum(1) * self.scalar + self.one + self.empty.sum()
+        return (y @ self.transposed.t()).sum(1) * self.scalar + self.one + self.empty.sum() + y @ self.strided
 
 
 def _ddp_rows(rank: int, world: int) -> dict:
-    """3 steps of DDP with hhook.register(ddp, bits=4) on _Odd against the exact mean of
-    the ranks' gradients; at step 1 rank 1's loss is NaN. Per step: (all NaN, vNMSE)."""
+    """5 steps of DDP with hhook.register(ddp, bits=4) on _Odd against the exact mean of
+    the ranks' gradients; at step 2 rank 1's loss is NaN, at step 3 inf. Per step: (all NaN, vNMSE)."""
     import torch.distributed as dist
 
     rows = {}
@@ -157,10 +159,10 @@ def _ddp_rows(rank: int, world: int) -> dict:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         hhook.register(ddp, bits=4, scales=scales)
         steps = []
-        for step in range(4):
+        for step in range(5):
             g = torch.Generator().manual_seed(100 * step + rank)
             x = torch.randn(4, 3, 7, 7, generator=g)
-            poison = float("nan") if step == 2 and rank == 1 else 1.0
+            poison = {2: float("nan"), 3: float("inf")}.get(step, 1.0) if rank == 1 else 1.0
             ddp.zero_grad()
             (ddp(x).pow(2).mean() * poison).backward()
             exact.zero_grad()
@@ -175,9 +177,49 @@ def _ddp_rows(rank: int, world: int) -> dict:
     return rows
 
 
+def _uneven_ddp(rank: int, hooked: bool, divide_by_initial_world_size: bool = True, join: bool = True):
+    """DDP of a small MLP (hhook.register(ddp, bits=4) where ``hooked``) over uneven inputs:
+    rank 0 has 6 batches, rank 1 3, under DDP's ``Join`` unless not ``join``. This rank's
+    gradients after each of its steps."""
+    from torch.distributed.algorithms.join import Join
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if hooked:
+        hhook.register(ddp, bits=4)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    grads = []
+    with Join([ddp], enable=join, divide_by_initial_world_size=divide_by_initial_world_size):
+        for x in [torch.randn(8, 32, generator=gen) for _ in range(6 if rank == 0 else 3)]:
+            opt.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
+            opt.step()
+    return grads
+
+
+def _join_rows(rank: int, world: int) -> dict:
+    """Rank 0's gradients at each step under DDP's join, plain DDP against hhook's, for
+    both ``divide_by_initial_world_size``; and hhook's log lines."""
+    from tests.support.distributed import logged
+
+    rows = {}
+    for initial in (True, False):
+        with logged("hhook") as lines:
+            hooked = _uneven_ddp(rank, True, initial)
+        plain = _uneven_ddp(rank, False, initial)
+        errors = [float(((h - p) ** 2).sum() / (p**2).sum()) for h, p in zip(hooked, plain)]
+        norms = [float(h.norm() / p.norm()) for h, p in zip(hooked, plain)]
+        rows[initial] = {"vnmse": errors, "norms": norms, "said": [line for line in lines if "join" in line]}
+    return rows
+
+
 def _every_row(rank: int, world: int) -> dict:
     """One world for every test here (each costs about 2 s to start)."""
-    return {"residual": _residual_rows(rank, world), "shaped": _shaped_rows(rank, world), "ddp": _ddp_rows(rank, world)}
+    return {"residual": _residual_rows(rank, world), "shaped": _shaped_rows(rank, world), "ddp": _ddp_rows(rank, world),
+            "join": _join_rows(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -207,11 +249,48 @@ def test_tensors_of_every_shape_and_layout_average_or_raise_on_every_rank(world)
 
 
 def test_ddp_gradients_of_every_shape_and_layout_average_and_nan_reaches_every_rank(world):
-    """hhook.register(ddp, bits=4) over a 0-dim, a 1-element, an empty, a transposed and
-    channels-last parameters: after the plain iterations the mean within the codec's error;
-    one rank's NaN gradient makes every rank's NaN, and the next step is right again."""
+    """hhook.register(ddp, bits=4) over a 0-dim, a 1-element, an empty, a transposed, a
+    strided and a channels-last parameter: after the plain iterations the mean within the
+    codec's error; one rank's NaN, then inf, gradient makes every rank's NaN, and the next
+    step is right again."""
     for rank, rows in enumerate(world):
         for scales, steps in rows["ddp"].items():
             nan, errors = zip(*steps)
-            assert nan == (False, False, True, False), (rank, scales, steps)
-            assert errors[0] == errors[1] == 0.0 and errors[3] < 0.05, (rank, scales, steps)  # 0.005 measured
+            assert nan == (False, False, True, True, False), (rank, scales, steps)
+            assert errors[0] == errors[1] == 0.0 and errors[4] < 0.05, (rank, scales, steps)  # 0.005 measured
+
+
+def test_uneven_inputs_under_ddp_s_join_average_as_plain_ddp_s_join(world):
+    """Rank 1 runs out of data after 3 of rank 0's 6 steps, under DDP's ``Join``: its
+    shadow backward passes go through hhook's hook with zeros, and rank 0's gradients are
+    plain DDP's within the codec's error at every step (start_iter 2: the first two are
+    exact). ``divide_by_initial_world_size=False`` (plain DDP then divides the sat-out
+    steps by the ranks still training) is not honoured by a comm hook, hhook's or torch's:
+    those steps come out at half plain DDP's, and hhook says so in one log line."""
+    rows = world[0]["join"]
+    same = rows[True]
+    assert same["vnmse"][:2] == [0.0, 0.0] and max(same["vnmse"]) < 0.1, same  # 0.02-0.03 measured
+    assert same["said"] == [], same["said"]
+    halved = rows[False]
+    assert max(halved["vnmse"][:3]) < 0.1 and all(0.4 < n < 0.65 for n in halved["norms"][3:]), halved
+    assert len(halved["said"]) == 1 and "divide_by_initial_world_size=False" in halved["said"][0], halved["said"]
+    assert len(world[1]["join"][False]["said"]) == 1, world[1]["join"]
+
+
+def _uneven_without_join(rank, world, hooked):
+    try:
+        _uneven_ddp(rank, hooked, join=False)
+        return "finished"
+    except Exception as exc:  # noqa: BLE001 - what the user reads
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_uneven_inputs_without_join_name_the_rank_that_ran_out_of_data():
+    """Without DDP's join, rank 1 ends its program after 3 steps while rank 0 trains on:
+    rank 0's next backward raises hhook's PeerLostError through DDP, saying rank 1 left
+    normally and to use join(); plain DDP raises Gloo's "Connection closed by peer"."""
+    out = run_outcomes(_uneven_without_join, 2, True, pg_timeout_s=20, timeout=90)
+    said = out[0]["value"]
+    assert out[1]["value"] == "finished" and out[1]["exitcode"] == 0, out
+    assert said.startswith("RuntimeError: Got the following error when running the callback: PeerLostError: hhook: "), said
+    assert "rank 1 left the job normally" in said and "join()" in said, said

@@ -240,3 +240,30 @@ def test_netcluster_delay_holds_every_packet_and_goes_away():
         subprocess.run(["bash", NETCLUSTER, "down"], capture_output=True, timeout=60)
     assert not os.path.exists("/run/hhook-netcluster/delay.pid")
     assert "delaylink.py" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+JOIN_PY = ("import torch.distributed as dist, hhook; hhook.init_distributed(backend='gloo', timeout_s=60); "
+           "dist.barrier(); print('joined', dist.get_rank()); dist.destroy_process_group()")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+                    reason="needs root and iproute2 (network namespaces)")
+def test_ranks_join_on_the_emulated_cluster_without_torch_s_socket_warnings():
+    """Two ranks of ``hhook.init_distributed`` on the emulated cluster (a cluster of its
+    own, ``HH_PREFIX``, beside any other) print nothing: c10d's store client names the
+    IPv4-mapped form of MASTER_ADDR (``::ffff:10.x``) through getnameinfo, and before
+    ``up`` wrote that form into the nodes' hosts files each rank logged "The hostname of
+    the client socket cannot be retrieved. err=-3" (issue 61, item 8: the demo's two
+    warnings)."""
+    env = {**os.environ, "HH_PREFIX": "tsw", "HH_SUBNET": "10.79.61", "MASTER_PORT": "29561",
+           "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT])}
+    try:
+        up = subprocess.run(["bash", NETCLUSTER, "up", "2", "none"], env=env, capture_output=True, text=True,
+                            timeout=60)
+        assert up.returncode == 0, up.stderr
+        job = subprocess.run(["bash", NETCLUSTER, "launch", "2", sys.executable, "-c", JOIN_PY], env=env,
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        subprocess.run(["bash", NETCLUSTER, "down"], env=env, capture_output=True, timeout=60)
+    assert job.returncode == 0 and sorted(job.stdout.split("\n"))[-2:] == ["joined 0", "joined 1"], job
+    assert job.stderr == "", job.stderr

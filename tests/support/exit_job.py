@@ -8,7 +8,9 @@ r"""A job that finishes, then ends as PyTorch documents or simply returns: it mu
 chains a callback on hhook's future that takes that long, so the thread completing the
 future is still busy when the main thread goes on (it reaches the exit first, every time).
 ``--end destroy`` (default) calls ``dist.destroy_process_group()``, ``--end return`` does
-not. Each rank prints ``rank R: ok <relative error>``.
+not. ``--late-s``: rank r ends that many seconds after rank r - 1 (rank 0, the store's
+host where the job is launched without torchrun, first). Each rank prints ``rank R: ok
+<relative error>``.
 """
 
 from __future__ import annotations
@@ -70,12 +72,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--bits", default="auto", type=lambda v: int(v) if v.isdigit() else v, help="DDP: the hook's bits")
     p.add_argument("--end", choices=("destroy", "return"), default="destroy")
+    p.add_argument("--late-s", type=float, default=0.0)
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     value = (_thc if args.what == "thc" else _ddp)(args, rank, world)
     print(f"rank {rank}: ok {value:.4f}", flush=True)
+    time.sleep(args.late_s * rank)
     if args.end == "destroy":
         dist.destroy_process_group()
 

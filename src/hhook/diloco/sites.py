@@ -149,12 +149,14 @@ def say_finished(sites: Sites, tag: str, position: int) -> None:
     has: ConfigMismatchError on every rank where a site finished after another count, or
     did not finish in time (it trains on: the sites ran different numbers of steps)."""
     store, me = dist.distributed_c10d._get_default_store(), dist.get_rank()
-    store.set(_finish_key(tag, me), str(position))
     ring = dist.get_process_group_ranks(sites.ring)
+    with liveness.store_calls("hhook.diloco's finish", ring):
+        store.set(_finish_key(tag, me), str(position))
     limit = timeout_of(sites.ring).total_seconds()
     deadline = time.monotonic() + limit
     while True:
-        said = finished(sites, tag)
+        with liveness.store_calls("hhook.diloco's finish", ring):
+            said = finished(sites, tag)
         if len(said) == len(ring) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -220,10 +222,11 @@ def find_sites(ranks_per_site: int | str = "auto", timeout: datetime.timedelta |
         return Sites(0, local, 1, k, dist.group.WORLD, None, members)
     kw = {"timeout": timeout_of(None) if timeout is None else timeout}  # torch's own default is 30 min
     groups = {}
-    for i, node in enumerate(members):  # the same calls in the same order on every rank
-        groups[("site", i)] = dist.new_group(list(node), **kw)
-    for j in range(k):
-        groups[("ring", j)] = dist.new_group([node[j] for node in members], **kw)
+    with liveness.store_calls("hhook.diloco's groups of sites", range(world)):  # they meet through the store
+        for i, node in enumerate(members):  # the same calls in the same order on every rank
+            groups[("site", i)] = dist.new_group(list(node), **kw)
+        for j in range(k):
+            groups[("ring", j)] = dist.new_group([node[j] for node in members], **kw)
     return Sites(site, local, len(members), k, groups[("site", site)], groups[("ring", local)], members)
 
 

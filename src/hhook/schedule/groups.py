@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
+from . import liveness
 from .blame import blame
 
 _lock = threading.Lock()
@@ -214,14 +215,17 @@ class SecondGroup:
         # The parent's timeout: a stalled peer fails these SUMs when it fails the job's own
         # collectives, not 30 minutes later.
         self.timeout = timeout = timeout_of(parent)
-        if device_type == "cuda" and not _gloo_for_cuda(parent):
-            if not dist.is_nccl_available():
-                raise RuntimeError("hhook: CUDA tensors need NCCL for the agreed-scale SUMs")
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.backend = dist.ProcessGroupNCCL(store, rank, size, options)
-        else:
-            self.backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+        # The backend's ranks meet through the store: its host gone raises hhook's error.
+        with liveness.store_calls(f"the set-up of hhook's second communicator of group {parent.group_name!r}",
+                                  dist.get_process_group_ranks(parent)):
+            if device_type == "cuda" and not _gloo_for_cuda(parent):
+                if not dist.is_nccl_available():
+                    raise RuntimeError("hhook: CUDA tensors need NCCL for the agreed-scale SUMs")
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self.backend = dist.ProcessGroupNCCL(store, rank, size, options)
+            else:
+                self.backend = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.parent = parent
         self.parent_name = parent.group_name
         self.ranks = dist.get_process_group_ranks(parent)

@@ -230,7 +230,7 @@ def _arrive(group, what: str) -> None:
             return
         here = [r for r in range(world) if store.check([f"{prefix}{r}"])]
     except Exception as exc:  # noqa: BLE001 - the store's host is gone or stalled
-        raise _store_failed(exc, what, ranks) from exc
+        raise liveness.store_failed(exc, what, ranks) from exc
     came, missing = [ranks[r] for r in here], [ranks[r] for r in range(world) if r not in here]
     if gone:
         raise _lost(gone, f"before reaching {what}, where {_said(came)} waited")
@@ -254,16 +254,3 @@ def _lost(gone: dict, when: str) -> PeerLostError:
     """The error for the ranks ``gone`` (``{rank: how}``, :func:`liveness.ended`)."""
     said = "; ".join(liveness.said(r, how) for r, how in sorted(gone.items()))
     return PeerLostError(f"hhook: {said}, {when}: the job cannot go on with this group; restart it (from a checkpoint)")
-
-
-def _store_failed(exc: BaseException, what: str, ranks: list[int]) -> Exception:
-    """The job's store failed under ``what``: hhook's error naming this rank, and the
-    rank whose process ended where the liveness connections tell."""
-    me = dist.get_rank()
-    gone, silent = liveness.ended([r for r in ranks if r != me]), liveness.quiet([r for r in ranks if r != me])
-    cause = "; ".join(liveness.said(r, how) for r, how in sorted(gone.items())) or (
-        f"{_said(silent)} {_verb(silent, 'is')} silent (stopped, swapping, or stuck)" if silent else
-        "its host (the rank that runs the store, rank 0 unless the launcher's) is gone or does not answer")
-    kind = PeerTimeoutError if not gone and "timeout" in str(exc).lower() else PeerLostError
-    return kind(f"hhook: rank {me}: the job's store failed in {what}: {cause}. The job cannot go on; restart it "
-                f"(from a checkpoint). Store: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")

@@ -24,6 +24,7 @@ earlier attempt of torchrun's store is never read.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -34,6 +35,8 @@ import threading
 import time
 
 import torch.distributed as dist
+
+from .. import errors
 
 #: Seconds between heartbeats; a peer silent for QUIET_S is stopped (or far behind).
 BEAT_S, QUIET_S = 1.0, 4.0
@@ -111,6 +114,31 @@ def said(rank: int, how: str) -> str:
     if how == LEFT:
         return f"rank {rank} left the job normally (its program finished or destroyed its process group)"
     return f"rank {rank} died (killed, out of memory, preempted: its connection closed without a goodbye)"
+
+
+def store_failed(exc: BaseException, what: str, ranks) -> Exception:
+    """:func:`hhook.errors.store_failed` for this rank, the cause told by the connections
+    to ``ranks`` (global): the ranks whose process ended, else those silent, else the
+    store's host."""
+    me = dist.get_rank()
+    others = [r for r in ranks if r != me]
+    gone, silent = ended(others), quiet(others)
+    ranks_said = f"rank {silent[0]} is" if len(silent) == 1 else f"ranks {silent} are"
+    cause = "; ".join(said(r, how) for r, how in sorted(gone.items())) or (
+        f"{ranks_said} silent (stopped, swapping, or stuck)" if silent else
+        "its host (the rank that runs the store, rank 0 unless the launcher's) is gone or does not answer")
+    return errors.store_failed(exc, me, what, cause, ended=bool(gone))
+
+
+@contextlib.contextmanager
+def store_calls(what: str, ranks):
+    """torch's store and network errors inside (``DistStoreError``, ``DistNetworkError``;
+    not a backend's own) raise :func:`store_failed`'s error: hhook's class, this rank, the
+    cause."""
+    try:
+        yield
+    except (dist.DistStoreError, dist.DistNetworkError) as exc:
+        raise store_failed(exc, what, ranks) from exc
 
 
 def _local_address(store) -> str:

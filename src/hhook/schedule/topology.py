@@ -50,8 +50,9 @@ import torch
 import torch.distributed as dist
 
 from ..codec import rng
+from . import liveness
 from .futures import Sequencer
-from .groups import all_gather_flat, explained, timeout_of
+from .groups import all_gather_flat, explained, others_of, timeout_of
 from ..launch import launcher_layout
 from .node_memory import SHM_DIR, NodeMemory, budget_bytes, free_bytes, sweep_stale
 
@@ -425,19 +426,17 @@ def detect_topology(group=None, ranks_per_node="auto", environ=None, hostname: s
     mine: dict = {}
     # The sub-groups wait as long as the parent (new_group's default is torch's 30 minutes).
     timeout = timeout_of(group)
-    for node in plan.nodes:  # the same calls, in the same order, on every rank
-        g = dist.new_group(list(node), timeout=timeout)
-        if rank in node:
-            mine["intra"] = g
-    for node in plan.nodes:
-        g = dist.new_group(list(node), timeout=timeout)
-        if rank in node:
-            mine["gather"] = g
-    for j in range(len(plan.nodes[0])):
-        ring = [node[j] for node in plan.nodes]
-        g = dist.new_group(ring, timeout=timeout)
-        if rank in ring:
-            mine["inter"] = g
+    with liveness.store_calls("hhook's two-level sub-groups", others_of(group)):
+        for role in ("intra", "gather"):  # the same calls, in the same order, on every rank
+            for node in plan.nodes:
+                g = dist.new_group(list(node), timeout=timeout)
+                if rank in node:
+                    mine[role] = g
+        for j in range(len(plan.nodes[0])):
+            ring = [node[j] for node in plan.nodes]
+            g = dist.new_group(ring, timeout=timeout)
+            if rank in ring:
+                mine["inter"] = g
     first = plan.nodes[next(i for i, n in enumerate(plan.nodes) if rank in n)][0]
     topo = Topology(group, world, rank, plan, mine, token=records[first][8])
     if intra == "shm" or (intra == "auto" and os.environ.get("HHOOK_SHM", "1") != "0"):
