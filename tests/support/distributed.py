@@ -55,7 +55,7 @@ def free_port() -> int:
     """A port of this worker's slice (:func:`port_slice`), free now, for a rendezvous the
     caller starts right away; the next call hands out the next port."""
     ports, pid = port_slice(), os.getpid()
-    _turn.setdefault(pid, random.randrange(len(ports)))
+    _turn.setdefault(pid, random.SystemRandom().randrange(len(ports)))  # not a test's seeded random
     for _ in range(len(ports)):
         port = ports[_turn[pid] % len(ports)]
         _turn[pid] += 1
