@@ -2,7 +2,9 @@
 connection takes between the pick and the job's bind (issue 56: a job's ranks, run beside
 others on xdist workers, never met)."""
 
+import re
 import socket
+from pathlib import Path
 
 from tests.support.distributed import PORTS, free_port, port_slice
 
@@ -37,3 +39,13 @@ def test_a_port_bound_now_is_skipped():
         held.bind(("", nxt))
         held.listen()
         assert free_port() != nxt
+
+
+def test_no_test_launches_a_job_on_a_fixed_port():
+    """A fixed port meets the same test of another run on a shared host (test_example.py's
+    torchrun on 29531 and mpirun on 29532 did); a job takes free_port()'s."""
+    fixed = re.compile(r"""--master-port["']?\s*,\s*["']\d|MASTER_PORT=["']?\d""")  # torchrun's, mpirun -x's
+    root = Path(__file__).resolve().parent
+    found = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if fixed.search(line)]
+    assert found == []
