@@ -228,9 +228,9 @@ def test_fsdp_case_fails_without_compressed_calls_or_a_falling_loss():
 
 def test_a_rank_job_writes_its_traceback(tmp_path):
     """rank_main itself: what a rank raises lands in its result file, and it exits 1."""
-    from hhook.launch import free_port
+    from tests.support.distributed import free_port
 
-    job = dict(kind="fsdp", rank=0, world=1, backend="gloo", device="cpu", port=free_port("127.0.0.1"), steps=1,
+    job = dict(kind="fsdp", rank=0, world=1, backend="gloo", device="cpu", port=free_port(), steps=1,
                cases=[{"name": "bad", "register": "no such case"}], result=str(tmp_path / "r.json"), pg_timeout=30)
     done = subprocess.run([sys.executable, str(ROOT / "ci" / "gpu_check.py"), "--rank-job", json.dumps(job)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

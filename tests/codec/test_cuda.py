@@ -77,15 +77,30 @@ def _nvcc(path, arch, flags, out):
     )
 
 
+@pytest.fixture(scope="session")
+def nvcc_ptx(tmp_path_factory):
+    """``ptx(path, arch)``: nvcc's PTX of a source (and the finished run), compiled once a
+    session: the front end is most of an nvcc run, and the tests below read one PTX twice."""
+    folder, done = tmp_path_factory.mktemp("nvcc"), {}
+
+    def ptx(path, arch):
+        if (path, arch) not in done:
+            out = folder / f"{path.stem}.{arch}.ptx"
+            done[path, arch] = _nvcc(path, arch, ["--ptx"], out), out
+        return done[path, arch]
+    return ptx
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("path", CU_FILES, ids=lambda p: p.name)
-def test_nvcc_compiles_without_spills(path, arch, tmp_path):
+def test_nvcc_compiles_without_spills(path, arch, tmp_path, nvcc_ptx):
     # --ptx is what NVRTC produces; -cubin also runs ptxas, which applies the launch
-    # bounds (register caps) and reports spills.
-    for flags in (["--ptx"], ["-cubin", "-Xptxas", "-v"]):
-        out = tmp_path / ("k.ptx" if "--ptx" in flags else "k.cubin")
-        done = _nvcc(path, arch, flags, out)
+    # bounds (register caps) and reports spills. The cubin is ptxas's of that PTX (the
+    # same bytes as nvcc -cubin from the source, without a second front-end run).
+    ptx = nvcc_ptx(path, arch)
+    cubin = _nvcc(ptx[1], arch, ["-cubin", "-Xptxas", "-v"], tmp_path / "k.cubin"), tmp_path / "k.cubin"
+    for done, out in (ptx, cubin):
         assert done.returncode == 0, done.stderr
         assert "warning" not in done.stderr.lower(), done.stderr
         assert out.stat().st_size > 0
@@ -94,7 +109,7 @@ def test_nvcc_compiles_without_spills(path, arch, tmp_path):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
-def test_float_arithmetic_keeps_subnormals_under_ftz_and_never_contracts(tmp_path):
+def test_float_arithmetic_keeps_subnormals_under_ftz_and_never_contracts(nvcc_ptx):
     """Under CuPy's -ftz=true the kernels' float operations are still the CPU's (built with
     -ffp-contract=off): no f32 instruction that flushes subnormals (.ftz: arithmetic,
     comparisons, negation, conversions), no fused multiply-add, and every add, sub, mul and
@@ -102,9 +117,9 @@ def test_float_arithmetic_keeps_subnormals_under_ftz_and_never_contracts(tmp_pat
     import re
 
     for path in CU_FILES:
-        done = _nvcc(path, "sm_90", ["--ptx"], tmp_path / "k.ptx")
+        done, out = nvcc_ptx(path, "sm_90")
         assert done.returncode == 0, done.stderr
-        ptx = (tmp_path / "k.ptx").read_text()
+        ptx = out.read_text()
         ops = re.findall(r"(?<![.%\w])([a-z]+(?:\.\w+)*\.f32)\b", ptx)  # also inside inline asm's braces
         arithmetic = [op for op in ops if op.split(".")[0] in ("add", "sub", "mul", "div")]
         assert len(arithmetic) > 100, sorted(set(ops))

@@ -18,6 +18,9 @@ from hhook.decision import Prober
 from tests.support.distributed import run_world
 
 MODES = ["agreed", "predicted"]
+#: The compiled runs share one world (:func:`compiled_runs`, at the end): their tests stay on
+#: one xdist worker, the eager ones of the same functions go to any.
+ONE_WORLD = pytest.mark.xdist_group("tests/decision/test_decision_ddp.py::compiled_runs")
 
 
 # -- multi-rank DDP on a fake clock ------------------------------------------------
@@ -145,11 +148,12 @@ def _plain_loss(rank, world):
 
 
 @pytest.mark.parametrize("scales", MODES)
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_register_default_decides_alike_on_every_rank(scales, compiled):
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=ONE_WORLD)], ids=["eager", "compiled"])
+def test_register_default_decides_alike_on_every_rank(scales, compiled, request):
     if compiled and scales == "predicted":
         pytest.skip("compiled DDP is run once, with the default scales (the hook sees the same buckets)")
-    res = run_world(_ddp_worker, 2, scales, compiled, timeout=400)
+    res = request.getfixturevalue("compiled_runs")("register") if compiled else \
+        run_world(_ddp_worker, 2, scales, compiled, timeout=400)
     assert res[0]["methods"] == res[1]["methods"]  # lockstep, though rank 1 measured 10x apart
     for r in res:
         assert r["in_sync"]
@@ -410,15 +414,16 @@ def _saving_worker(rank, world, scales, compiled, steps):
     return out
 
 
-@pytest.mark.parametrize("scales, compiled", [("agreed", False), ("predicted", False), ("agreed", True)],
+@pytest.mark.parametrize("scales, compiled", [("agreed", False), ("predicted", False),
+                                             pytest.param("agreed", True, marks=ONE_WORLD)],
                          ids=["agreed", "predicted", "agreed-compiled"])
-def test_state_dict_on_any_rank_at_any_time_changes_nothing(scales, compiled):
+def test_state_dict_on_any_rank_at_any_time_changes_nothing(scales, compiled, request):
     """Rank 0 saving alone (the usual torch.save pattern), every rank saving every step (twice
     in some), or nobody saving: the same methods and the same parameters on every rank and
     in every run. Saving on rank 0 alone made every rank raise ConfigMismatchError a few
     iterations later (the save moved that rank's reductions in flight into the decision)."""
-    steps = 200 if not compiled else 60
-    res = run_world(_saving_worker, 2, scales, compiled, steps, timeout=900)
+    res = request.getfixturevalue("compiled_runs")("saving") if compiled else \
+        run_world(_saving_worker, 2, scales, compiled, 200, timeout=900)
     for r in res:
         for saves in SAVES:
             assert r[saves]["in_sync"] and r[saves]["world"] == {2.0}, saves
@@ -493,14 +498,18 @@ def _resume_auto_worker(rank, world, options, compiled):
 
 @pytest.mark.parametrize("options, world, compiled", [
     ({}, 2, False), ({"error_feedback": True}, 2, False), ({"scales": "predicted"}, 2, False),
-    ({}, 2, True), ({"topology": 2}, 4, False), ({"topology": 2, "scales": "predicted"}, 4, False),
+    pytest.param({}, 2, True, marks=ONE_WORLD), ({"topology": 2}, 4, False),
+    ({"topology": 2, "scales": "predicted"}, 4, False),
 ], ids=["auto", "auto-feedback", "auto-predicted", "auto-compiled", "two-level", "two-level-predicted"])
-def test_default_resume_through_register_is_bit_for_bit(options, world, compiled):
+def test_default_resume_through_register_is_bit_for_bit(options, world, compiled, request):
     """Every rank saves at step 6 (mid-exploration) and resumes through
     hhook.register(new_ddp, state=loaded): the first iteration's bucket (registration
     order, one bucket) is reduced as the saved keys it holds (ready order, two buckets),
     under the width the decision says. bits="auto" skipped that and ended 4e-3 apart."""
-    for r in run_world(_resume_auto_worker, world, options, compiled, timeout=900):
+    assert not compiled or (options, world) == ({}, 2)  # the compiled run of COMPILED_RUNS
+    runs = request.getfixturevalue("compiled_runs")("resume") if compiled else \
+        run_world(_resume_auto_worker, world, options, compiled, timeout=900)
+    for r in runs:
         assert r["methods"][0] == r["methods"][1]
         assert r["decisions"][0] == r["decisions"][1] and r["decisions"][0]["phase"] == "exploit"
         assert r["identical"], r["diff"]
@@ -538,3 +547,40 @@ def test_a_held_choice_sends_what_the_fixed_method_sends(scales):
         assert auto["compressed_calls"] == fixed["compressed_calls"] and auto["dense_calls"] == fixed["dense_calls"]
         reductions = 16 // batch
         assert auto["wire_bytes"] - fixed["wire_bytes"] == reductions * 8 * (batch + 2), (auto, fixed)
+
+
+# The three compiled runs of this module (a test each, above) in one world, one after another
+# with dynamo reset between them (each compiles from scratch): a world each paid the ranks'
+# start and dynamo's first imports three times. Run when a compiled test first asks.
+COMPILED_RUNS = {"register": (_ddp_worker, ("agreed", True)), "saving": (_saving_worker, ("agreed", True, 60)),
+                 "resume": (_resume_auto_worker, ({}, True))}
+
+
+def _compiled_runs_worker(rank, world):
+    import traceback
+
+    import torch._dynamo
+
+    out = {}
+    for name, (fn, args) in COMPILED_RUNS.items():
+        torch._dynamo.reset()
+        try:
+            out[name] = (True, fn(rank, world, *args))
+        except Exception:  # this run fails its own test; the others still run
+            out[name] = (False, traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled_runs():
+    """``run(name)``: every rank's result of :data:`COMPILED_RUNS`'s ``name``; the one world
+    starts at the first call."""
+    ranks = []
+
+    def run(name):
+        if not ranks:
+            ranks.extend(run_world(_compiled_runs_worker, 2, timeout=900))
+        failed = [value for ok, value in (r[name] for r in ranks) if not ok]
+        assert not failed, "\n".join(failed)
+        return [r[name][1] for r in ranks]
+    return run

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.distributed import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_train.py"
 
@@ -20,12 +22,13 @@ def _run(launcher, hook, tmp_path, *extra):
     return json.loads(out.read_text())
 
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531"]
+def torchrun():  # a port of free_port(): a fixed one met another run's job on a shared host
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
 
 
 def test_thc_matches_fp32_accuracy_with_fewer_bytes(tmp_path):
-    fp32 = _run(TORCHRUN, "none", tmp_path)
-    thc = _run(TORCHRUN, "thc", tmp_path, "--bits", "4")
+    fp32 = _run(torchrun(), "none", tmp_path)
+    thc = _run(torchrun(), "thc", tmp_path, "--bits", "4")
     assert fp32["test_accuracy"] > 0.9
     assert thc["test_accuracy"] > fp32["test_accuracy"] - 0.03
     assert thc["wire_bytes"] == thc["thc_stats"]["wire_bytes"]
@@ -34,7 +37,8 @@ def test_thc_matches_fp32_accuracy_with_fewer_bytes(tmp_path):
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed (ci/setup.sh --full)")
 def test_example_runs_under_mpirun(tmp_path):
-    launcher = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_PORT=29532", sys.executable]
+    launcher = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", f"MASTER_PORT={free_port()}",
+                sys.executable]
     result = _run(launcher, "thc", tmp_path)
     assert result["launcher"] == "openmpi" and result["world_size"] == 2 and result["test_accuracy"] > 0.9
 

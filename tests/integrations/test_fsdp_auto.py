@@ -281,9 +281,12 @@ def _resumable(rank, world, save_at, steps=30):
     return state.stats()["decision"], state.iter, inflight_saved
 
 
+def _whole_and_resumed(rank, world):
+    return _resumable(rank, world, None), _resumable(rank, world, 9)  # one world, not two
+
+
 def test_resume_continues_the_decision_on_each_candidates_true_cost():
-    whole = run_world(_resumable, 2, None)
-    resumed = run_world(_resumable, 2, 9)
+    whole, resumed = zip(*run_world(_whole_and_resumed, 2))
     assert whole[0][0]["choice"] == "rs" and whole[0][1] == 30
     for decision, steps, inflight in resumed:
         assert steps == 30 and inflight > 0

@@ -195,17 +195,28 @@ def _train(rank, world, order, save, steps=30):
     return methods, state.stats()["decision"]["choice"], state.iter
 
 
+SAVES = (None, (7, 0), (11, 1), (24, 1))  # None: the uninterrupted job
+
+
+def _train_saved(rank, world, order):
+    """:func:`_train` without a save and with each of ``SAVES``, one after another in one
+    world (a world each cost a start of 2 ranks, four times a test)."""
+    return [_train(rank, world, order, save) for save in SAVES]
+
+
 @pytest.mark.parametrize("order", ["register, load", "load, register", "pickled"])
 def test_a_resumed_job_runs_every_step_as_the_job_that_saved(order):
     """Row 2: a state loaded before registration (or pickled) lost its decision and
     explored again (12 of 24 resumed steps ran slower candidates). Saved in the middle of
     the exploration, inside a step (between its microbatches) and after the decision,
     the resumed job runs the method of the uninterrupted job at every step."""
-    whole = run_world(_train, 2, order, None)
+    ranks = run_world(_train_saved, 2, order)
+    whole = [runs[0] for runs in ranks]
     assert whole[0] == whole[1] and whole[0][1] == "dense" and whole[0][2] == 30
     assert "mixed" not in whole[0][0] and len(set(whole[0][0])) == 3
-    for save in ((7, 0), (11, 1), (24, 1)):
-        for methods, choice, steps in run_world(_train, 2, order, save):
+    for i, save in enumerate(SAVES[1:], 1):
+        for runs in ranks:
+            methods, choice, steps = runs[i]
             assert (methods, choice, steps) == whole[0], (save, methods, whole[0][0])
 
 

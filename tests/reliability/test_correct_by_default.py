@@ -106,20 +106,56 @@ def _compile_worker(rank, world, scales, static_graph, bucket_cap_mb=25):
     return errors, state.stats()["compressed_calls"]
 
 
+# Every compile case in one world, one case after another with dynamo's caches reset between
+# them (each case compiles from scratch, as in a process of its own): a world per case paid
+# the ranks' start and dynamo's and inductor's first imports and set-up again, 7 times.
+COMPILE_CASES = {**{("plain", scales, static): (scales, static) for scales in MODES for static in (False, True)},
+                 **{("buckets", scales): (scales, False, 1) for scales in MODES}}
+
+
+def _compile_cases_worker(rank, world):
+    import traceback
+
+    import torch._dynamo
+
+    out = {}
+    for name, args in [*COMPILE_CASES.items(), ("python_reducer", None)]:
+        torch._dynamo.reset()
+        try:
+            out[name] = (True, _python_reducer_worker(rank, world) if args is None
+                         else _compile_worker(rank, world, *args))
+        except Exception:  # this case fails its own test; the other cases still run
+            out[name] = (False, traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """``case -> [what each rank returned]``: :data:`COMPILE_CASES` and the python reducer."""
+    ranks = run_world(_compile_cases_worker, 2, timeout=900)
+    return {name: [r[name] for r in ranks] for name in ranks[0]}
+
+
+def _compiled_case(compiled, name) -> list:
+    failed = [value for ok, value in compiled[name] if not ok]
+    assert not failed, "\n".join(failed)
+    return [value for _, value in compiled[name]]
+
+
 @pytest.mark.parametrize("scales", MODES)
 @pytest.mark.parametrize("static_graph", [False, True])
-def test_torch_compile_ddp_matches_plain_ddp(scales, static_graph):
-    for errors, _ in run_world(_compile_worker, 2, scales, static_graph, timeout=400):
+def test_torch_compile_ddp_matches_plain_ddp(compiled, scales, static_graph):
+    for errors, _ in _compiled_case(compiled, ("plain", scales, static_graph)):
         assert errors[0] == errors[1] == 0.0  # start_iter=2: exact
         assert max(errors[2:]) < 0.05, errors  # 8 bits
 
 
 @pytest.mark.parametrize("scales", MODES)
-def test_torch_compile_ddp_with_several_buckets(scales):
+def test_torch_compile_ddp_with_several_buckets(compiled, scales):
     """A 4.2 MB model in 1 MB buckets: dynamo's DDPOptimizer splits the compiled graph at
     their boundaries and the C++ reducer hands the hook several buckets per step (the MLP
     above fits in one bucket, so the test above never splits the graph)."""
-    for errors, calls in run_world(_compile_worker, 2, scales, False, 1, timeout=400):
+    for errors, calls in _compiled_case(compiled, ("buckets", scales)):
         assert calls >= 3 * 3, calls  # 3 compressed steps of 3 buckets (one per graph piece)
         assert errors[0] == errors[1] == 0.0
         assert max(errors[2:]) < 0.05, errors
@@ -153,7 +189,13 @@ def _python_reducer_worker(rank, world):
     inside the traced graph and drops its return value; hhook reduces exactly there."""
     import torch._dynamo
 
-    torch._dynamo.config.optimize_ddp = "python_reducer"
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):  # not for the cases after it
+        return _python_reducer_steps(rank)
+
+
+def _python_reducer_steps(rank):
+    import torch._dynamo
+
     torch.manual_seed(0)
     model, reference = MLP(), MLP()
     reference.load_state_dict(model.state_dict())
@@ -175,8 +217,8 @@ def _python_reducer_worker(rank, world):
     return errors
 
 
-def test_python_reducer_under_compiled_autograd_is_synchronised():
-    for errors in run_world(_python_reducer_worker, 2, timeout=300):
+def test_python_reducer_under_compiled_autograd_is_synchronised(compiled):
+    for errors in _compiled_case(compiled, "python_reducer"):
         assert max(errors) < 1e-6  # never left unsynchronised
 
 

@@ -8,6 +8,8 @@ import logging
 import os
 import pickle
 import queue
+import random
+import socket
 import time
 import traceback
 
@@ -20,10 +22,46 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SRC = os.path.join(ROOT, "src")  # the package (src layout); ROOT holds tests/
 
 
-def free_port() -> int:
-    from hhook.launch import free_port as free
+# The tests' rendezvous ports: below hhook.launch's job ports (29500+) and Linux's ephemeral
+# range (32768+). A port the OS hands out for bind(0) comes from the ephemeral range, where
+# every outgoing connection (each Gloo pair's, each rank's to its store) also takes its local
+# port: one picked, released, and taken by a connection before the job's store bound it left
+# a job's ranks unable to meet (issue 56). Here each xdist worker hands out its own slice in
+# turn, from a random start (other test runs on the host), skipping what is bound now.
+PORTS = (20000, 29500)
+_turn = {}  # pid -> the next port's index (a forked process starts its own turn)
 
-    return free("127.0.0.1")
+
+def port_slice(environ=os.environ) -> range:
+    """This process's ports: ``PORTS`` split among ``PYTEST_XDIST_WORKER_COUNT`` workers,
+    the slice of ``PYTEST_XDIST_WORKER`` (gwN), the whole range outside xdist."""
+    lo, hi = PORTS
+    workers = int(environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    worker = int(environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    size = (hi - lo) // max(workers, 1)
+    return range(lo + worker * size, lo + (worker + 1) * size)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A port of this worker's slice (:func:`port_slice`), free now, for a rendezvous the
+    caller starts right away; the next call hands out the next port."""
+    ports, pid = port_slice(), os.getpid()
+    _turn.setdefault(pid, random.SystemRandom().randrange(len(ports)))  # not a test's seeded random
+    for _ in range(len(ports)):
+        port = ports[_turn[pid] % len(ports)]
+        _turn[pid] += 1
+        if _bindable(port):
+            return port
+    raise RuntimeError(f"no free port in {ports}")
 
 
 def subprocess_env(**extra) -> dict:
