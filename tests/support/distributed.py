@@ -83,6 +83,11 @@ def subprocess_env(**extra) -> dict:
 # then, and ends as an interpreter does: a forked child leaves by os._exit, which skips
 # the atexit handlers (hhook's release of node shared memory among them), so _worker
 # runs them.
+# The server imports hhook before any test runs, from its own sys.path: this checkout's
+# src/ must be on its PYTHONPATH (pyproject's pythonpath reaches pytest's interpreter
+# only), or every rank runs the installed hhook instead of the code under test.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [SRC, ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (SRC, ROOT)])
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "hhook"])
 
