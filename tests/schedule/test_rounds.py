@@ -141,3 +141,34 @@ def _changed_worker(rank, world, scales):
 def test_a_key_that_every_rank_changes_alike_is_checked_again(scales):
     for err_len, err_layout in run_world(_changed_worker, 2, scales):
         assert err_len < 0.05 and err_layout < 0.05, (err_len, err_layout)
+
+
+def _diloco_late_worker(rank, world):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 100)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = hhook.diloco.DiLoCo(model, opt, sites=1, every=2, bits=4, overlap=1)
+    launches = []
+    for step in range(6):
+        model(torch.randn(4, 200)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 2 == 1:  # the step whose outer.step() launches the fragment
+            dist.barrier()
+            if rank == 1:
+                time.sleep(1.0)
+            start = time.perf_counter()
+            outer.step()
+            launches.append(time.perf_counter() - start)
+        else:
+            outer.step()
+    outer.finish()
+    return launches
+
+
+def test_a_diloco_launch_does_not_wait_for_a_late_site():
+    """With site 1 a second late, site 0's step that launches a fragment's exchange (THC,
+    overlap 1: merged a step later) returns at once, the first launch included."""
+    launches, _ = run_world(_diloco_late_worker, 2)
+    print(f"\nDiLoCo launches with a site 1 s late: {', '.join(f'{t * 1e3:.2f} ms' for t in launches)}")
+    assert max(launches) < 0.2, launches

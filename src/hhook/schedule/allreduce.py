@@ -10,7 +10,7 @@ import torch
 
 from .call_check import checked_allreduce_async, expanded
 from .dense import check_dtype
-from .flat import check_tensor
+from .flat import check_tensor, second_group
 
 
 def check_expanded(tensor: torch.Tensor) -> None:
@@ -62,6 +62,16 @@ def thc_allreduce_async(tensor: torch.Tensor, state, key=None, layout=None) -> t
     check_dtype(tensor)
     check_expanded(tensor)
     return ctx.schedule(ctx, tensor, key, layout)
+
+
+def connect(state, device) -> None:
+    """What ``state``'s first exchange on ``device`` would wait for, done now, blocking, on
+    every rank of its group: the options handshake, the node layout and the second
+    communicator. After it every :func:`thc_allreduce_async` on a flat layout returns at
+    once (:mod:`hhook.diloco` calls it at its common start)."""
+    ctx = state.context()
+    if ctx.world_size > 1 and ctx.inter is None:
+        second_group(ctx, torch.device(device))
 
 
 def thc_allreduce(tensor: torch.Tensor, state, key=None) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..codec.layout import SUPPORTED_DTYPES
 from ..scales.message import CallChanged
-from .flat import flat_allreduce_async, second_group
+from .flat import flat_allreduce_async, pieces, second_group
 from .futures import Sequencer, attach, new_future, settle, value_of
 from .groups import pair, pair_agrees
 from .handshake import call_number, digest, encode, named
@@ -74,7 +74,7 @@ def checked_allreduce_async(ctx, tensor: torch.Tensor, key, layout) -> torch.fut
     if tensor.numel() == 0 or tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES or expanded(tensor) \
             or ctx.inter is not None:
         done = new_future(tensor)
-        _run(ctx, tensor, fields, number, done, second_group(ctx, tensor.device), None)
+        _run(ctx, tensor, (fields, number), done, second_group(ctx, tensor.device), None)
         done.wait()
         return None
     if layout is None:
@@ -84,7 +84,8 @@ def checked_allreduce_async(ctx, tensor: torch.Tensor, key, layout) -> torch.fut
     sequencer, result = ctx.runtime.sequencer, new_future(tensor)
     if record is None:
         second, ticket = second_group(ctx, tensor.device), sequencer.ticket()
-        sequencer.launch(ticket, lambda: _run(ctx, tensor, fields, number, result, second, (key, layout, signature)))
+        exchange = (key, layout, signature, _calls(ctx, tensor))
+        sequencer.launch(ticket, lambda: _run(ctx, tensor, (fields, number), result, second, exchange))
         return result
     changed = None if record.signature == signature else CallChanged("hhook: this rank's call changed")
     if changed is None:
@@ -92,6 +93,7 @@ def checked_allreduce_async(ctx, tensor: torch.Tensor, key, layout) -> torch.fut
     else:  # filler of the verified size: the sizes meet, the prefix says why
         filler = torch.zeros(record.numel, dtype=record.dtype, device=tensor.device)
         fut = flat_allreduce_async(ctx, filler, key, record.layout, changed)
+        redo = (key, layout, signature, _calls(ctx, tensor))  # should every rank have changed
     spare = sequencer.ticket()  # after the exchange's own: a redo's turn, should every rank have changed
 
     def done(f: torch.futures.Future) -> None:
@@ -101,8 +103,7 @@ def checked_allreduce_async(ctx, tensor: torch.Tensor, key, layout) -> torch.fut
             if changed is not None and exc.count == ctx.world_size:  # every rank: check and exchange again
                 second = ctx.runtime.second.get(tensor.device.type)
                 if second is not None:
-                    sequencer.launch(spare, lambda: _run(ctx, tensor, fields, number, result, second,
-                                                         (key, layout, signature)))
+                    sequencer.launch(spare, lambda: _run(ctx, tensor, (fields, number), result, second, redo))
                     return
             sequencer.launch(spare, None)
             what = f"{WHAT} (key {key!r}, which its last exchange verified)"
@@ -119,13 +120,13 @@ def checked_allreduce_async(ctx, tensor: torch.Tensor, key, layout) -> torch.fut
     return result
 
 
-def _run(ctx, tensor: torch.Tensor, fields: tuple, number: int, result: torch.futures.Future, second,
-         exchange: tuple | None) -> None:
+def _run(ctx, tensor: torch.Tensor, call: tuple, result: torch.futures.Future, second, exchange: tuple | None) -> None:
     """In the call's turn of the group's sequencer, which holds later tickets back until
     this call's collectives are launched: the check round on ``second`` and, from its
-    continuation, the exchange (``(key, layout, signature)``; None: complete ``result``
-    with None once the check passed). Never waits."""
-    sequencer = ctx.runtime.sequencer
+    continuation, the exchange (``(key, layout, signature, call numbers)``; None: complete ``result``
+    with None once the check passed). ``call``: its fields and :func:`call_number`. Never
+    waits."""
+    (fields, number), sequencer = call, ctx.runtime.sequencer
     sequencer.hold()
     try:
         vector = pair(digest(encode(fields)), tensor.device if tensor.is_cuda else "cpu", torch.int32)
@@ -152,21 +153,28 @@ def _run(ctx, tensor: torch.Tensor, fields: tuple, number: int, result: torch.fu
             sequencer.resume()
             result.set_result(None)
             return
-        key, layout, signature = exchange
-        own = Sequencer()  # the exchange's SUMs, in its pieces' order, while the group's holds
+        key, layout, signature, calls = exchange
+        own = Sequencer()  # the exchange's collectives, in its pieces' order, while the group's holds
         try:
-            fut = flat_allreduce_async(ctx, tensor, key, layout, lane=(second, own))
+            fut = flat_allreduce_async(ctx, tensor, key, layout, lane=(second, own, calls))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
             sequencer.resume()
             result.set_exception(exc)
             return
         own.launch(own.ticket(), sequencer.resume)  # once its collectives are all launched
-        attach(fut, lambda g: settle(result, _verified, ctx, key, signature, g), ctx.group)
+        attach(fut, lambda g: settle(result, _record, ctx, key, signature, g), ctx.group)
 
     attach(work.get_future(), checked, ctx.group)
 
 
-def _verified(ctx, key, signature: tuple, fut: torch.futures.Future):
+def _calls(ctx, tensor: torch.Tensor):
+    """The call numbers (rounding streams, the same on every rank) of the pieces of an
+    exchange encoded later in a continuation, drawn now, in call order."""
+    count = len(pieces(tensor.numel(), tensor.device, ctx.piece_limit, ctx.block_size))
+    return iter([ctx.counters.next_call() for _ in range(count)])
+
+
+def _record(ctx, key, signature: tuple, fut: torch.futures.Future):
     """The exchange's value; its key's record, before any waiter can call the key again."""
     value = fut.value()
     if key is not None:

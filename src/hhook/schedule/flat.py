@@ -144,8 +144,27 @@ def flat_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, layou
 
 
 def _on(group):
-    """``all_reduce(tensor, op)`` on ``group`` from this thread, as a second communicator's."""
-    return lambda tensor, op: dist.all_reduce(tensor, op, group=group, async_op=True)
+    """``all_reduce(tensor, op)`` on ``group`` from this thread: its future."""
+    return lambda tensor, op: dist.all_reduce(tensor, op, group=group, async_op=True).get_future()
+
+
+def _in_turn(comm, sequencer):
+    """``all_reduce(tensor, op)`` on ``comm`` (a second communicator) in a ticket's turn of
+    ``sequencer``, drawn now: a future of it (a lane's MAXes and SUMs share one order)."""
+
+    def launch(tensor: torch.Tensor, op) -> torch.futures.Future:
+        ticket, fut = sequencer.ticket(), new_future(tensor)
+
+        def run() -> None:
+            try:
+                attach(comm.all_reduce(tensor, op).get_future(), lambda g: settle(fut, g.value), comm.parent)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                fut.set_exception(exc)
+
+        sequencer.launch(ticket, run, stream_of(tensor))
+        return fut
+
+    return launch
 
 
 def _marked(words: torch.Tensor, changed) -> torch.Tensor:
@@ -161,9 +180,10 @@ def _reduce(ctx: CallContext, target: torch.Tensor, key, layout, failed=None, la
     communicator, in hook order. Nothing waits; the returned future completes in the
     SUM's continuation."""
     runtime, group, policy = ctx.runtime, ctx.group, ctx.policy
-    first, sequencer = (lane[0].all_reduce, lane[1]) if lane else (_on(group), runtime.sequencer)
+    first, sequencer = (_in_turn(*lane[:2]), lane[1]) if lane else (_on(group), runtime.sequencer)
     changed = failed if isinstance(failed, message.CallChanged) else None
-    plan = policy.begin(target, key, ctx.rank, ctx.world_size, ctx.counters.next_call(), ctx.config, layout, failed)
+    call = next(lane[2]) if lane else ctx.counters.next_call()  # drawn in call order, the same on every rank
+    plan = policy.begin(target, key, ctx.rank, ctx.world_size, call, ctx.config, layout, failed)
     defer = runtime.defer if target.is_cuda or runtime.defer_on_cpu else None
     what = f"the THC allreduce of {target.numel()} elements (key {key!r})"
 
@@ -178,10 +198,9 @@ def _reduce(ctx: CallContext, target: torch.Tensor, key, layout, failed=None, la
     if plan.max_vector is None:  # predicted scales: one round
         words = _marked(policy.finish(plan), changed)
         ctx.counters.add("compressed_calls", 4 * target.numel(), words.nbytes)
-        fut = first(words, dist.ReduceOp.SUM).get_future()
+        fut = first(words, dist.ReduceOp.SUM)
         return then(fut, lambda value: decode(value[0]), target, f"the SUM of the codes of {what}", group)
 
-    ticket = sequencer.ticket()
     second = lane[0] if lane else second_group(ctx, target.device)
     length = policy.message_numel(plan.codec, target.numel(), predicted=False)
     ctx.counters.add("compressed_calls", 4 * target.numel(), plan.max_vector.nbytes + length * plan.codec.layout.word_bits // 8)
@@ -211,11 +230,8 @@ def _reduce(ctx: CallContext, target: torch.Tensor, key, layout, failed=None, la
 
         sequencer.launch(ticket, launch, stream_of(words))
 
-    try:
-        fut = first(plan.max_vector, dist.ReduceOp.MAX)
-    except BaseException:
-        sequencer.launch(ticket, None)  # later tickets must not wait for this one
-        raise
-    attach(fut.get_future(), finish_and_sum, group)
+    fut = first(plan.max_vector, dist.ReduceOp.MAX)
+    ticket = sequencer.ticket()  # after the MAX: in a lane, the MAX's own ticket comes first
+    attach(fut, finish_and_sum, group)
     return result
 
