@@ -21,6 +21,9 @@ never waits for a peer to learn it.
   every rank issues the same collectives in the same order. A mismatch raises on every
   rank, naming each rank's values through the group's store (no collective: safe in a
   continuation).
+* Under NCCL a continuation runs where the collective is queued, and the check's verdict
+  is read on the host there: a checked call (not a verified key's) waits for it on the
+  caller's thread, as the blocking check did.
 * Calls that take no THC exchange of the flat schedule (float64, sparse, empty or
   expanded tensors, a two-level layout) wait for the same check round on the caller's
   thread, then go on as before.
@@ -129,7 +132,8 @@ def _run(ctx, tensor: torch.Tensor, call: tuple, result: torch.futures.Future, s
     (fields, number), sequencer = call, ctx.runtime.sequencer
     sequencer.hold()
     try:
-        vector = pair(digest(encode(fields)), tensor.device if tensor.is_cuda else "cpu", torch.int32)
+        host = isinstance(second.backend, dist.ProcessGroupGloo)  # read in a continuation: on the host if it can
+        vector = pair(digest(encode(fields)), "cpu" if host else tensor.device, torch.int32)
         work = second.all_reduce(vector, dist.ReduceOp.MAX)
         ctx.counters.add(None, 0, vector.nbytes)
     except BaseException as exc:  # noqa: BLE001 - handed to the waiter
@@ -139,7 +143,7 @@ def _run(ctx, tensor: torch.Tensor, call: tuple, result: torch.futures.Future, s
 
     def checked(f: torch.futures.Future) -> None:
         try:
-            value_of(f, f"the check of {WHAT}", second)
+            value_of(f, f"the check of {WHAT}", ctx.group)  # named by its group, as its MAX would be
             same = pair_agrees(vector)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
             sequencer.resume()
