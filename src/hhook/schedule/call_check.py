@@ -109,8 +109,8 @@ def checked_allreduce_async(ctx, tensor: torch.Tensor, key, layout) -> torch.fut
                     sequencer.launch(spare, lambda: _run(ctx, tensor, (fields, number), result, second, redo))
                     return
             sequencer.launch(spare, None)
-            what = f"{WHAT} (key {key!r}, which its last exchange verified)"
-            result.set_exception(named(ctx.group, fields + (("layout_crc32", zlib.crc32(repr(layout).encode())),), number, what))
+            what, crc = f"{WHAT} (key {key!r}, which its last exchange verified)", zlib.crc32(repr(layout).encode())
+            result.set_exception(named(ctx.group, fields + (("layout_crc32", crc),), number, what))
             return
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter as it is
             sequencer.launch(spare, None)
