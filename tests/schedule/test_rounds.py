@@ -172,3 +172,31 @@ def test_a_diloco_launch_does_not_wait_for_a_late_site():
     launches, _ = run_world(_diloco_late_worker, 2)
     print(f"\nDiLoCo launches with a site 1 s late: {', '.join(f'{t * 1e3:.2f} ms' for t in launches)}")
     assert max(launches) < 0.2, launches
+
+
+def _one_rank_changed_worker(rank, world, scales, change):
+    """Rank 1 calls a verified key with another length (or only another shape): the filler of
+    the verified size meets rank 0's exchange, and both raise, naming each rank's values."""
+    state = hhook.THCState(bits=4, scales=scales)
+    for _ in range(2):
+        hhook.thc_allreduce(torch.randn(5000), state, key="w")
+    x = torch.randn(8000 if change == "numel" else 5000) if rank == 1 else torch.randn(5000)
+    if change == "layout" and rank == 1:
+        x = x.view(50, 100)
+    start = time.monotonic()
+    try:
+        hhook.thc_allreduce(x, state, key="w")
+    except hhook.ConfigMismatchError as exc:
+        return str(exc), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+@pytest.mark.parametrize("change", ["numel", "layout"])
+@pytest.mark.parametrize("scales", ["predicted", "agreed"])
+def test_one_rank_that_changes_a_verified_key_fails_on_every_rank(scales, change):
+    for message, took in run_world(_one_rank_changed_worker, 2, scales, change):
+        assert message is not None and took < 5.0, (message, took)
+        if change == "numel":
+            assert "numel: 5000 on rank 0, 8000 on rank 1" in message, message
+        else:
+            assert "layout_crc32:" in message and "key 'w'" in message, message
