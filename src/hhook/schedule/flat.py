@@ -116,8 +116,9 @@ def flat_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, layou
     encoded; it takes part with filler, every other rank's future raises
     :class:`~hhook.errors.RankFailedError` and this rank's raises ``failed`` (a
     :class:`~hhook.scales.message.CallChanged`: every rank raises one, counting the ranks
-    that sent it). ``lane``: ``(communicator, sequencer)`` that every collective of the
-    call goes on, the SUMs in that sequencer's order (a checked call's exchange, launched
+    that sent it). ``lane``: ``(communicator, sequencer, call numbers)``: every collective
+    of the call goes on that second communicator in that sequencer's order, its pieces
+    encoded under those numbers, drawn at the call (a checked call's exchange, launched
     from a continuation while the group's sequencer holds: :mod:`hhook.schedule.call_check`);
     None: the first collective on ``ctx.group`` from this thread.
     """
