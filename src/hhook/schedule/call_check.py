@@ -4,8 +4,8 @@ aborts the process where payloads of different sizes meet), and the caller's thr
 never waits for a peer to learn it.
 
 * **A key that its last exchange verified** (same length, dtype, layout and options on
-  this rank as then; every rank holds the same record, made from that exchange's
-  result): no check round. The exchange is launched at once, as the hook's (one SUM
+  this rank as then; every rank holds the same record, made where the exchange's check
+  passed, on every rank alike, whatever the exchange's outcome on each): no check round. The exchange is launched at once, as the hook's (one SUM
   with predicted scales, MAX and SUM with agreed ones). A rank whose call differs sends
   filler of the *verified* size instead, marked in the prefix
   (:data:`hhook.scales.message.CHANGED`), so the sizes still meet; every rank reads how
@@ -158,6 +158,8 @@ def _run(ctx, tensor: torch.Tensor, call: tuple, result: torch.futures.Future, s
             result.set_result(None)
             return
         key, layout, signature, calls = exchange
+        if key is not None:  # every rank launches this exchange now, whatever its outcome here
+            ctx.verified[key] = Verified(signature, signature[0], signature[1], signature[2])
         own = Sequencer()  # the exchange's collectives, in its pieces' order, while the group's holds
         try:
             fut = flat_allreduce_async(ctx, tensor, key, layout, lane=(second, own, calls))
@@ -166,7 +168,7 @@ def _run(ctx, tensor: torch.Tensor, call: tuple, result: torch.futures.Future, s
             result.set_exception(exc)
             return
         own.launch(own.ticket(), sequencer.resume)  # once its collectives are all launched
-        attach(fut, lambda g: settle(result, _record, ctx, key, signature, g), ctx.group)
+        attach(fut, lambda g: settle(result, g.value), ctx.group)
 
     attach(work.get_future(), checked, ctx.group)
 
@@ -176,11 +178,3 @@ def _calls(ctx, tensor: torch.Tensor):
     exchange encoded later in a continuation, drawn now, in call order."""
     count = len(pieces(tensor.numel(), tensor.device, ctx.piece_limit, ctx.block_size))
     return iter([ctx.counters.next_call() for _ in range(count)])
-
-
-def _record(ctx, key, signature: tuple, fut: torch.futures.Future):
-    """The exchange's value; its key's record, before any waiter can call the key again."""
-    value = fut.value()
-    if key is not None:
-        ctx.verified[key] = Verified(signature, signature[0], signature[1], signature[2])
-    return value
