@@ -52,6 +52,30 @@ def test_a_skipped_ticket_releases_the_later_ones():
     assert ran == [1]
 
 
+def test_a_hold_keeps_later_tickets_back_until_resumed_from_another_thread():
+    """A checked call's turn (issue 57): its callback holds the later tickets while its
+    collectives launch from continuations; resume() from any thread lets them run."""
+    seq, ran = Sequencer(), []
+    t0, t1, t2 = seq.ticket(), seq.ticket(), seq.ticket()
+
+    def held():
+        ran.append(0)
+        seq.hold()
+
+    seq.launch(t1, lambda: ran.append(1))
+    seq.launch(t0, held)
+    seq.launch(t2, lambda: ran.append(2))
+    assert ran == [0]  # 1 and 2 wait for the hold
+    thread = threading.Thread(target=seq.resume)
+    thread.start()
+    thread.join(5)
+    assert ran == [0, 1, 2]
+    t3 = seq.ticket()
+    seq.launch(t3, lambda: (seq.hold(), seq.resume(), ran.append(3)))  # resumed inside its own callback
+    seq.launch(seq.ticket(), lambda: ran.append(4))
+    assert ran == [0, 1, 2, 3, 4]
+
+
 def test_out_of_order_completion_launches_in_ticket_order():
     rnd = random.Random(0)
     for _ in range(50):

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .. import THCState, thc_allreduce_async
 from ..errors import ConfigMismatchError, PeerLostError, PeerTimeoutError, explain
+from ..schedule.allreduce import connect
 from ..schedule.dense import count, plain_allreduce
 from ..stats import Counters
 from . import checkpoint
@@ -262,6 +263,8 @@ class DiLoCo:
                                  "forward or the first outer.step()")
             if not resumed:
                 _start_together(self.sites, self.fragments, self.outer, self._others)
+            if self.thc is not None:  # here, so that no launch waits for another site
+                connect(self.thc, self.outer[0].device)
         self.started = True
 
     # -- checkpoints and statistics ---------------------------------------------------------

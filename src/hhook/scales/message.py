@@ -11,7 +11,9 @@ The prefix is the same for every policy, so a receiver checks every message alik
 word   meaning (each rank sends; the sum over ``n`` ranks is what decode reads)
 ====== ================================================================================
 0      1: the sum is ``n``; anything else means the words were averaged, reduced with
-       Min/Max, or over another set of ranks (:class:`OpMismatchError`)
+       Min/Max, or over another set of ranks (:class:`OpMismatchError`); plus
+       :data:`CHANGED` from a rank whose call differs from what its key's last exchange
+       verified: it sends filler of the verified size (:class:`CallChanged`)
 1      status: ``1`` if this rank's tensor held inf/NaN, plus ``RANK_FAILED`` if this
        rank failed locally (out of memory, a kernel error) and sends filler instead of
        codes: every rank then raises :class:`RankFailedError` rather than one rank
@@ -40,6 +42,19 @@ from ..codec.layout import (PREFIX, RANK_FAILED, STATUS, any_failed, any_nonfini
 from ..errors import ConfigMismatchError, OpMismatchError, RankFailedError
 
 _SALT = 0x54484348  # "THCH"
+#: Added to word 0 by a rank whose call changed (:class:`CallChanged`): the sum's high
+#: part counts those ranks (below 2**15 ranks, an int32 word holds it).
+CHANGED = 1 << 16
+
+
+class CallChanged(ConfigMismatchError):
+    """A rank's call of a key differs from what the key's last exchange verified (length,
+    dtype, layout, options): ``count`` ranks said so in the exchange's prefix, whose filler
+    (of the verified size) every rank then refuses (:mod:`hhook.schedule.call_check`)."""
+
+    def __init__(self, message: str, count: int = 0):
+        super().__init__(message)
+        self.count = count
 
 
 @functools.lru_cache(maxsize=4096)
@@ -72,6 +87,10 @@ def read_prefix(sums: torch.Tensor, world_size: int, fps: tuple[int, int], what:
 
 def check_prefix(count, status, fp_a, fp_b, chunks, world_size, fps, dtype, what) -> Verdict:
     n = world_size
+    changed = int(count // CHANGED) if count >= CHANGED else 0
+    if changed:
+        raise CallChanged(f"hhook: {changed} rank(s) called this key with another tensor or options than its last "
+                          f"exchange verified (this rank: {what})", changed)
     if count != n:
         raise OpMismatchError(
             f"The compressed tensor came back with count word {count:g} instead of the world size {n}: "

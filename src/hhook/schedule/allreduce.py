@@ -8,25 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from .call_check import checked_allreduce_async, expanded
 from .dense import check_dtype
-from .flat import check_tensor
-from .handshake import agree
-
-
-def call_fields(tensor: torch.Tensor) -> tuple:
-    """What every rank of a :func:`thc_allreduce_async` call must hand in alike."""
-    return (("runs", "thc_allreduce"), ("numel", tensor.numel()), ("dtype", str(tensor.dtype)[6:]),
-            ("sparse", tensor.is_sparse), ("expanded", _expanded(tensor)))
-
-
-def _expanded(tensor: torch.Tensor) -> bool:
-    """Whether elements share memory (a stride 0, as ``expand`` makes): no in-place mean."""
-    return not tensor.is_sparse and any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape))
+from .flat import check_tensor, second_group
 
 
 def check_expanded(tensor: torch.Tensor) -> None:
-    """Refuse, on every rank (after the call's handshake), a tensor whose elements share memory."""
-    if _expanded(tensor):
+    """Refuse, on every rank (after the call's check), a tensor whose elements share memory."""
+    if expanded(tensor):
         raise ValueError(
             f"hhook averages the tensor in place, but this one is expanded (shape {tuple(tensor.shape)}, strides "
             f"{tensor.stride()}): several of its elements are one memory location, which cannot hold different "
@@ -42,28 +31,47 @@ def thc_allreduce_async(tensor: torch.Tensor, state, key=None, layout=None) -> t
     for error feedback and predicted scales (a DDP bucket index, a parameter name) and
     must be stable across steps; ``None`` (the default) carries nothing from one call to
     the next, so every call takes an agreed round. ``layout`` says what the key holds
-    (default: the tensor's shape and dtype); when it changes the key's state starts afresh. A tensor above ``state``'s
-    ``chunk_mb`` travels in pieces, each encoded while the previous one is on the wire.
+    (default: the tensor's shape and dtype); when it changes the key's state starts
+    afresh. A tensor above ``state``'s ``chunk_mb`` travels in pieces, each encoded while the previous one is on the wire.
     Call it in the same order on every rank, and wait for a key's future before reducing
     that key again (its decode updates the key's state). If any rank's tensor holds inf
     or NaN, every rank's result is all NaN. In a world of one rank the tensor is returned
     as it is. With ``THCState(topology=...)`` finding several nodes the tensor is averaged
     two-level (:mod:`hhook.schedule.two_level`), with the same guarantees.
 
-    Before anything is sent, the ranks agree on the call (blocking, one small collective:
-    :mod:`hhook.schedule.handshake`): a rank whose tensor has another length, dtype or
-    layout raises :class:`~hhook.errors.ConfigMismatchError` on every rank, naming each
-    rank's. float32, float16 and bfloat16 tensors are compressed; float64 and sparse
-    tensors take an exact plain allreduce (one log line says so, once); any other dtype
-    (integers, bool, complex) raises :class:`TypeError` on every rank, an expanded tensor
-    (elements sharing memory) :class:`ValueError`.
+    Returns at once: no peer is waited for on this thread (the state's first exchange on
+    a group excepted: the options handshake). The ranks' calls are checked in the
+    exchange (:mod:`hhook.schedule.call_check`): a key whose last exchange verified the
+    same length, dtype, layout and options takes no extra round; another call (``key``
+    None, a key's first) takes one small check round, launched, not waited for. A rank
+    whose tensor has another length or dtype (or, for a verified key, layout) makes the
+    future raise :class:`~hhook.errors.ConfigMismatchError` on every rank, naming each
+    rank's, before payloads of different sizes meet. float32, float16 and bfloat16
+    tensors are compressed; float64 and sparse tensors take an exact plain allreduce (one
+    log line says so, once); any other dtype (integers, bool, complex) raises
+    :class:`TypeError` on every rank, an expanded tensor (elements sharing memory)
+    :class:`ValueError`: these, empty tensors and two-level layouts wait for their check
+    round here.
     """
     check_tensor(tensor)
     ctx = state.context()
-    agree(ctx.group, call_fields(tensor), ctx.counters, "this thc_allreduce call", arrive=False)
+    if ctx.world_size > 1:
+        fut = checked_allreduce_async(ctx, tensor, key, layout)
+        if fut is not None:
+            return fut
     check_dtype(tensor)
     check_expanded(tensor)
     return ctx.schedule(ctx, tensor, key, layout)
+
+
+def connect(state, device) -> None:
+    """What ``state``'s first exchange on ``device`` would wait for, done now, blocking, on
+    every rank of its group: the options handshake, the node layout and the second
+    communicator. After it every :func:`thc_allreduce_async` on a flat layout returns at
+    once (:mod:`hhook.diloco` calls it at its common start)."""
+    ctx = state.context()
+    if ctx.world_size > 1 and ctx.inter is None:
+        second_group(ctx, torch.device(device))
 
 
 def thc_allreduce(tensor: torch.Tensor, state, key=None) -> torch.Tensor:

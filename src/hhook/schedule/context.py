@@ -111,7 +111,9 @@ class CallContext:
     :func:`hhook.schedule.two_level.two_level_allreduce_async` where ``topo`` found several
     nodes); ``inter``: two-level, the context of this rank's shard between nodes (its
     group, ``topo.inter_group``), else None; ``topo``: the node layout (None where no
-    layout was asked for: FSDP's groups)."""
+    layout was asked for: FSDP's groups); ``verified``: key -> what its last
+    ``thc_allreduce`` exchange verified on every rank
+    (:class:`hhook.schedule.call_check.Verified`)."""
 
     group: object
     rank: int
@@ -128,3 +130,4 @@ class CallContext:
     intra_counters: Counters | None = None
     topo: Topology | None = None
     inter: "CallContext | None" = None
+    verified: dict = dataclasses.field(default_factory=dict)

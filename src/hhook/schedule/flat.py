@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..codec import warm_up
 from ..codec.layout import SUPPORTED_DTYPES
+from ..scales import message
 from .context import CallContext, check_deferred
 from .dense import dense_allreduce
 from .futures import attach, completed, new_future, settle, stream_of, then, value_of
@@ -108,12 +109,18 @@ def second_group(ctx: CallContext, device: torch.device) -> SecondGroup:
 
 
 def flat_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, layout=None,
-                         failed: BaseException | None = None) -> torch.futures.Future:
+                         failed: BaseException | None = None, lane=None) -> torch.futures.Future:
     r""":func:`hhook.thc_allreduce_async` over ``ctx.group``, every rank a peer (its contract,
     documented there). Pieces of a tensor above ``ctx.piece_limit`` travel under the keys
     ``(key, 0)``, ``(key, 1)``, ... ``failed``: this rank failed before the tensor could be
     encoded; it takes part with filler, every other rank's future raises
-    :class:`~hhook.errors.RankFailedError` and this rank's raises ``failed``.
+    :class:`~hhook.errors.RankFailedError` and this rank's raises ``failed`` (a
+    :class:`~hhook.scales.message.CallChanged`: every rank raises one, counting the ranks
+    that sent it). ``lane``: ``(communicator, sequencer, call numbers)``: every collective
+    of the call goes on that second communicator in that sequencer's order, its pieces
+    encoded under those numbers, drawn at the call (a checked call's exchange, launched
+    from a continuation while the group's sequencer holds: :mod:`hhook.schedule.call_check`);
+    None: the first collective on ``ctx.group`` from this thread.
     """
     if any(runtime.pending for runtime, _ in ctx.deferred):
         check_deferred(ctx.deferred)
@@ -126,10 +133,10 @@ def flat_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, layou
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
     parts = pieces(target.numel(), target.device, ctx.piece_limit, ctx.block_size)
     if len(parts) == 1:
-        fut = _reduce(ctx, target, key, layout, failed)
+        fut = _reduce(ctx, target, key, layout, failed, lane)
     else:
         flat = target.view(-1)
-        futures = [_reduce(ctx, flat[start:stop], None if key is None else (key, i), layout, failed)
+        futures = [_reduce(ctx, flat[start:stop], None if key is None else (key, i), layout, failed, lane)
                    for i, (start, stop) in enumerate(parts)]
         fut = _all(futures, target, [start for start, _ in parts])
     if target is tensor:
@@ -137,30 +144,65 @@ def flat_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, layou
     return then(fut, tensor.copy_, tensor)
 
 
-def _reduce(ctx: CallContext, target: torch.Tensor, key, layout, failed=None) -> torch.futures.Future:
+def _on(group):
+    """``all_reduce(tensor, op)`` on ``group`` from this thread: its future."""
+    return lambda tensor, op: dist.all_reduce(tensor, op, group=group, async_op=True).get_future()
+
+
+def _in_turn(comm, sequencer):
+    """``all_reduce(tensor, op)`` on ``comm`` (a second communicator) in a ticket's turn of
+    ``sequencer``, drawn now: a future of it (a lane's MAXes and SUMs share one order)."""
+
+    def launch(tensor: torch.Tensor, op) -> torch.futures.Future:
+        ticket, fut = sequencer.ticket(), new_future(tensor)
+
+        def run() -> None:
+            try:
+                attach(comm.all_reduce(tensor, op).get_future(), lambda g: settle(fut, g.value), comm.parent)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                fut.set_exception(exc)
+
+        sequencer.launch(ticket, run, stream_of(tensor))
+        return fut
+
+    return launch
+
+
+def _marked(words: torch.Tensor, changed) -> torch.Tensor:
+    """A changed call's filler says so in word 0 (:data:`hhook.scales.message.CHANGED`)."""
+    if changed is not None:
+        words[0] += message.CHANGED
+    return words
+
+
+def _reduce(ctx: CallContext, target: torch.Tensor, key, layout, failed=None, lane=None) -> torch.futures.Future:
     """One tensor (or piece) through the policy: one SUM round when its scales are
     predicted, else a MAX round whose continuation launches the SUM on the second
     communicator, in hook order. Nothing waits; the returned future completes in the
     SUM's continuation."""
     runtime, group, policy = ctx.runtime, ctx.group, ctx.policy
-    plan = policy.begin(target, key, ctx.rank, ctx.world_size, ctx.counters.next_call(), ctx.config, layout, failed)
+    first, sequencer = (_in_turn(*lane[:2]), lane[1]) if lane else (_on(group), runtime.sequencer)
+    changed = failed if isinstance(failed, message.CallChanged) else None
+    call = next(lane[2]) if lane else ctx.counters.next_call()  # drawn in call order, the same on every rank
+    plan = policy.begin(target, key, ctx.rank, ctx.world_size, call, ctx.config, layout, failed)
     defer = runtime.defer if target.is_cuda or runtime.defer_on_cpu else None
     what = f"the THC allreduce of {target.numel()} elements (key {key!r})"
 
     def decode(sums: torch.Tensor) -> torch.Tensor:
+        if changed is not None:  # filler of the verified size: how many ranks sent one
+            changed.count = int(sums[0]) // message.CHANGED
         _, nonfinite = policy.decode(sums, plan, target, defer)
         if nonfinite is True:
             ctx.counters.add("nonfinite_calls", 0, 0)
         return target
 
     if plan.max_vector is None:  # predicted scales: one round
-        words = policy.finish(plan)
+        words = _marked(policy.finish(plan), changed)
         ctx.counters.add("compressed_calls", 4 * target.numel(), words.nbytes)
-        fut = dist.all_reduce(words, dist.ReduceOp.SUM, group=group, async_op=True).get_future()
+        fut = first(words, dist.ReduceOp.SUM)
         return then(fut, lambda value: decode(value[0]), target, f"the SUM of the codes of {what}", group)
 
-    ticket = runtime.sequencer.ticket()
-    second = second_group(ctx, target.device)
+    second = lane[0] if lane else second_group(ctx, target.device)
     length = policy.message_numel(plan.codec, target.numel(), predicted=False)
     ctx.counters.add("compressed_calls", 4 * target.numel(), plan.max_vector.nbytes + length * plan.codec.layout.word_bits // 8)
     result = new_future(target)
@@ -169,13 +211,13 @@ def _reduce(ctx: CallContext, target: torch.Tensor, key, layout, failed=None) ->
         try:
             agreed = f.value()[0]
         except BaseException as exc:  # the MAX itself failed: no rank can go on with this ticket
-            runtime.sequencer.launch(ticket, None)
+            sequencer.launch(ticket, None)
             result.set_exception(explain(exc, f"the MAX of the block scales of {what}", group))
             return
         try:
-            words = policy.finish(plan, agreed)  # by contract never raises: a local failure sends filler
+            words = _marked(policy.finish(plan, agreed), changed)  # by contract never raises: filler
         except BaseException as exc:  # noqa: BLE001 - a bug: the waiter must learn of it, not hang
-            runtime.sequencer.launch(ticket, None)
+            sequencer.launch(ticket, None)
             result.set_exception(exc)
             return
 
@@ -187,13 +229,10 @@ def _reduce(ctx: CallContext, target: torch.Tensor, key, layout, failed=None) ->
             except BaseException as exc:
                 result.set_exception(exc)
 
-        runtime.sequencer.launch(ticket, launch, stream_of(words))
+        sequencer.launch(ticket, launch, stream_of(words))
 
-    try:
-        fut = dist.all_reduce(plan.max_vector, dist.ReduceOp.MAX, group=group, async_op=True)
-    except BaseException:
-        runtime.sequencer.launch(ticket, None)  # later tickets must not wait for this one
-        raise
-    attach(fut.get_future(), finish_and_sum, group)
+    fut = first(plan.max_vector, dist.ReduceOp.MAX)
+    ticket = sequencer.ticket()  # after the MAX: in a lane, the MAX's own ticket comes first
+    attach(fut, finish_and_sum, group)
     return result
 

@@ -173,11 +173,28 @@ class Sequencer:
         self._next_launch = 0
         self._ready: dict = {}
         self._running = False  # a thread is running the ready callbacks
+        self._held = False  # a callback holds the later tickets back (:meth:`hold`)
 
     def ticket(self) -> int:
         with self._lock:
             self._next_ticket += 1
             return self._next_ticket - 1
+
+    def hold(self) -> None:
+        """From inside a callback: later tickets wait until :meth:`resume`, so that the
+        callback's own collectives, launched later from continuations of its first,
+        keep their place in the order (a checked call's check, then its exchange)."""
+        with self._lock:
+            self._held = True
+
+    def resume(self) -> None:
+        """End a :meth:`hold` (from any thread): the ready tickets run on."""
+        with self._lock:
+            self._held = False
+            if self._running:
+                return  # the running thread gets to them
+            self._running = True
+        self._drain()
 
     def launch(self, ticket: int, fn, stream: torch.cuda.Stream | None = None) -> None:
         """Run ``fn`` (None: skip the ticket) once all earlier tickets have run, under
@@ -188,13 +205,16 @@ class Sequencer:
             if not self._next_launch <= ticket < self._next_ticket or ticket in self._ready:
                 raise ValueError(f"hhook: sequencer ticket {ticket} was never drawn or was already launched")
             self._ready[ticket] = fn
-            if self._running:
-                return  # the running thread gets to it in turn
+            if self._running or self._held:
+                return  # the running thread, or the end of the hold, gets to it in turn
             self._running = True
+        self._drain()
+
+    def _drain(self) -> None:
         first_error = None
         while True:
             with self._lock:
-                if self._next_launch not in self._ready:
+                if self._held or self._next_launch not in self._ready:
                     self._running = False
                     break
                 current = self._next_launch

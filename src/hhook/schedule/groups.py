@@ -151,13 +151,22 @@ def explained(what: str, group):
 
 def agrees(group, fingerprint: float, device, counters=None, dtype: torch.dtype = torch.float32) -> bool:
     """Whether every rank of ``group`` holds ``fingerprint`` (exact in ``dtype``): a blocking
-    MAX all-reduce of ``[f, -f]``, whose two halves match only where no rank differs, so
-    every rank reaches the same answer. ``counters`` (:class:`hhook.stats.Counters`) are
-    charged the vector's bytes."""
-    vector = torch.tensor([fingerprint, -fingerprint], dtype=dtype, device=device)
+    MAX all-reduce of :func:`pair`, read by :func:`pair_agrees`, so every rank reaches the
+    same answer. ``counters`` (:class:`hhook.stats.Counters`) are charged the vector's bytes."""
+    vector = pair(fingerprint, device, dtype)
     dist.all_reduce(vector, dist.ReduceOp.MAX, group=group)
     if counters is not None:
         counters.add(None, 0, vector.nbytes)
+    return pair_agrees(vector)
+
+
+def pair(fingerprint: float, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[f, -f]``, to MAX-reduce: its two halves match afterwards only where no rank differs."""
+    return torch.tensor([fingerprint, -fingerprint], dtype=dtype, device=device)
+
+
+def pair_agrees(vector: torch.Tensor) -> bool:
+    """Whether a MAX-reduced :func:`pair` says every rank sent the same fingerprint."""
     high, low = vector.tolist()
     return high == -low
 

@@ -25,10 +25,11 @@ hook, ``thc_allreduce``, FSDP2's comms and the all-gather's options and plans), 
 3. Only where they differ, on every rank alike: an all-gather of each rank's fields as a
    fixed-size vector (:data:`WORDS` int64 words), to name them.
 
-``thc_allreduce`` runs steps 2 and 3 on every call (its tensor's length and dtype), so
-tensors of other lengths never meet in a payload collective. Step 1 runs where ranks may
-not all run hhook yet: a state's first exchange on a group, and after a checkpoint is
-loaded.
+``thc_allreduce`` checks its calls with the same digest and the same naming, without
+blocking (:mod:`hhook.schedule.call_check`): step 2 as a MAX launched in the call's turn,
+step 3 through the group's store (:func:`named`: no collective, so it is safe where a
+continuation finds the mismatch). Step 1 runs where ranks may not all run hhook yet: a
+state's first exchange on a group, and after a checkpoint is loaded.
 """
 
 from __future__ import annotations
@@ -62,7 +63,11 @@ _NONE, _INT, _BOOL, _FLOAT, _STR = range(5)
 #: Seconds between looks, while ranks have not all arrived, at whether they have or a
 #: missing one ended (a look reads the store once and this rank's liveness connections).
 LOOK_S = 0.2
+#: Seconds a rank that found a mismatch waits for the other ranks' fields in the store
+#: (every rank found it in the same collective; one that does not come is named absent).
+NAME_WAIT_S = 4.0
 _lock = threading.Lock()
+_calls: dict = {}  # (group instance, group name) -> calls checked on it by this process
 _arrivals: dict = {}  # (group instance, group name) -> handshakes this process arrived at on it
 
 
@@ -161,6 +166,38 @@ def agree(group, fields, counters=None, what: str = "hhook's options handshake",
     if counters is not None:
         counters.add(None, 0, mine.nbytes)
     raise ConfigMismatchError(_differences(rows.view(-1, WORDS).tolist(), _ranks(group), what))
+
+
+def call_number(group) -> int:
+    """The number of this call among the checked calls on ``group`` (the same on every
+    rank: every rank makes them in the same order), for :func:`named`'s keys."""
+    pg = group if group is not None else dist.group.WORLD
+    key = (liveness.instance(), pg.group_name)
+    with _lock:
+        n = _calls.get(key, 0)
+        _calls[key] = n + 1
+    return n
+
+
+def named(group, fields, number: int, what: str) -> Exception:
+    """The :class:`~hhook.errors.ConfigMismatchError` naming each field of ``fields`` that
+    differs between the ranks of ``group``, with each rank's value, for the checked call
+    ``number`` (:func:`call_number`), where every rank found that they differ: each rank
+    puts its fields in the group's store and reads the others' (no collective: safe in a
+    continuation). A rank that does not put them within :data:`NAME_WAIT_S` is named absent."""
+    pg = group if group is not None else dist.group.WORLD
+    store, ranks = dist.distributed_c10d._get_process_group_store(pg), _ranks(pg)
+    prefix = f"hhook/named/{liveness.instance()}/{pg.group_name}/{number}/"
+    words, keys = encode(fields), [f"{prefix}{r}" for r in range(len(ranks))]
+    try:
+        store.set(keys[dist.get_rank(pg)], struct.pack(f"<{WORDS}q", *words))
+        deadline = time.monotonic() + NAME_WAIT_S
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        rows = [list(struct.unpack(f"<{WORDS}q", store.get(k))) if store.check([k]) else [0, 0] for k in keys]
+    except Exception as exc:  # noqa: BLE001 - the store's host is gone or stalled
+        return _store_failed(exc, what, ranks)
+    return ConfigMismatchError(_differences(rows, ranks, what))
 
 
 def _ranks(group) -> list[int]:

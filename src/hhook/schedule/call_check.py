@@ -1,0 +1,180 @@
+r"""The per-call check of :func:`hhook.thc_allreduce_async`, riding in the exchange: the
+ranks' tensors of one call must have one length and dtype before payloads meet (Gloo
+aborts the process where payloads of different sizes meet), and the caller's thread
+never waits for a peer to learn it.
+
+* **A key that its last exchange verified** (same length, dtype, layout and options on
+  this rank as then; every rank holds the same record, made where the exchange's check
+  passed, on every rank alike, whatever the exchange's outcome on each): no check round. The exchange is launched at once, as the hook's (one SUM
+  with predicted scales, MAX and SUM with agreed ones). A rank whose call differs sends
+  filler of the *verified* size instead, marked in the prefix
+  (:data:`hhook.scales.message.CHANGED`), so the sizes still meet; every rank reads how
+  many ranks changed. Some, not all: every rank raises
+  :class:`~hhook.errors.ConfigMismatchError` naming each rank's values. All of them (a
+  key that now holds another tensor everywhere): the call is checked and exchanged again,
+  in the turn of a ticket drawn at the call (every verified call draws one; it is
+  skipped when nothing changed).
+* **Any other call** (``key=None``, a key's first call): a check round, the options
+  handshake's digest MAX-reduced (:mod:`hhook.schedule.handshake`), launched in the
+  call's turn on the second communicator (a ticket of the group's sequencer), and from
+  its continuation the exchange, while the sequencer holds later tickets back so that
+  every rank issues the same collectives in the same order. A mismatch raises on every
+  rank, naming each rank's values through the group's store (no collective: safe in a
+  continuation).
+* Under NCCL a continuation runs where the collective is queued, and the check's verdict
+  is read on the host there: a checked call (not a verified key's) waits for it on the
+  caller's thread, as the blocking check did.
+* Calls that take no THC exchange of the flat schedule (float64, sparse, empty or
+  expanded tensors, a two-level layout) wait for the same check round on the caller's
+  thread, then go on as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from ..codec.layout import SUPPORTED_DTYPES
+from ..scales.message import CallChanged
+from .flat import flat_allreduce_async, pieces, second_group
+from .futures import Sequencer, attach, new_future, settle, value_of
+from .groups import pair, pair_agrees
+from .handshake import call_number, digest, encode, named
+
+WHAT = "this thc_allreduce call"
+
+
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """What a key's last exchange verified on every rank: its filler's shape, and the
+    ``signature`` a later call must match to skip the check round."""
+
+    signature: tuple
+    numel: int
+    dtype: torch.dtype
+    layout: object
+
+
+def expanded(tensor: torch.Tensor) -> bool:
+    """Whether elements share memory (a stride 0, as ``expand`` makes): no in-place mean."""
+    return not tensor.is_sparse and any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape))
+
+
+def call_fields(tensor: torch.Tensor) -> tuple:
+    """What every rank of a :func:`thc_allreduce_async` call must hand in alike."""
+    return (("runs", "thc_allreduce"), ("numel", tensor.numel()), ("dtype", str(tensor.dtype)[6:]),
+            ("sparse", tensor.is_sparse), ("expanded", expanded(tensor)))
+
+
+def checked_allreduce_async(ctx, tensor: torch.Tensor, key, layout) -> torch.futures.Future | None:
+    """Launch the flat THC exchange of ``tensor`` with its check (the module's three
+    cases); returns its future, or None once a call that takes another path has passed
+    its check (waited for here)."""
+    number, fields = call_number(ctx.group), call_fields(tensor)
+    if tensor.numel() == 0 or tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES or expanded(tensor) \
+            or ctx.inter is not None:
+        done = new_future(tensor)
+        _run(ctx, tensor, (fields, number), done, second_group(ctx, tensor.device), None)
+        done.wait()
+        return None
+    if layout is None:
+        layout = (tuple(tensor.shape), str(tensor.dtype))
+    signature = (tensor.numel(), tensor.dtype, layout, tensor.device.type)
+    record = ctx.verified.get(key) if key is not None else None
+    sequencer, result = ctx.runtime.sequencer, new_future(tensor)
+    if record is None:
+        second, ticket = second_group(ctx, tensor.device), sequencer.ticket()
+        exchange = (key, layout, signature, _calls(ctx, tensor))
+        sequencer.launch(ticket, lambda: _run(ctx, tensor, (fields, number), result, second, exchange))
+        return result
+    changed = None if record.signature == signature else CallChanged("hhook: this rank's call changed")
+    if changed is None:
+        fut = flat_allreduce_async(ctx, tensor, key, layout)
+    else:  # filler of the verified size: the sizes meet, the prefix says why
+        filler = torch.zeros(record.numel, dtype=record.dtype, device=tensor.device)
+        fut = flat_allreduce_async(ctx, filler, key, record.layout, changed)
+        redo = (key, layout, signature, _calls(ctx, tensor))  # should every rank have changed
+    spare = sequencer.ticket()  # after the exchange's own: a redo's turn, should every rank have changed
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            value = f.value()
+        except CallChanged as exc:
+            if changed is not None and exc.count == ctx.world_size:  # every rank: check and exchange again
+                second = ctx.runtime.second.get(tensor.device.type)
+                if second is not None:
+                    sequencer.launch(spare, lambda: _run(ctx, tensor, (fields, number), result, second, redo))
+                    return
+            sequencer.launch(spare, None)
+            what, crc = f"{WHAT} (key {key!r}, which its last exchange verified)", zlib.crc32(repr(layout).encode())
+            result.set_exception(named(ctx.group, fields + (("layout_crc32", crc),), number, what))
+            return
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter as it is
+            sequencer.launch(spare, None)
+            result.set_exception(exc)
+            return
+        sequencer.launch(spare, None)
+        result.set_result(value)
+
+    attach(fut, done, ctx.group)
+    return result
+
+
+def _run(ctx, tensor: torch.Tensor, call: tuple, result: torch.futures.Future, second, exchange: tuple | None) -> None:
+    """In the call's turn of the group's sequencer, which holds later tickets back until
+    this call's collectives are launched: the check round on ``second`` and, from its
+    continuation, the exchange (``(key, layout, signature, call numbers)``; None: complete ``result``
+    with None once the check passed). ``call``: its fields and :func:`call_number`. Never
+    waits."""
+    (fields, number), sequencer = call, ctx.runtime.sequencer
+    sequencer.hold()
+    try:
+        host = isinstance(second.backend, dist.ProcessGroupGloo)  # read in a continuation: on the host if it can
+        vector = pair(digest(encode(fields)), "cpu" if host else tensor.device, torch.int32)
+        work = second.all_reduce(vector, dist.ReduceOp.MAX)
+        ctx.counters.add(None, 0, vector.nbytes)
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+        sequencer.resume()
+        result.set_exception(exc)
+        return
+
+    def checked(f: torch.futures.Future) -> None:
+        try:
+            value_of(f, f"the check of {WHAT}", ctx.group)  # named by its group, as its MAX would be
+            same = pair_agrees(vector)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            sequencer.resume()
+            result.set_exception(exc)
+            return
+        if not same:
+            sequencer.resume()
+            result.set_exception(named(ctx.group, fields, number, WHAT))
+            return
+        if exchange is None:
+            sequencer.resume()
+            result.set_result(None)
+            return
+        key, layout, signature, calls = exchange
+        if key is not None:  # every rank launches this exchange now, whatever its outcome here
+            ctx.verified[key] = Verified(signature, signature[0], signature[1], signature[2])
+        own = Sequencer()  # the exchange's collectives, in its pieces' order, while the group's holds
+        try:
+            fut = flat_allreduce_async(ctx, tensor, key, layout, lane=(second, own, calls))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            sequencer.resume()
+            result.set_exception(exc)
+            return
+        own.launch(own.ticket(), sequencer.resume)  # once its collectives are all launched
+        attach(fut, lambda g: settle(result, g.value), ctx.group)
+
+    attach(work.get_future(), checked, ctx.group)
+
+
+def _calls(ctx, tensor: torch.Tensor):
+    """The call numbers (rounding streams, the same on every rank) of the pieces of an
+    exchange encoded later in a continuation, drawn now, in call order."""
+    count = len(pieces(tensor.numel(), tensor.device, ctx.piece_limit, ctx.block_size))
+    return iter([ctx.counters.next_call() for _ in range(count)])

@@ -1,0 +1,202 @@
+"""Rounds per call (issue 57): the per-call check of thc_allreduce rides in the exchange, and
+nothing that launches an exchange waits for a peer.
+
+Collectives are counted inside the ranks by wrapping torch.distributed's functions and the
+second communicator's ``all_reduce`` (hhook's SUMs and checks go there): a second round
+per call cannot creep back in unnoticed.
+"""
+
+import contextlib
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hhook
+import hhook.diloco
+from hhook.schedule import groups
+
+from tests.support.distributed import run_world
+
+_NAMES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "broadcast", "all_gather", "barrier")
+
+
+@contextlib.contextmanager
+def counted():
+    """Count every collective this process launches (torch.distributed's and hhook's second
+    communicator's) while inside; yields the list of their names."""
+    seen, saved = [], {}
+    for name in _NAMES:
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+        saved[name] = fn
+
+        def wrapped(*args, _fn=fn, _name=name, **kwargs):
+            seen.append(_name)
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+    second = groups.SecondGroup.all_reduce
+
+    def second_all_reduce(self, tensor, op=dist.ReduceOp.SUM):
+        seen.append("second.all_reduce")
+        return second(self, tensor, op)
+
+    groups.SecondGroup.all_reduce = second_all_reduce
+    try:
+        yield seen
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        groups.SecondGroup.all_reduce = second
+
+
+def _thc_worker(rank, world, scales):
+    state = hhook.THCState(bits=4, scales=scales)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
+    hhook.thc_allreduce(x.clone(), state, key="setup")  # the options handshake, the second communicator
+    rounds = []
+    for _ in range(5):
+        with counted() as seen:
+            hhook.thc_allreduce(x.clone(), state, key="w")
+        rounds.append(len(seen))
+    with counted() as seen:
+        hhook.thc_allreduce(x.clone(), state)  # key None: a check round, then the exchange
+    return rounds, len(seen)
+
+
+@pytest.mark.parametrize("scales, steady", [("predicted", 1), ("agreed", 2)])
+def test_a_keyed_thc_allreduce_takes_no_check_round_once_verified(scales, steady):
+    """The first call of a key: its check round and the exchange (agreed: MAX and SUM); every
+    later call: the exchange alone (predicted: one SUM; agreed: the MAX and the SUM)."""
+    for rounds, unkeyed in run_world(_thc_worker, 2, scales):
+        assert rounds[0] == 3, rounds  # check, MAX, SUM
+        assert rounds[2:] == [steady] * 3, rounds
+        assert unkeyed == 3
+
+
+def _diloco_worker(rank, world):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(20, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = hhook.diloco.DiLoCo(model, opt, sites=1, every=2, bits=4)
+    per_sync = []
+    for step in range(8):
+        model(torch.randn(4, 20)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with counted() as seen:
+            outer.step()
+        if seen:
+            per_sync.append(len(seen))
+    return per_sync
+
+
+def test_a_diloco_fragment_exchange_takes_no_check_round():
+    """Agreed scales (DiLoCo's THC state): the MAX and the SUM, nothing else, once the
+    fragment's first exchange verified its call."""
+    for per_sync in run_world(_diloco_worker, 2):
+        assert len(per_sync) == 4 and per_sync[1:] == [2, 2, 2], per_sync
+
+
+def _late_worker(rank, world, keyed):
+    state = hhook.THCState(bits=4)
+    key = "w" if keyed else None
+    hhook.thc_allreduce(torch.randn(50_000), state, key=key)  # the options handshake, the key verified
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.0)
+    start = time.perf_counter()
+    fut = hhook.thc_allreduce_async(torch.randn(50_000), state, key=key)
+    launched = time.perf_counter() - start
+    fut.wait()
+    return launched, time.perf_counter() - start
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_a_launch_returns_without_waiting_for_a_late_peer(keyed):
+    """Rank 1 calls 1 s late: rank 0's launch returns at once, its wait takes the second."""
+    (launched, waited), _ = run_world(_late_worker, 2, keyed)
+    print(f"\nlaunch with a peer 1 s late (key {'w' if keyed else None}): {launched * 1e3:.2f} ms, "
+          f"wait {waited:.3f} s")
+    assert launched < 0.2 and waited > 0.8, (launched, waited)
+
+
+def _changed_worker(rank, world, scales):
+    """Every rank changes what key "w" holds alike: checked and exchanged again, the mean right."""
+    state = hhook.THCState(bits=8, scales=scales)
+    base = torch.randn(2, 4000, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        hhook.thc_allreduce(base[rank, :3000].clone(), state, key="w")
+    y = base[rank].clone()
+    hhook.thc_allreduce(y, state, key="w")  # 4000 elements now on every rank
+    z = base[rank, :3000].clone().view(30, 100)
+    hhook.thc_allreduce(z, state, key="w")  # the same length, another layout
+    return (y - base.mean(0)).abs().max().item(), (z.reshape(-1) - base[:, :3000].mean(0)).abs().max().item()
+
+
+@pytest.mark.parametrize("scales", ["predicted", "agreed"])
+def test_a_key_that_every_rank_changes_alike_is_checked_again(scales):
+    for err_len, err_layout in run_world(_changed_worker, 2, scales):
+        assert err_len < 0.05 and err_layout < 0.05, (err_len, err_layout)
+
+
+def _diloco_late_worker(rank, world):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 100)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = hhook.diloco.DiLoCo(model, opt, sites=1, every=2, bits=4, overlap=1)
+    launches = []
+    for step in range(6):
+        model(torch.randn(4, 200)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 2 == 1:  # the step whose outer.step() launches the fragment
+            dist.barrier()
+            if rank == 1:
+                time.sleep(1.0)
+            start = time.perf_counter()
+            outer.step()
+            launches.append(time.perf_counter() - start)
+        else:
+            outer.step()
+    outer.finish()
+    return launches
+
+
+def test_a_diloco_launch_does_not_wait_for_a_late_site():
+    """With site 1 a second late, site 0's step that launches a fragment's exchange (THC,
+    overlap 1: merged a step later) returns at once, the first launch included."""
+    launches, _ = run_world(_diloco_late_worker, 2)
+    print(f"\nDiLoCo launches with a site 1 s late: {', '.join(f'{t * 1e3:.2f} ms' for t in launches)}")
+    assert max(launches) < 0.2, launches
+
+
+def _one_rank_changed_worker(rank, world, scales, change):
+    """Rank 1 calls a verified key with another length (or only another shape): the filler of
+    the verified size meets rank 0's exchange, and both raise, naming each rank's values."""
+    state = hhook.THCState(bits=4, scales=scales)
+    for _ in range(2):
+        hhook.thc_allreduce(torch.randn(5000), state, key="w")
+    x = torch.randn(8000 if change == "numel" else 5000) if rank == 1 else torch.randn(5000)
+    if change == "layout" and rank == 1:
+        x = x.view(50, 100)
+    start = time.monotonic()
+    try:
+        hhook.thc_allreduce(x, state, key="w")
+    except hhook.ConfigMismatchError as exc:
+        return str(exc), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+@pytest.mark.parametrize("change", ["numel", "layout"])
+@pytest.mark.parametrize("scales", ["predicted", "agreed"])
+def test_one_rank_that_changes_a_verified_key_fails_on_every_rank(scales, change):
+    for message, took in run_world(_one_rank_changed_worker, 2, scales, change):
+        assert message is not None and took < 5.0, (message, took)
+        if change == "numel":
+            assert "numel: 5000 on rank 0, 8000 on rank 1" in message, message
+        else:
+            assert "layout_crc32:" in message and "key 'w'" in message, message
