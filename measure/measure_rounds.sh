@@ -2,7 +2,7 @@
 # Round trips (issue 57, docs/usage.md "What a round costs"): hhook-profile train --model gpt,
 # 2 ranks, side by side in one run per link: DDP fp32, the fp16 hook, THC 4 bits with agreed
 # scales (a MAX round, then the SUM: two rounds a bucket), THC 4 bits with hhook's default scales
-# (one round), and thc:auto (hhook.register's default). Links: loopback (plain torchrun, no
+# (agreed today; thc:4:predicted for the one-round form), and thc:auto (hhook.register's default). Links: loopback (plain torchrun, no
 # namespaces) and ci/netcluster.sh links RATE:ONE_WAY_MS (the delay through measure/delaylink.py).
 # Each link writes OUTDIR/rounds-RANKSx-LINK.json (LINK: loopback or RATE-MS). Needs root, ip netns and tc for the emulated links.
 # Usage: bash measure/measure_rounds.sh [OUTDIR] (default bench), with STEPS (default 60),
