@@ -127,3 +127,29 @@ def test_init_distributed_under_torchrun_raises_hhook_s_error_when_the_agent_sto
         hhook.init_distributed(backend="gloo", timeout_s=1)
     assert str(silent.value).startswith("hhook: rank 1: the job's store failed"), str(silent.value)
     assert time.monotonic() - tic < 30
+
+
+def _named_over_a_failing_store(rank, world_size):
+    """thc_allreduce's mismatch naming (handshake.named) where the group's store fails."""
+    import torch.distributed as dist
+
+    from hhook.schedule import handshake
+
+    class Failing:
+        def set(self, *args):
+            raise dist.DistNetworkError("Broken pipe")
+
+    real = dist.distributed_c10d._get_process_group_store
+    dist.distributed_c10d._get_process_group_store = lambda pg: Failing()
+    try:
+        err = handshake.named(None, (("numel", 4),), 0, "this thc_allreduce call")
+    finally:
+        dist.distributed_c10d._get_process_group_store = real
+    return type(err).__name__, str(err)
+
+
+def test_a_mismatch_named_over_a_failing_store_is_hhooks_error_naming_the_rank():
+    # Merged code once called a helper that no longer existed here (a NameError).
+    kind, message = run_world(_named_over_a_failing_store, 1)[0]
+    assert kind in ("PeerLostError", "PeerTimeoutError"), (kind, message)
+    assert "rank 0" in message and "this thc_allreduce call" in message and "Broken pipe" in message

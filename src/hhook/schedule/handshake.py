@@ -196,7 +196,7 @@ def named(group, fields, number: int, what: str) -> Exception:
             time.sleep(0.02)
         rows = [list(struct.unpack(f"<{WORDS}q", store.get(k))) if store.check([k]) else [0, 0] for k in keys]
     except Exception as exc:  # noqa: BLE001 - the store's host is gone or stalled
-        return _store_failed(exc, what, ranks)
+        return liveness.store_failed(exc, what, ranks)
     return ConfigMismatchError(_differences(rows, ranks, what))
 
 
