@@ -21,9 +21,9 @@ never waits for a peer to learn it.
   every rank issues the same collectives in the same order. A mismatch raises on every
   rank, naming each rank's values through the group's store (no collective: safe in a
   continuation).
-* Under NCCL a continuation runs where the collective is queued, and the check's verdict
-  is read on the host there: a checked call (not a verified key's) waits for it on the
-  caller's thread, as the blocking check did.
+* Where the second communicator is Gloo the check's vector lives on the host; under NCCL
+  it lives on the device, and the continuation reads its verdict there (a device
+  synchronisation on the process group's thread, not on the caller's).
 * Calls that take no THC exchange of the flat schedule (float64, sparse, empty or
   expanded tensors, a two-level layout) wait for the same check round on the caller's
   thread, then go on as before.
@@ -49,13 +49,23 @@ WHAT = "this thc_allreduce call"
 
 @dataclasses.dataclass(frozen=True)
 class Verified:
-    """What a key's last exchange verified on every rank: its filler's shape, and the
-    ``signature`` a later call must match to skip the check round."""
+    """What a key's last exchange verified on every rank: the ``signature`` (numel, dtype,
+    layout, device type) a later call must match to skip the check round, whose first
+    three shape the filler of a rank whose call changed."""
 
     signature: tuple
-    numel: int
-    dtype: torch.dtype
-    layout: object
+
+    @property
+    def numel(self) -> int:
+        return self.signature[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.signature[1]
+
+    @property
+    def layout(self):
+        return self.signature[2]
 
 
 def expanded(tensor: torch.Tensor) -> bool:
@@ -159,7 +169,7 @@ def _run(ctx, tensor: torch.Tensor, call: tuple, result: torch.futures.Future, s
             return
         key, layout, signature, calls = exchange
         if key is not None:  # every rank launches this exchange now, whatever its outcome here
-            ctx.verified[key] = Verified(signature, signature[0], signature[1], signature[2])
+            ctx.verified[key] = Verified(signature)
         own = Sequencer()  # the exchange's collectives, in its pieces' order, while the group's holds
         try:
             fut = flat_allreduce_async(ctx, tensor, key, layout, lane=(second, own, calls))
