@@ -242,8 +242,10 @@ def test_netcluster_delay_holds_every_packet_and_goes_away():
     assert "delaylink.py" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
 
-JOIN_PY = ("import torch.distributed as dist, hhook; hhook.init_distributed(backend='gloo', timeout_s=60); "
-           "dist.barrier(); print('joined', dist.get_rank()); dist.destroy_process_group()")
+# One write a rank (under PYTHONUNBUFFERED, print's pieces are written one by one and the two
+# ranks' lines interleaved on the shared pipe: a CI run read "joinedjoined 0\n 1").
+JOIN_PY = ("import sys, torch.distributed as dist, hhook; hhook.init_distributed(backend='gloo', timeout_s=60); "
+           "dist.barrier(); sys.stdout.write(f'joined {dist.get_rank()}\\n'); dist.destroy_process_group()")
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,

@@ -10,12 +10,14 @@ import pickle
 import queue
 import random
 import socket
+import threading
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing.connection import wait as _wait_ready
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -92,6 +94,37 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "hhook"])
 
 
+# Worlds start from several threads at once (test_exit runs four jobs at a time), and
+# multiprocessing's poll of a forkserver child is not thread-safe: two threads that both see
+# the child's sentinel readable both read it, one gets the exit code, the other EOF, which
+# CPython records as exit code 255. Process.start() polls every child of this process (its
+# _cleanup), so one thread's start raced another's join: a CI run saw a rank that exited 0
+# reported as 255. Every start and poll takes this lock; a wait only watches the sentinel.
+_POLL = threading.Lock()
+
+
+def _start(procs) -> None:
+    with _POLL:
+        for p in procs:
+            p.start()
+
+
+def _alive(p) -> bool:
+    with _POLL:
+        return p.is_alive()
+
+
+def _join(p, timeout: float):
+    """``p``'s exit code once it ended within ``timeout`` seconds; else kill it and None."""
+    _wait_ready([p.sentinel], timeout)
+    with _POLL:
+        if p.exitcode is not None:
+            return p.exitcode
+        p.kill()
+        p.join()
+    return None
+
+
 def _worker(rank, world_size, port, backend, cuda, job, environ, cwd, results, pg_timeout_s=None):
     """One rank: ``pg_timeout_s`` (None: torch's default) is the default group's timeout."""
     import datetime
@@ -149,8 +182,7 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0, backend: str =
                                           results), daemon=True)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    _start(procs)
     out, errors = {}, []
     try:
         for _ in range(world_size):
@@ -163,9 +195,7 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0, backend: str =
         errors.append(f"timed out after {timeout}s; ranks that answered: {sorted(out)}")
     finally:
         for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+            _join(p, 10)
     if errors:
         raise AssertionError("\n".join(errors))
     return [out[r] for r in range(world_size)]
@@ -183,8 +213,7 @@ def run_outcomes(fn, world_size: int, *args, pg_timeout_s: float = 10.0, timeout
     procs = [_CONTEXT.Process(target=_worker, args=(r, world_size, port, "gloo", False, job, dict(os.environ),
                                                     os.getcwd(), results, pg_timeout_s), daemon=True)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    _start(procs)
     out = [{"value": None, "error": None, "exitcode": None} for _ in range(world_size)]
     answered, deadline, ended = set(), time.monotonic() + timeout, False
     while len(answered) < world_size and time.monotonic() < deadline:
@@ -193,17 +222,12 @@ def run_outcomes(fn, world_size: int, *args, pg_timeout_s: float = 10.0, timeout
         except queue.Empty:
             if ended:
                 break
-            ended = all(not procs[r].is_alive() for r in range(world_size) if r not in answered)
+            ended = all(not _alive(procs[r]) for r in range(world_size) if r not in answered)
             continue
         answered.add(rank)
         out[rank]["value" if ok else "error"] = pickle.loads(value) if ok else value
     for rank, p in enumerate(procs):
-        p.join(timeout=pg_timeout_s + 30)
-        if p.is_alive():
-            p.kill()
-            p.join()
-        else:
-            out[rank]["exitcode"] = p.exitcode
+        out[rank]["exitcode"] = _join(p, pg_timeout_s + 30)
     return out
 
 
