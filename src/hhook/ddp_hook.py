@@ -3,6 +3,7 @@ r"""The DDP communication hook: THC compression for every gradient bucket."""
 # No ``from __future__ import annotations`` here: DDP inspects the hook's annotations
 # and compares them with dist.GradBucket and Future[Tensor] objects, not strings.
 import dataclasses
+import functools
 import inspect
 import logging
 import weakref
@@ -13,6 +14,8 @@ import torch.distributed as dist
 from .codec import warm_up
 from .decision import live_decision, reduce_bucket_as_decided
 from .decision.hook import one_host, skip_measuring
+from .scales.message import CallChanged
+from .schedule import load_check
 from .schedule.dense import dense_allreduce
 from .schedule.futures import completed, then
 from .state import THCState
@@ -63,36 +66,45 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     """
     if isinstance(bucket, tuple):
         return _per_parameter(state, *bucket)
+    # The key's state is checked against the bucket's parameter layout: when DDP rebuilds
+    # its buckets an index may name other parameters, whose residual and scales must
+    # start afresh.
+    layout = _bucket_layout(state, bucket)
+    fut = None
+    if state.pending_load is not None:  # this rank loaded a checkpoint: did every rank?
+        fut = load_check.exchange(state.pending_load, bucket.buffer(), bucket.index(), layout)
+        if fut is None:  # every rank did: the handshake runs again (state.context())
+            state.pending_load = None
+    if fut is None:
+        fut = _exchange(state, bucket, layout)
+    if bucket.is_last():  # one iteration per backward pass
+        state.iter += 1
+        registration = state.registration
+        if registration is not None:
+            registration.iterations += 1
+            _join_weighting(registration)
+    return fut.then(functools.partial(_value_or_raise, state))
+
+
+def _exchange(state: THCState, bucket: dist.GradBucket, layout: tuple) -> torch.futures.Future:
+    """The exchange of ``bucket`` that :func:`thc_hook` launches."""
     buffer = bucket.buffer()
     # Made once (a checkpoint loaded since makes it again): at the first bucket, before
     # anything else, the options handshake (hhook.register ran it already), so that ranks
     # with different options (start_iter above all: its plain iterations would pair one
     # rank's SUM with another's MAX) fail on every rank rather than mis-pair collectives.
     ctx = state.contexts.get((None, None)) or state.context()
-    deciding = state.options.bits == "auto" and ctx.world_size > 1
-    # The key's state is checked against the bucket's parameter layout: when DDP rebuilds
-    # its buckets an index may name other parameters, whose residual and scales must
-    # start afresh.
-    layout = _bucket_layout(state, bucket)
     # This DDP's first iteration: its buckets are not rebuilt yet (a resumed run's keys are)
     registration = state.registration
     first = registration is not None and registration.iterations == 0 and not buffer.is_sparse
-    if deciding:  # bits="auto": the exchange this iteration's decision says (hhook.decision)
+    if state.options.bits == "auto" and ctx.world_size > 1:  # the exchange this iteration's decision says
         live_decision(state)
-        fut = reduce_bucket_as_decided(state, bucket, layout,
-                                       (lambda reduce: _before_rebuild(state, bucket, layout, reduce)) if first else None)
-    elif state.iter < state.options.start_iter or buffer.is_sparse:
-        fut = dense_allreduce(ctx, buffer)
-    else:
-        fut = _before_rebuild(state, bucket, layout, _fixed_width(ctx)) if first else None
-        if fut is None:
-            fut = ctx.schedule(ctx, buffer, bucket.index(), layout)
-    if bucket.is_last():  # one iteration per backward pass
-        state.iter += 1
-        if registration is not None:
-            registration.iterations += 1
-            _join_weighting(registration)
-    return fut.then(_value_or_raise)
+        return reduce_bucket_as_decided(state, bucket, layout,
+                                        (lambda reduce: _before_rebuild(state, bucket, layout, reduce)) if first else None)
+    if state.iter < state.options.start_iter or buffer.is_sparse:
+        return dense_allreduce(ctx, buffer)
+    fut = _before_rebuild(state, bucket, layout, _fixed_width(ctx)) if first else None
+    return fut if fut is not None else ctx.schedule(ctx, buffer, bucket.index(), layout)
 
 
 def _join_weighting(registration: Registration) -> None:
@@ -124,14 +136,20 @@ def _fixed_width(ctx):
     return lambda key, tensor, layout: ctx.schedule(ctx, tensor, key, layout)
 
 
-def _value_or_raise(fut: torch.futures.Future) -> torch.Tensor:
+def _value_or_raise(state: THCState, fut: torch.futures.Future) -> torch.Tensor:
     """The continuation every future handed to DDP goes through. hhook's futures fail by
     holding their exception (so that its own waiters get :class:`~hhook.errors.PeerLostError`
     and the rest unwrapped), and DDP's C++ reducer reads such a value as an object to cast:
     the user read ``Unable to cast <hhook's message> to Tensor``. Raising here fails the
-    future in C++, and DDP raises ``... PeerLostError: <hhook's message>`` instead."""
+    future in C++, and DDP raises ``... PeerLostError: <hhook's message>`` instead. A
+    bucket's exchange that found a checkpoint loaded on some ranks, not all, raises the
+    :class:`~hhook.errors.ConfigMismatchError` naming each rank's options
+    (:func:`hhook.schedule.load_check.named_error`)."""
     try:
         return fut.value()
+    except CallChanged:  # only ever a load on some ranks: no other DDP exchange is marked
+        raise load_check.named_error(state.process_group, state.options.fields(), state.pending_load is not None) \
+            from None
     except BaseException as exc:  # noqa: BLE001 - re-raised without torch's frames
         raise exc.with_traceback(None) from exc.__cause__
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..codec import CODEC_VERSION
 from ..codec.error_model import auto_bits
+from ..schedule import load_check
 from ..schedule.topology import Topology, TopologyError, detect_topology
 from ..stats import Counters
 from . import report
@@ -73,10 +74,12 @@ class Checkpointed:
         :func:`hhook.register` gave it stay. The next exchange runs the options handshake
         again (:mod:`hhook.schedule.handshake`): ranks that loaded checkpoints of other
         options raise :class:`~hhook.errors.ConfigMismatchError` there, on every rank.
-        Per-key state that cannot describe this run starts afresh with one log line: a
-        checkpoint of another node layout or world size (compared when the layout is
-        found, or now if it is known) or of another codec version; another rank's
-        residuals. A component missing from ``saved`` (saved before it existed) keeps its
+        Where one rank's DDP hook state loads and another's does not, past ``start_iter``,
+        every rank raises it at that next exchange, naming each rank's options, instead
+        of waiting in the handshake (:mod:`hhook.schedule.load_check`). Per-key state that
+        cannot describe this run starts afresh with one log line: a checkpoint of another
+        node layout or world size (compared when the layout is found, or now if it is
+        known) or of another codec version; another rank's residuals. A component missing from ``saved`` (saved before it existed) keeps its
         value. A malformed ``saved`` (a field of the wrong type, range or shape) raises
         ``ValueError`` naming the field and changes nothing (:mod:`~hhook.state.validate`)."""
         checked(saved, self.options, self.decision)  # the whole of it, before any change
@@ -86,6 +89,8 @@ class Checkpointed:
         if changed and announce:
             logger.warning("hhook: the checkpoint's THC options replace this state's: %s", ", ".join(changed))
         topo = self.runtime.topo
+        if self.pending_load is None and self.runtime.agreed and _thc_next(self):  # one-sided loads found there
+            self.pending_load = load_check.kept(self.contexts.get((None, None)))
         self.reset_runtime()
         self.restored = (saved.get("layout"), saved.get("origin"))
         self.options = options
@@ -129,6 +134,14 @@ class Checkpointed:
                 raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")
             adopt_layout(self, detect_topology(self.process_group, ranks_per_node=self.options.topology))
         return self.runtime.topo
+
+
+def _thc_next(state) -> bool:
+    """Whether every rank's next DDP exchange, under the options every rank verified, is
+    THC at a fixed width: past ``start_iter`` and DDP's first iteration, not ``bits="auto"``."""
+    registration = state.registration
+    return (state.options.bits != "auto" and state.iter >= state.options.start_iter
+            and (registration is None or registration.iterations > 0))
 
 
 def _load_components(state, saved: dict) -> None:

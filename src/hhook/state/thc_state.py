@@ -77,9 +77,12 @@ class THCState(Checkpointed, report.Reporting):
     # the next call) and intra_counters (inside the node); iter: DDP iterations; inter: two-level, the state of
     # this rank's shard between nodes; bits="auto" (hhook.decision): the decision (plain data until the hook
     # restores it), its clock (prober, never saved), the widths' states (variants, sharing counters and
-    # runtime); registration: what hhook.register learnt of the DDP model (hhook.ddp_hook).
+    # runtime); registration: what hhook.register learnt of the DDP model (hhook.ddp_hook); pending_load: the
+    # context every rank verified, kept by load_state_dict until the hook's next exchange finds whether every
+    # rank loaded (hhook.schedule.load_check).
     __slots__ = ("process_group", "options", "keys", "runtime", "runtimes", "contexts", "restored", "counters",
-                 "intra_counters", "iter", "inter", "decision", "prober", "variants", "registration", "__weakref__")
+                 "intra_counters", "iter", "inter", "decision", "prober", "variants", "registration", "pending_load",
+                 "__weakref__")
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, bits: int | str = 4, block_size: int = 1024,
                  seed: int = 0, error_feedback: bool = False, start_iter: int = 2, scales: str = "agreed",
@@ -90,7 +93,7 @@ class THCState(Checkpointed, report.Reporting):
         self.keys, self.variants = KeyStore(), {}
         self.counters, self.intra_counters = Counters(), Counters()
         self.iter = 0
-        self.inter = self.decision = self.registration = None
+        self.inter = self.decision = self.registration = self.pending_load = None
         self.reset_runtime()
         report.LIVE.add(self)
 
@@ -141,6 +144,8 @@ class THCState(Checkpointed, report.Reporting):
         fields = self.options.fields() + ((("runs", runs),) if runs else ()) + tuple(extra)
         handshake.agree(self.process_group if group is None else group, fields, self.counters)
         runtime.agreed = True
+        if group is None:
+            self.pending_load = None  # every rank handshook: what they verified before is past
 
     def context(self, group=None, mode: str | None = None) -> CallContext:
         """What a schedule may use of this state for its calls on ``group`` (default: its
