@@ -1,0 +1,142 @@
+"""A checkpoint of other options loaded on one rank and not the other (issue 58, item 5):
+every rank raises ConfigMismatchError at the next exchange, within seconds, naming the
+option and each rank's value (hhook.schedule.load_check). Before, the loading rank waited
+in the options handshake and the other in its exchange, for the group's whole timeout
+(:data:`PG_TIMEOUT_S` here: a regression shows as that wait), and each named a wrong cause.
+
+Ranks that all load go on as before: the same options train, other options raise
+together at the handshake (tests/reliability/test_mismatch.py's checkpoint rows). The
+steady state takes no collective more than before.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hhook
+from tests.schedule.test_rounds import counted
+from tests.support.distributed import run_outcomes, run_world
+
+MODES = ("agreed", "predicted")
+PG_TIMEOUT_S = 60.0
+#: Far below the group's timeout, far above the milliseconds it takes (2 shared cores).
+FAST_S = 10.0
+#: The option a checkpoint changes -> its value there, per scale mode of the running state.
+CHANGES = {"bits": lambda scales: 2, "scales": lambda scales: "predicted" if scales == "agreed" else "agreed",
+           "block_size": lambda scales: 256}
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Tanh(), torch.nn.Linear(300, 5))
+
+
+def _step(ddp, rank):
+    """One step on rank-dependent data (rank 1's gradient about 10x rank 0's)."""
+    (ddp(torch.randn(8, 20)) * (1 + 9 * rank)).sum().backward()
+
+
+def _said(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the subject
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _one_sided(rank, loader, scales, option, group=None):
+    """Train, then ``loader`` alone loads a checkpoint whose ``option`` differs; two more
+    steps: what each raised, and in how many seconds from the load."""
+    saved = hhook.THCState(**{"bits": 4, "scales": scales, option: CHANGES[option](scales)}).state_dict()
+    ddp = DDP(_net(), process_group=group)
+    state = hhook.register(ddp, bits=4, scales=scales)
+    for _ in range(3):
+        _step(ddp, rank)
+    dist.barrier(group)
+    start = time.monotonic()
+    if rank == loader:
+        state.load_state_dict(saved)
+    first = _said(lambda: _step(ddp, rank))
+    seconds = time.monotonic() - start
+    return first, seconds, _said(lambda: _step(ddp, rank))  # the next exchange raises again, paired
+
+
+def _case_worker(rank, world, scales):
+    return {option: _one_sided(rank, 1, scales, option) for option in CHANGES}
+
+
+def _check(said: str, option: str, values: list) -> None:
+    assert "ConfigMismatchError: hhook: the ranks differ in the THC options after load_state_dict" in said, said
+    assert f"{option}: " + ", ".join(f"{v!r} on rank {r}" for r, v in values) in said, said
+
+
+@pytest.mark.parametrize("scales", MODES)
+def test_a_one_sided_load_raises_on_every_rank_at_the_next_exchange(scales):
+    outcomes = run_outcomes(_case_worker, 2, scales, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
+    for rank, o in enumerate(outcomes):
+        assert o["error"] is None and o["exitcode"] == 0, (rank, o)  # no hang, no process ended by a signal
+        for option, (first, seconds, again) in o["value"].items():
+            running, loaded = 4 if option == "bits" else (scales if option == "scales" else 1024), CHANGES[option](scales)
+            for said in (first, again):
+                _check(said, option, [(0, running), (1, loaded)])
+                _check(said, "load_state_dict", [(0, False), (1, True)])
+            assert seconds < FAST_S, (rank, option, seconds)
+
+
+def _subgroup_worker(rank, world):
+    sub = dist.new_group([1, 2])  # every rank, as PyTorch requires
+    said = None if rank == 0 else {scales: _one_sided(rank, 2, scales, "bits", sub) for scales in MODES}
+    dist.barrier()  # rank 0, outside the subgroup, holds the store until the others are done
+    return said
+
+
+def test_a_one_sided_load_on_a_subgroup_beside_world_names_the_global_ranks():
+    outcomes = run_outcomes(_subgroup_worker, 3, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
+    assert outcomes[0]["value"] is None and outcomes[0]["exitcode"] == 0, outcomes[0]
+    for rank, o in list(enumerate(outcomes))[1:]:
+        assert o["error"] is None and o["exitcode"] == 0, (rank, o)
+        for scales, (first, seconds, again) in o["value"].items():
+            for said in (first, again):
+                _check(said, "bits", [(1, 4), (2, 2)])
+                _check(said, "load_state_dict", [(1, False), (2, True)])
+            assert seconds < FAST_S, (rank, scales, seconds)
+
+
+def _both_load_worker(rank, world, scales):
+    """Every rank loads a checkpoint of 2 bits (its own: residuals, counters): training goes
+    on at 2 bits, in step on both ranks; the steady state's rounds are those before."""
+    saving = hhook.THCState(bits=2, scales=scales)
+    saving.iter = 10  # saved past start_iter: THC from the first step after the load
+    saved = saving.state_dict()
+    ddp = DDP(_net())
+    state = hhook.register(ddp, bits=4, scales=scales)
+    rounds = []
+    for _ in range(4):
+        with counted() as seen:
+            _step(ddp, rank)
+        rounds.append(len(seen))
+    state.load_state_dict(saved)
+    before = state.stats()["compressed_calls"]
+    for _ in range(4):
+        with counted() as seen:
+            _step(ddp, rank)
+        rounds.append(len(seen))
+    params = torch.cat([p.detach().flatten() for p in ddp.parameters()])
+    return rounds, state.options.bits, state.stats()["compressed_calls"] - before, state.pending_load is None, params
+
+
+@pytest.mark.parametrize("scales, steady", [("agreed", 2), ("predicted", 1)])
+def test_every_rank_loading_the_same_other_options_trains_on_with_no_round_more(scales, steady):
+    results = run_world(_both_load_worker, 2, scales, timeout=180)
+    for rounds, bits, compressed, settled, params in results:
+        assert bits == 2 and compressed == 4 and settled
+        # Before the load: 2 plain iterations (one allreduce each), then THC (predicted:
+        # the key's first call is agreed). After it: the steady rounds again, from the
+        # second step on (the first: the marked filler, the handshake, the exchange).
+        assert rounds[:2] == [1, 1], rounds
+        assert rounds[3] == steady and rounds[5:] == [steady] * 3, rounds
+        assert rounds[4] > steady, rounds
+        assert torch.equal(params, results[0][4])  # the ranks stay in step
