@@ -140,3 +140,42 @@ def test_every_rank_loading_the_same_other_options_trains_on_with_no_round_more(
         assert rounds[3] == steady and rounds[5:] == [steady] * 3, rounds
         assert rounds[4] > steady, rounds
         assert torch.equal(params, results[0][4])  # the ranks stay in step
+
+
+def _reload_worker(rank, world, scales):
+    """Train 4 steps, save (model and hook state), train 3 more: the uninterrupted run.
+    Then every rank loads the save into the live state (past start_iter: the marked filler
+    settles it) and trains the 3 steps again; and a fresh DDP registered with the save."""
+    ddp = DDP(_net())
+    state = hhook.register(ddp, bits=3, scales=scales, error_feedback=True)
+
+    def train(ddp, first):
+        for step in range(first, first + 3):
+            torch.manual_seed(100 + step)
+            ddp.zero_grad()
+            _step(ddp, rank)
+            with torch.no_grad():
+                for p in ddp.parameters():
+                    p -= 0.05 * p.grad
+        return torch.cat([p.detach().flatten() for p in ddp.parameters()])
+
+    train(ddp, 0)
+    train(ddp, 3)  # 6 steps: iter 6
+    model, saved = {k: v.clone() for k, v in ddp.module.state_dict().items()}, state.state_dict()
+    whole = train(ddp, 6)
+    ddp.module.load_state_dict(model)
+    state.load_state_dict(saved)
+    live = train(ddp, 6)
+    fresh = DDP(_net())
+    fresh.module.load_state_dict(model)
+    hhook.register(fresh, state=saved)
+    return whole, live, train(fresh, 6)
+
+
+@pytest.mark.parametrize("scales", MODES)
+def test_every_rank_reloading_a_live_state_resumes_bit_for_bit(scales):
+    """The filler that finds every rank loaded draws no call number of the loaded state's
+    and changes none of its keys: the resumed steps are those of the uninterrupted run."""
+    for whole, live, fresh in run_world(_reload_worker, 2, scales, timeout=180):
+        assert torch.equal(live, whole)
+        assert torch.equal(fresh, whole)
