@@ -49,7 +49,8 @@ def _said(fn) -> str:
 
 def _one_sided(rank, loader, scales, option, group=None):
     """Train, then ``loader`` alone loads a checkpoint whose ``option`` differs; two more
-    steps: what each raised, and in how many seconds from the load."""
+    steps: what each raised, and in how many seconds from the load. Then every rank loads
+    that checkpoint: what the next two steps raised (nothing: training goes on)."""
     saved = hhook.THCState(**{"bits": 4, "scales": scales, option: CHANGES[option](scales)}).state_dict()
     ddp = DDP(_net(), process_group=group)
     state = hhook.register(ddp, bits=4, scales=scales)
@@ -61,7 +62,10 @@ def _one_sided(rank, loader, scales, option, group=None):
         state.load_state_dict(saved)
     first = _said(lambda: _step(ddp, rank))
     seconds = time.monotonic() - start
-    return first, seconds, _said(lambda: _step(ddp, rank))  # the next exchange raises again, paired
+    again = _said(lambda: _step(ddp, rank))  # the next exchange raises again, paired
+    state.load_state_dict(saved)
+    recovered = _said(lambda: _step(ddp, rank)) + _said(lambda: _step(ddp, rank))
+    return first, seconds, again, recovered, state.options.as_dict()[option]
 
 
 def _case_worker(rank, world, scales):
@@ -75,15 +79,17 @@ def _check(said: str, option: str, values: list) -> None:
 
 @pytest.mark.parametrize("scales", MODES)
 def test_a_one_sided_load_raises_on_every_rank_at_the_next_exchange(scales):
+    """And every rank loading the same checkpoint afterwards trains on."""
     outcomes = run_outcomes(_case_worker, 2, scales, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
     for rank, o in enumerate(outcomes):
         assert o["error"] is None and o["exitcode"] == 0, (rank, o)  # no hang, no process ended by a signal
-        for option, (first, seconds, again) in o["value"].items():
+        for option, (first, seconds, again, recovered, now) in o["value"].items():
             running, loaded = 4 if option == "bits" else (scales if option == "scales" else 1024), CHANGES[option](scales)
             for said in (first, again):
                 _check(said, option, [(0, running), (1, loaded)])
                 _check(said, "load_state_dict", [(0, False), (1, True)])
             assert seconds < FAST_S, (rank, option, seconds)
+            assert recovered == "" and now == loaded, (rank, option, recovered)
 
 
 def _subgroup_worker(rank, world):
@@ -98,11 +104,12 @@ def test_a_one_sided_load_on_a_subgroup_beside_world_names_the_global_ranks():
     assert outcomes[0]["value"] is None and outcomes[0]["exitcode"] == 0, outcomes[0]
     for rank, o in list(enumerate(outcomes))[1:]:
         assert o["error"] is None and o["exitcode"] == 0, (rank, o)
-        for scales, (first, seconds, again) in o["value"].items():
+        for scales, (first, seconds, again, recovered, now) in o["value"].items():
             for said in (first, again):
                 _check(said, "bits", [(1, 4), (2, 2)])
                 _check(said, "load_state_dict", [(1, False), (2, True)])
             assert seconds < FAST_S, (rank, scales, seconds)
+            assert recovered == "" and now == 2, (rank, scales, recovered)
 
 
 def _both_load_worker(rank, world, scales):

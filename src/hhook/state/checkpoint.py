@@ -79,8 +79,8 @@ class Checkpointed:
         of waiting in the handshake (:mod:`hhook.schedule.load_check`). Per-key state that
         cannot describe this run starts afresh with one log line: a checkpoint of another
         node layout or world size (compared when the layout is found, or now if it is
-        known) or of another codec version; another rank's residuals. A component missing from ``saved`` (saved before it existed) keeps its
-        value. A malformed ``saved`` (a field of the wrong type, range or shape) raises
+        known) or of another codec version; another rank's residuals. A component missing
+        from ``saved`` (saved before it existed) keeps its value. A malformed ``saved`` (a field of the wrong type, range or shape) raises
         ``ValueError`` naming the field and changes nothing (:mod:`~hhook.state.validate`)."""
         checked(saved, self.options, self.decision)  # the whole of it, before any change
         options = Options(**{name: saved.get(name, getattr(self.options, name)) for name in NAMES})  # before any change
@@ -89,7 +89,9 @@ class Checkpointed:
         if changed and announce:
             logger.warning("hhook: the checkpoint's THC options replace this state's: %s", ", ".join(changed))
         topo = self.runtime.topo
-        if self.pending_load is None and self.runtime.agreed and _thc_next(self):  # one-sided loads found there
+        if self.pending_load is not None:  # loaded again: the next exchange asks again whether every rank did
+            self.pending_load.some = False
+        elif self.runtime.agreed and _thc_next(self):  # a load on some ranks only is found there
             self.pending_load = load_check.kept(self.contexts.get((None, None)))
         self.reset_runtime()
         self.restored = (saved.get("layout"), saved.get("origin"))
