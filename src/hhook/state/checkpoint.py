@@ -80,8 +80,9 @@ class Checkpointed:
         cannot describe this run starts afresh with one log line: a checkpoint of another
         node layout or world size (compared when the layout is found, or now if it is
         known) or of another codec version; another rank's residuals. A component missing
-        from ``saved`` (saved before it existed) keeps its value. A malformed ``saved`` (a field of the wrong type, range or shape) raises
-        ``ValueError`` naming the field and changes nothing (:mod:`~hhook.state.validate`)."""
+        from ``saved`` (saved before it existed) keeps its value. A malformed ``saved`` (a
+        field of the wrong type, range or shape) raises ``ValueError`` naming the field and
+        changes nothing (:mod:`~hhook.state.validate`)."""
         checked(saved, self.options, self.decision)  # the whole of it, before any change
         options = Options(**{name: saved.get(name, getattr(self.options, name)) for name in NAMES})  # before any change
         changed = [f"{name} {getattr(self.options, name)!r} -> {getattr(options, name)!r}" for name in NAMES
