@@ -52,7 +52,7 @@ def _one_sided(rank, loader, scales, option, group=None):
     steps: what each raised, and in how many seconds from the load. Then every rank loads
     that checkpoint: what the next two steps raised (nothing: training goes on)."""
     saved = hhook.THCState(**{"bits": 4, "scales": scales, option: CHANGES[option](scales)}).state_dict()
-    ddp = DDP(_net(), process_group=group)
+    ddp = DDP(_net(), process_group=group, bucket_cap_mb=0.01)  # several buckets: one error each, paired
     state = hhook.register(ddp, bits=4, scales=scales)
     for _ in range(3):
         _step(ddp, rank)
