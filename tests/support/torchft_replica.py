@@ -1,0 +1,126 @@
+"""One torchft replica group of one rank for tests/integrations/test_torchft.py: a Manager on
+Gloo joined to the test's Lighthouse, torchft's DiLoCo over a small regression MLP, its
+outer exchange through hhook.torchft (``--exchange thc``) or torchft's own (``fp32``).
+
+    python -m tests.support.torchft_replica --replica 0 --lighthouse http://... --out f.jsonl
+
+Writes one JSON line per event to ``--out`` (flushed): ``start``; ``commit`` after every
+outer step that committed (manager step, wall time, sha256 of the parameters' bytes, the
+mean loss of the inner steps since the last commit, the THC byte counters, the quorum's
+size and hhook's rebuild times); ``done``. ``--hold-at STEP`` makes the replica sleep inside
+its THC exchange at that manager step, after the exchange's MAX and before its SUM (a
+drill's window to kill it mid-exchange).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--replica", type=int, required=True)
+    ap.add_argument("--lighthouse", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=8, help="manager steps (outer syncs) to commit")
+    ap.add_argument("--sync-every", type=int, default=10)
+    ap.add_argument("--exchange", choices=("thc", "fp32"), default="thc")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--inner-sleep", type=float, default=0.02, help="seconds per inner step (time between syncs)")
+    ap.add_argument("--min-replicas", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--hold-at", type=int, default=-1)
+    args = ap.parse_args()
+
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo
+
+    import hhook.torchft
+
+    out = open(args.out, "a", buffering=1)
+
+    def say(event: str, **fields) -> None:
+        out.write(json.dumps({"event": event, "t": time.time(), "pid": os.getpid(), **fields}) + "\n")
+
+    say("start")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    torch.manual_seed(0)  # every replica starts from the same model
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 1))
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+
+    def state_dict():
+        return {"model": model.state_dict(), "inner": inner.state_dict()}
+
+    def load_state_dict(sd):
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["inner"])
+
+    timeout = datetime.timedelta(seconds=args.timeout)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
+                      min_replica_size=args.min_replicas, use_async_quorum=False, timeout=timeout,
+                      quorum_timeout=datetime.timedelta(seconds=60), connect_timeout=timeout, rank=0, world_size=1,
+                      store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=args.lighthouse,
+                      replica_id=f"replica_{args.replica}", init_sync=False)
+    thc = hhook.torchft.enable(manager, bits=args.bits) if args.exchange == "thc" else None
+    if thc is not None and args.hold_at >= 0:  # stop inside the THC exchange: after its MAX, before its SUM
+        import hhook.schedule.flat as flat
+
+        marked = flat._marked
+
+        def held(words, changed):
+            if manager.current_step() == args.hold_at:
+                say("holding")
+                time.sleep(3600)  # on a Gloo thread, in the MAX's continuation: the peers wait in their SUM
+            return marked(words, changed)
+
+        flat._marked = held
+
+    truth = torch.Generator().manual_seed(1234)
+    w1, w2 = torch.randn(64, 16, generator=truth), torch.randn(16, generator=truth)
+    data = torch.Generator().manual_seed(1000 + args.replica)
+    losses, last_step = [], manager.current_step()
+    with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every, should_quantize=True,
+                use_bucketization=True):
+        while manager.current_step() < args.steps:
+            x = torch.randn(32, 64, generator=data)
+            y = torch.tanh(x @ w1) @ w2
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            inner.zero_grad()
+            loss.backward()
+            losses.append(loss.item())
+            inner.step()  # DiLoCo's hook syncs every sync_every inner steps
+            time.sleep(args.inner_sleep)
+            step = manager.current_step()
+            if step != last_step:
+                stats = thc.state.stats() if thc is not None else {}
+                say("commit", step=step, digest=digest(model), loss=sum(losses) / len(losses),
+                    participants=manager.num_participants(), dense=stats.get("dense_bytes", 0),
+                    wire=stats.get("wire_bytes", 0), calls=stats.get("compressed_calls", 0),
+                    numel=sum(p.numel() for p in model.parameters()),
+                    rebuilds=list(thc.rebuilds) if thc is not None else [])
+                losses, last_step = [], step
+    say("done")
+    out.close()
+    manager.shutdown(wait=False)
+    os._exit(0)  # torchft's threads (quorum, checkpoint server) need not be joined
+
+
+if __name__ == "__main__":
+    main()
