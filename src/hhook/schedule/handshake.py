@@ -60,9 +60,11 @@ WORDS = 2 + 4 * MAX_FIELDS
 _MAGIC = 0x48484853  # "HHHS"
 _NONE, _INT, _BOOL, _FLOAT, _STR = range(5)
 
-#: Seconds between looks, while ranks have not all arrived, at whether they have or a
-#: missing one ended (a look reads the store once and this rank's liveness connections).
-LOOK_S = 0.2
+#: Most seconds between looks, while ranks have not all arrived, at whether they have or
+#: a missing one ended (a look reads the store once and this rank's liveness connections).
+#: The first look comes after FIRST_LOOK_S, each later one after twice the last: ranks
+#: that arrive together (torchft's quorums, at every membership change) wait milliseconds.
+LOOK_S, FIRST_LOOK_S = 0.2, 0.01
 #: Seconds a rank that found a mismatch waits for the other ranks' fields in the store
 #: (every rank found it in the same collective; one that does not come is named absent).
 NAME_WAIT_S = 4.0
@@ -247,6 +249,7 @@ def _arrive(group, what: str) -> None:
     gone = members.ended(ranks)
     if gone:  # before any store call: the store's host may be among them
         raise _lost(gone, f"before {what}")
+    pause = FIRST_LOOK_S
     try:
         store.set(f"{prefix}{rank}", "1")
         if store.add(f"{prefix}count", 1) == world:
@@ -259,7 +262,8 @@ def _arrive(group, what: str) -> None:
             gone = {g: how for g, how in members.ended(ranks).items() if not store.check([f"{prefix}{ranks.index(g)}"])}
             if gone:
                 break
-            time.sleep(LOOK_S)
+            time.sleep(pause)
+            pause = min(LOOK_S, 2 * pause)
         else:
             return
         here = [r for r in range(world) if store.check([f"{prefix}{r}"])]
