@@ -9,98 +9,21 @@ kills a replica inside a THC exchange (after the exchange's MAX, before its SUM)
 from __future__ import annotations
 
 import inspect
-import json
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install 'hhook[torchft]')")
 
-from tests.support.distributed import ROOT, subprocess_env  # noqa: E402
-
-#: The Lighthouse's join timeout: a quorum forms this long after its first request without
-#: a replica that stopped asking (a dead one).
-JOIN_S = 1.0
-#: Outer syncs every SYNC inner steps of INNER_SLEEP_S each (the time between syncs).
-SYNC, INNER_SLEEP_S = 10, 0.02
-REPLICAS = 3
-
-
-class World:
-    """A Lighthouse and the replica processes of one drill; records read from their files."""
-
-    def __init__(self, tmp_path, steps: int):
-        from torchft.coordination import LighthouseServer
-
-        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=int(JOIN_S * 1000))
-        self.tmp, self.steps, self.procs = tmp_path, steps, {}
-
-    def start(self, replica: int, *extra: str) -> None:
-        out = self.tmp / f"r{replica}.jsonl"
-        log = open(self.tmp / f"r{replica}.log", "a")
-        self.procs[replica] = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.torchft_replica", "--replica", str(replica), "--lighthouse",
-             self.lighthouse.address(), "--out", str(out), "--steps", str(self.steps), "--sync-every", str(SYNC),
-             "--inner-sleep", str(INNER_SLEEP_S), *extra],
-            cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
-
-    def records(self, replica: int) -> list[dict]:
-        path = self.tmp / f"r{replica}.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-    def wait_for(self, predicate, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            for replica, proc in self.procs.items():
-                if proc.poll() not in (None, 0, -signal.SIGKILL):
-                    raise AssertionError(f"replica {replica} exited {proc.returncode}:\n{self.log(replica)}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(
-                    f"--- replica {r}\n{self.log(r)}" for r in self.procs))
-            time.sleep(0.05)
-
-    def log(self, replica: int, tail: int = 3000) -> str:
-        return (self.tmp / f"r{replica}.log").read_text()[-tail:]
-
-    def commits(self, replica: int, pid: int | None = None) -> list[dict]:
-        return [r for r in self.records(replica) if r["event"] == "commit" and pid in (None, r["pid"])]
-
-    def done(self, replica: int) -> bool:
-        return any(r["event"] == "done" for r in self.records(replica))
-
-    def kill(self, replica: int) -> float:
-        self.procs[replica].send_signal(signal.SIGKILL)
-        killed = time.time()
-        self.procs[replica].wait()
-        return killed
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        self.lighthouse.shutdown()
-
-
-def _digests(world: World) -> dict:
-    """step -> {replica: digest} over every commit record (every pid)."""
-    by_step: dict = {}
-    for replica in range(REPLICAS):
-        for r in world.commits(replica):
-            by_step.setdefault(r["step"], {})[replica] = r["digest"]
-    return by_step
+from tests.support.torchft_world import JOIN_S, REPLICAS, World, digests  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory):
     """3 replicas; replica 2 SIGKILLed once it committed step 3 (between syncs: its next
-    sync is SYNC inner steps away), restarted 0.5 s later; every replica runs to step 12."""
-    world = World(tmp_path_factory.mktemp("torchft_drill"), steps=12)
+    sync is SYNC inner steps away), restarted 0.5 s later; every replica runs to step 24 (the restarted one joins
+    a few steps after its start: its imports take seconds)."""
+    world = World(tmp_path_factory.mktemp("torchft_drill"), steps=24)
     try:
         for replica in range(REPLICAS):
             world.start(replica)
@@ -119,9 +42,9 @@ def test_fault_free_steps_train_identically_at_5x_fewer_bytes(drill):
     world, killed, first_pid = drill
     before = [r for r in world.commits(0) if r["t"] < killed and r["participants"] == REPLICAS]
     assert len(before) >= 2, world.commits(0)
-    digests = _digests(world)
+    by_step = digests(world)
     for r in before:  # every replica holds the same parameters after each sync
-        assert len(set(digests[r["step"]].values())) == 1 and len(digests[r["step"]]) == REPLICAS, digests[r["step"]]
+        assert len(set(by_step[r["step"]].values())) == 1 and len(by_step[r["step"]]) == REPLICAS, by_step[r["step"]]
     # bytes of one outer exchange of the three: THC's payload against fp32's (torchft's own: 4 bytes an element)
     a, b = before[-2], before[-1]
     dense, wire = b["dense"] - a["dense"], b["wire"] - a["wire"]
@@ -145,9 +68,9 @@ def test_the_restarted_replica_holds_the_survivors_parameters_from_its_first_com
     world, killed, first_pid = drill
     restarted = [r for r in world.commits(2) if r["pid"] != first_pid]
     assert restarted and restarted[-1]["step"] == world.steps
-    digests = _digests(world)
+    by_step = digests(world)
     for r in restarted:
-        assert digests[r["step"]].get(0) == digests[r["step"]].get(1) == r["digest"], (r["step"], digests[r["step"]])
+        assert by_step[r["step"]].get(0) == by_step[r["step"]].get(1) == r["digest"], (r["step"], by_step[r["step"]])
     # every quorum's rebuild of hhook's state (handshake and second communicator of the new
     # quorum, the wait for its members included)
     rebuilds = [s for replica in range(REPLICAS) for s in world.commits(replica)[-1]["rebuilds"]]
@@ -186,9 +109,9 @@ def test_a_replica_killed_inside_a_thc_exchange_fails_that_step_only(in_flight):
         # hhook's error reached torchft's error path (Manager.wrap_future: reported, the step skipped)
         log = world.log(replica, tail=10**7)
         assert "got exception in future -- skipping remaining: " in log and "PeerLostError: hhook" in log
-    digests = _digests(world)
+    by_step = digests(world)
     for step in range(4, world.steps + 1):
-        assert digests[step][0] == digests[step][1], digests[step]
+        assert by_step[step][0] == by_step[step][1], by_step[step]
 
 
 def test_the_private_torchft_pieces_hhook_leans_on():
@@ -208,3 +131,29 @@ def test_the_private_torchft_pieces_hhook_leans_on():
     assert list(inspect.signature(Manager.allreduce).parameters) == ["self", "tensor", "should_quantize", "reduce_op"]
     quorum = inspect.getsource(Manager._async_quorum)
     assert "self._pg.configure(" in quorum and "replica_world_size," in quorum
+
+
+def test_replica_groups_of_two_ranks_exchange_rank_by_rank():
+    """2 replica groups of 2 ranks each, DDP inside a group (torchtitan's HSDP): each group
+    rank has its own ring across the groups (its own quorum name and store), and every rank
+    of every group holds the same parameters after each sync; the replica group's default
+    process group (and hhook's liveness mesh on it) is not confused with the quorum."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        world = World(Path(tmp), steps=4, group_size=2)
+        try:
+            world.start(0)
+            world.start(1)
+            world.wait_for(lambda: world.done(0) and world.done(1), 120, "every rank's last step")
+            by_rank = [digests(world, replicas=2, rank=rank) for rank in (0, 1)]
+            full = [r["step"] for r in world.commits(0) if r["participants"] == 2]
+            assert full, world.commits(0)
+            for step in full:
+                assert len({*by_rank[0][step].values(), *by_rank[1][step].values()}) == 1, (step, by_rank)
+            a, b = world.commits(1, rank=1)[-2:]
+            ratio = (b["dense"] - a["dense"]) / (b["wire"] - a["wire"])
+            assert ratio > 5.5, ratio  # 2 replicas at 4 bits: 5-bit lanes, 6 to a 32-bit word: at most 6x
+        finally:
+            world.close()

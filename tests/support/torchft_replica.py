@@ -1,4 +1,4 @@
-"""One torchft replica group of one rank for tests/integrations/test_torchft.py: a Manager on
+"""One rank of a torchft replica group (of one rank, or of ``--group-size`` with DDP inside) for tests/integrations/test_torchft.py: a Manager on
 Gloo joined to the test's Lighthouse, torchft's DiLoCo over a small regression MLP, its
 outer exchange through hhook.torchft (``--exchange thc``) or torchft's own (``fp32``).
 
@@ -45,6 +45,9 @@ def main() -> None:
     ap.add_argument("--min-replicas", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--hold-at", type=int, default=-1)
+    ap.add_argument("--group-size", type=int, default=1, help="ranks of this replica group (DDP among them)")
+    ap.add_argument("--group-rank", type=int, default=0)
+    ap.add_argument("--store-port", type=int, default=0, help="the replica group's store (its rank 0 hosts it)")
     args = ap.parse_args()
 
     from torchft import Manager, ProcessGroupGloo
@@ -58,10 +61,15 @@ def main() -> None:
         out.write(json.dumps({"event": event, "t": time.time(), "pid": os.getpid(), **fields}) + "\n")
 
     say("start")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=args.group_rank == 0, wait_for_workers=False)
     torch.manual_seed(0)  # every replica starts from the same model
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128), torch.nn.ReLU(),
                                 torch.nn.Linear(128, 1))
+    forward = model
+    if args.group_size > 1:  # the replica group's own data parallelism (HSDP's inner dimension), as torchtitan
+        dist.init_process_group("gloo", store=dist.PrefixStore("inner/", store), rank=args.group_rank,
+                                world_size=args.group_size)
+        forward = torch.nn.parallel.DistributedDataParallel(model)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
 
@@ -75,7 +83,8 @@ def main() -> None:
     timeout = datetime.timedelta(seconds=args.timeout)
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
                       min_replica_size=args.min_replicas, use_async_quorum=False, timeout=timeout,
-                      quorum_timeout=datetime.timedelta(seconds=60), connect_timeout=timeout, rank=0, world_size=1,
+                      quorum_timeout=datetime.timedelta(seconds=60), connect_timeout=timeout, rank=args.group_rank,
+                      world_size=args.group_size,
                       store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=args.lighthouse,
                       replica_id=f"replica_{args.replica}", init_sync=False)
     thc = hhook.torchft.enable(manager, bits=args.bits) if args.exchange == "thc" else None
@@ -94,14 +103,14 @@ def main() -> None:
 
     truth = torch.Generator().manual_seed(1234)
     w1, w2 = torch.randn(64, 16, generator=truth), torch.randn(16, generator=truth)
-    data = torch.Generator().manual_seed(1000 + args.replica)
+    data = torch.Generator().manual_seed(1000 + 10 * args.replica + args.group_rank)
     losses, last_step = [], manager.current_step()
     with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every, should_quantize=True,
                 use_bucketization=True):
         while manager.current_step() < args.steps:
             x = torch.randn(32, 64, generator=data)
             y = torch.tanh(x @ w1) @ w2
-            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            loss = torch.nn.functional.mse_loss(forward(x).squeeze(-1), y)
             inner.zero_grad()
             loss.backward()
             losses.append(loss.item())
