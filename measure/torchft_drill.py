@@ -72,8 +72,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--exchanges", default="thc,fp32", help="which of thc and fp32 to run")
     args = ap.parse_args()
-    rows = [("thc", "none"), ("thc", "between"), ("thc", "in-flight"), ("fp32", "none"), ("fp32", "between")]
+    rows = [(e, k) for e, k in (("thc", "none"), ("thc", "between"), ("thc", "in-flight"), ("fp32", "none"),
+                                ("fp32", "between")) if e in args.exchanges.split(",")]
     print(f"{'exchange':9} {'fault':10} {'loss':>8} {'bytes x':>8} {'recover s':>10} {'rebuild s':>10} identical")
     for exchange, kind in rows:
         results = [run(kind, exchange, args.steps, args.bits) for _ in range(args.runs)]
