@@ -157,3 +157,33 @@ def test_replica_groups_of_two_ranks_exchange_rank_by_rank():
             assert ratio > 5.5, ratio  # 2 replicas at 4 bits: 5-bit lanes, 6 to a 32-bit word: at most 6x
         finally:
             world.close()
+
+
+def test_streaming_diloco_fragments_with_overlap():
+    """Streaming DiLoCo: the model in 2 fragments synced in turn, each exchange launched 2
+    inner steps before it is waited for (fragment_sync_delay): after every sync every replica
+    holds the same parameters of the fragment it synced (the other one holds each replica's
+    own inner steps since its last sync), and it trains."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        world = World(Path(tmp), steps=8, extra=("--fragments", "2", "--sync-delay", "2"))
+        try:
+            for replica in range(REPLICAS):
+                world.start(replica)
+            world.wait_for(lambda: all(world.done(r) for r in range(REPLICAS)), 120, "every replica's last step")
+            synced = {}  # step -> {replica: digest of the fragment that step synced: (step - 1) % 2}
+            for replica in range(REPLICAS):
+                for r in world.commits(replica):
+                    synced.setdefault(r["step"], {})[replica] = r["fragments"][(r["step"] - 1) % 2]
+            full = [r["step"] for r in world.commits(0) if r["participants"] == REPLICAS]
+            assert len(full) >= 4, world.commits(0)
+            for step in full:
+                assert len(set(synced[step].values())) == 1 and len(synced[step]) == REPLICAS, (step, synced[step])
+            # the fragment not synced at a step holds local progress: it differs between replicas
+            assert len({r["fragments"][full[-1] % 2] for r in (world.commits(x)[-1] for x in range(REPLICAS))}) > 1
+            losses = [r["loss"] for r in world.commits(0)]
+            assert sum(losses[-2:]) < 0.8 * sum(losses[:2]), losses
+        finally:
+            world.close()

@@ -7,7 +7,7 @@ outer exchange through hhook.torchft (``--exchange thc``) or torchft's own (``fp
 Writes one JSON line per event to ``--out`` (flushed): ``start``; ``commit`` after every
 outer step that committed (manager step, wall time, sha256 of the parameters' bytes, the
 mean loss of the inner steps since the last commit, the THC byte counters, the quorum's
-size and hhook's rebuild times); ``done``. ``--hold-at STEP`` makes the replica sleep inside
+size and hhook's rebuild times; with ``--fragments``, each fragment's sha256 too); ``done``. ``--hold-at STEP`` makes the replica sleep inside
 its THC exchange at that manager step, after the exchange's MAX and before its SUM (a
 drill's window to kill it mid-exchange).
 """
@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=1, help="ranks of this replica group (DDP among them)")
     ap.add_argument("--group-rank", type=int, default=0)
     ap.add_argument("--store-port", type=int, default=0, help="the replica group's store (its rank 0 hosts it)")
+    ap.add_argument("--fragments", type=int, default=1, help="streaming DiLoCo: the model in this many fragments")
+    ap.add_argument("--sync-delay", type=int, default=0, help="streaming DiLoCo's fragment_sync_delay (overlap)")
     args = ap.parse_args()
 
     from torchft import Manager, ProcessGroupGloo
@@ -71,7 +73,8 @@ def main() -> None:
                                 world_size=args.group_size)
         forward = torch.nn.parallel.DistributedDataParallel(model)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    fragments = [model] if args.fragments == 1 else [model[:2], model[2:]][:args.fragments]
+    outer = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in fragments]
 
     def state_dict():
         return {"model": model.state_dict(), "inner": inner.state_dict()}
@@ -105,8 +108,8 @@ def main() -> None:
     w1, w2 = torch.randn(64, 16, generator=truth), torch.randn(16, generator=truth)
     data = torch.Generator().manual_seed(1000 + 10 * args.replica + args.group_rank)
     losses, last_step = [], manager.current_step()
-    with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every, should_quantize=True,
-                use_bucketization=True):
+    with DiLoCo(manager, fragments, inner, outer, sync_every=args.sync_every, should_quantize=True,
+                use_bucketization=True, fragment_sync_delay=args.sync_delay):
         while manager.current_step() < args.steps:
             x = torch.randn(32, 64, generator=data)
             y = torch.tanh(x @ w1) @ w2
@@ -119,7 +122,8 @@ def main() -> None:
             step = manager.current_step()
             if step != last_step:
                 stats = thc.state.stats() if thc is not None else {}
-                say("commit", step=step, digest=digest(model), loss=sum(losses) / len(losses),
+                say("commit", step=step, digest=digest(model), fragments=[digest(f) for f in fragments],
+                    loss=sum(losses) / len(losses),
                     participants=manager.num_participants(), dense=stats.get("dense_bytes", 0),
                     wire=stats.get("wire_bytes", 0), calls=stats.get("compressed_calls", 0),
                     numel=sum(p.numel() for p in model.parameters()),
