@@ -1,20 +1,21 @@
 r"""torchft's DiLoCo with hhook.torchft's THC outer exchange against torchft's own (fp32):
 fault-free runs, a replica SIGKILLed between syncs and restarted, one SIGKILLed inside a
-THC exchange; 3 one-rank replica groups on Gloo, CPU, one host (tests/support/torchft_world.py).
+THC exchange, one SIGSTOPped between syncs for 3 s; 3 one-rank replica groups on Gloo, CPU, one host (tests/support/torchft_world.py).
 
     PYTHONPATH=src:. python measure/torchft_drill.py --runs 3
 
 Prints, per exchange and scenario, averaged over the runs: the final loss (mean of the last
 3 outer steps of replica 0, equal steps, so equal tokens per replica), the payload bytes of
 one outer exchange against fp32's (4 bytes an element), the survivors' time from the kill to
-their next commit, whether the restarted replica held the survivors' parameters bit for bit
-at every commit, and hhook's rebuild of its state per quorum (handshake and second
+their next commit, whether the restarted (or resumed) replica held the survivors' parameters
+bit for bit at every commit, and hhook's rebuild of its state per quorum (handshake and second
 communicator of the new quorum, the wait for its members included).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import tempfile
 import time
@@ -38,6 +39,11 @@ def run(kind: str, exchange: str, steps: int, bits: int) -> dict:
                 killed = world.kill(2)
                 time.sleep(0.5)
                 world.start(2)
+            elif kind == "stopped":
+                world.wait_for(lambda: any(r["step"] >= 3 for r in world.commits(2)), 120, "step 3")
+                killed = world.signal(2, signal.SIGSTOP)  # "killed": the fault's time
+                time.sleep(3.0)
+                resumed = world.signal(2, signal.SIGCONT)
             elif kind == "in-flight":
                 world.wait_for(lambda: any(r["event"] == "holding" for r in world.records(2)), 120, "the hold")
                 time.sleep(0.5)
@@ -55,9 +61,9 @@ def run(kind: str, exchange: str, steps: int, bits: int) -> dict:
             if killed is not None:
                 out["recover_s"] = max(next(r["t"] for r in world.commits(x) if r["t"] > killed) - killed
                                        for x in (0, 1))
-            if kind == "between":
+            if kind in ("between", "stopped"):
                 by_step = digests(world)
-                mine = [r for r in world.commits(2) if r["pid"] != first_pid]
+                mine = [r for r in world.commits(2) if (r["pid"] != first_pid if kind == "between" else r["t"] > resumed)]
                 out["identical"] = all(by_step[r["step"]].get(0) == by_step[r["step"]].get(1) == r["digest"]
                                        for r in mine)
             else:
@@ -73,9 +79,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--exchanges", default="thc,fp32", help="which of thc and fp32 to run")
+    ap.add_argument("--faults", default="none,between,in-flight,stopped", help="which faults to inject")
     args = ap.parse_args()
-    rows = [(e, k) for e, k in (("thc", "none"), ("thc", "between"), ("thc", "in-flight"), ("fp32", "none"),
-                                ("fp32", "between")) if e in args.exchanges.split(",")]
+    rows = [(e, k) for e, k in (("thc", "none"), ("thc", "between"), ("thc", "in-flight"), ("thc", "stopped"),
+                                ("fp32", "none"), ("fp32", "between"), ("fp32", "stopped"))
+            if e in args.exchanges.split(",") and k in args.faults.split(",")]
     print(f"{'exchange':9} {'fault':10} {'loss':>8} {'bytes x':>8} {'recover s':>10} {'rebuild s':>10} identical")
     for exchange, kind in rows:
         results = [run(kind, exchange, args.steps, args.bits) for _ in range(args.runs)]

@@ -187,3 +187,34 @@ def test_streaming_diloco_fragments_with_overlap():
             assert sum(losses[-2:]) < 0.8 * sum(losses[:2]), losses
         finally:
             world.close()
+
+
+def test_a_stopped_replica_is_left_out_and_heals_when_it_resumes():
+    """SIGSTOP replica 2 between syncs (after its step 3), SIGCONT it 3 s later: the
+    survivors commit without it within the join timeout + 1 s; once resumed it heals from
+    them and holds their parameters bit for bit from its next commit."""
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        world = World(Path(tmp), steps=24)
+        try:
+            for replica in range(REPLICAS):
+                world.start(replica)
+            world.wait_for(lambda: any(r["step"] >= 3 for r in world.commits(2)), 90, "replica 2's step 3")
+            stopped = world.signal(2, signal.SIGSTOP)
+            time.sleep(3.0)
+            resumed = world.signal(2, signal.SIGCONT)
+            world.wait_for(lambda: all(world.done(r) for r in range(REPLICAS)), 120, "every replica's last step")
+            for replica in (0, 1):
+                after = [r for r in world.commits(replica) if r["t"] > stopped]
+                assert after and after[0]["participants"] == 2, after
+                assert after[0]["t"] - stopped < JOIN_S + 1.0, after[0]["t"] - stopped
+            by_step = digests(world)
+            back = [r for r in world.commits(2) if r["t"] > resumed]
+            assert back and back[-1]["step"] == world.steps, back
+            for r in back:
+                assert by_step[r["step"]].get(0) == by_step[r["step"]].get(1) == r["digest"], (r["step"], by_step)
+        finally:
+            world.close()

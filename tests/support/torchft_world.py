@@ -82,9 +82,18 @@ class World:
                 proc.wait()
         return killed
 
+    def signal(self, replica: int, sig) -> float:
+        """Send ``sig`` to every rank of replica group ``replica``; the time it was sent."""
+        sent = time.time()
+        for (r, _), proc in self.procs.items():
+            if r == replica:
+                proc.send_signal(sig)
+        return sent
+
     def close(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
                 proc.kill()
                 proc.wait()
         self.lighthouse.shutdown()
