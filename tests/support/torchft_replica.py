@@ -7,8 +7,8 @@ outer exchange through hhook.torchft (``--exchange thc``) or torchft's own (``fp
 Writes one JSON line per event to ``--out`` (flushed): ``start``; ``commit`` after every
 outer step that committed (manager step, wall time, sha256 of the parameters' bytes, the
 mean loss of the inner steps since the last commit, the THC byte counters, the quorum's
-size and hhook's rebuild times; with ``--fragments``, each fragment's sha256 too); ``done``. ``--hold-at STEP`` makes the replica sleep inside
-its THC exchange at that manager step, after the exchange's MAX and before its SUM (a
+size and hhook's rebuild times; with ``--fragments``, each fragment's sha256 too); ``done``. ``--hold-at STEP`` makes the replica sleep (``--fail-at STEP``: raise, once) inside
+its first THC exchange at that manager step or later, after the exchange's MAX and before its SUM (a
 drill's window to kill it mid-exchange).
 """
 
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--min-replicas", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--hold-at", type=int, default=-1)
+    ap.add_argument("--fail-at", type=int, default=-1, help="raise inside the THC exchange at this manager step")
     ap.add_argument("--group-size", type=int, default=1, help="ranks of this replica group (DDP among them)")
     ap.add_argument("--group-rank", type=int, default=0)
     ap.add_argument("--store-port", type=int, default=0, help="the replica group's store (its rank 0 hosts it)")
@@ -91,15 +92,19 @@ def main() -> None:
                       store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=args.lighthouse,
                       replica_id=f"replica_{args.replica}", init_sync=False)
     thc = hhook.torchft.enable(manager, bits=args.bits) if args.exchange == "thc" else None
-    if thc is not None and args.hold_at >= 0:  # stop inside the THC exchange: after its MAX, before its SUM
+    if thc is not None and max(args.hold_at, args.fail_at) >= 0:  # inside the THC exchange: after its MAX, before its SUM
         import hhook.schedule.flat as flat
 
-        marked = flat._marked
+        marked, failed = flat._marked, []
 
         def held(words, changed):
-            if manager.current_step() == args.hold_at:
-                say("holding")
+            if 0 <= args.hold_at <= manager.current_step():
+                say("holding", step=manager.current_step())
                 time.sleep(3600)  # on a Gloo thread, in the MAX's continuation: the peers wait in their SUM
+            if 0 <= args.fail_at <= manager.current_step() and not failed:
+                failed.append(True)
+                say("failing", step=manager.current_step())
+                raise RuntimeError("injected: this replica's exchange failed")  # it sends no SUM
             return marked(words, changed)
 
         flat._marked = held
