@@ -47,7 +47,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from .codec.layout import SUPPORTED_DTYPES
 from .schedule.allreduce import connect, thc_allreduce_async
-from .schedule.futures import completed
+from .schedule.futures import attach, completed, new_future, settle
 from .schedule.groups import end_second_groups
 from .schedule.membership import Membership
 from .state import THCState, report
@@ -243,7 +243,7 @@ class THCManager:
             state = self._follow(quorum, tensor.device)
             # THC averages over the quorum's size; torchft wants the sum (over the participants, for AVG)
             factor = quorum.size / participants if reduce_op == dist.ReduceOp.AVG else float(quorum.size)
-            fut = thc_allreduce_async(tensor.detach(), state).then(lambda f: self._scaled(f, quorum, factor))
+            fut = self._scaled(thc_allreduce_async(tensor.detach(), state), quorum, factor, tensor)
         except Exception as exc:  # noqa: BLE001 - torchft's error path: the step is discarded
             if quorum is not None:
                 quorum.failed = exc
@@ -252,13 +252,22 @@ class THCManager:
         return _Exchange(manager, manager.wrap_future(fut, tensor))
 
     @staticmethod
-    def _scaled(fut: torch.futures.Future, quorum: Quorum, factor: float) -> torch.Tensor:
-        try:
-            tensor = fut.value()
-        except BaseException as exc:
-            quorum.failed = exc
-            raise
-        return tensor if factor == 1.0 else tensor.mul_(factor)
+    def _scaled(fut: torch.futures.Future, quorum: Quorum, factor: float, like: torch.Tensor) -> torch.futures.Future:
+        """``fut``'s tensor times ``factor``, or its error as it is (hhook's class, not
+        wrapped by torch's ``then``), which ends THC in ``quorum``."""
+        result = new_future(like)
+
+        def done(f: torch.futures.Future) -> None:
+            try:
+                tensor = f.value()
+            except BaseException as exc:  # noqa: BLE001 - handed to torchft's wrap_future
+                quorum.failed = exc
+                result.set_exception(exc)
+                return
+            settle(result, lambda: tensor if factor == 1.0 else tensor.mul_(factor))
+
+        attach(fut, done, quorum)
+        return result
 
 
 def enable(manager, bits: int = 4, quantized_only: bool = True, **options) -> THCManager:

@@ -248,3 +248,162 @@ def test_an_error_inside_one_replicas_exchange_discards_the_step_and_the_next_qu
             assert len(set(by_step[last].values())) == 1 and len(by_step[last]) == REPLICAS, by_step[last]
         finally:
             world.close()
+
+
+class _FakePG:
+    """torchft's reconfigurable process group as hhook.torchft sees it, over this world's
+    default group (the quorum id and store address as torchft's Manager passes them)."""
+
+    def __init__(self):
+        self.configured = []
+
+    def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
+                  group_world_size=None, global_ranks=None):
+        self.configured.append(quorum_id)
+
+    def getBackendName(self):
+        return "torchft-gloo"
+
+    def allreduce(self, tensors, opts):
+        import torch.distributed as dist
+
+        return dist.all_reduce(tensors[0], opts.reduceOp, async_op=True)
+
+    def allgather(self, outputs, inputs, opts):
+        import torch.distributed as dist
+
+        return dist.all_gather(outputs[0], inputs[0], async_op=True)
+
+
+class _FakeManager:
+    """What hhook.torchft calls of torchft's Manager, with torchft's semantics for
+    ``wrap_future`` (an error is reported, the default returned)."""
+
+    def __init__(self, participants: int, participating: bool):
+        import datetime
+
+        self._pg, self._timeout = _FakePG(), datetime.timedelta(seconds=20)
+        self.participants, self.participating, self.errors, self.own = participants, participating, [], 0
+
+    def allreduce(self, tensor, should_quantize=False, reduce_op=None):
+        self.own += 1
+        return "torchft's own exchange"
+
+    def errored(self):
+        return self.errors[-1] if self.errors else None
+
+    def wait_quorum(self):
+        pass
+
+    def num_participants(self):
+        return self.participants
+
+    def is_participating(self):
+        return self.participating
+
+    def report_error(self, exc):
+        self.errors.append(exc)
+
+    def wrap_future(self, fut, default):
+        def reported(f):
+            try:
+                return f.value()
+            except Exception as exc:  # noqa: BLE001 - as torchft's Manager.wrap_future
+                self.report_error(exc)
+                return default
+
+        return fut.then(reported)
+
+
+def _semantics_worker(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    import hhook.torchft
+
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    manager = _FakeManager(participants=world, participating=True)
+    thc = hhook.torchft.enable(manager, bits=4)
+
+    def quorum(qid):
+        manager._pg.configure(f"127.0.0.1:{store.port}/torchft/{qid}/0", "r", rank, world, qid, 0, 1, None)
+        manager.errors.clear()
+
+    def x(r):  # heterogeneous replicas: replica 1's pseudo-gradient 10x replica 0's
+        return torch.randn(3000, generator=torch.Generator().manual_seed(r)) * (10.0 if r == 1 else 1.0)
+
+    out = {}
+    quorum(1)
+    t = x(rank)
+    thc.allreduce(t, should_quantize=True).wait()
+    out["avg"] = t
+    t = x(rank)
+    thc.allreduce(t, should_quantize=True, reduce_op=dist.ReduceOp.SUM).wait()
+    out["sum"] = t
+    out["own"] = (thc.allreduce(x(rank)), manager.own)  # should_quantize=False: torchft's own exchange
+    # a callback chained on the Work's future has run when wait() returns (the bucketized DiLoCo's copy-back)
+    seen = []
+    work = thc.allreduce(x(rank), should_quantize=True)
+    work.get_future().then(lambda f: (time.sleep(0.2), seen.append(f.value().sum().item())))
+    work.wait()
+    out["chained"] = len(seen)
+    out["calls_q1"] = thc.state.counters.calls
+    # a quorum of 3 where replica 2 heals (does not participate): it sends zeros, AVG over 2
+    quorum(2)
+    manager.participants, manager.participating = 2, rank != 2
+    t = x(rank)
+    thc.allreduce(t, should_quantize=True).wait()
+    out["partial"] = t
+    out["name"], out["first_call_q2"] = thc.state.process_group.name, thc.state.counters.calls
+    # a replica whose tensor has another length: every replica's step is reported, and the
+    # quorum takes no more THC exchanges until the next one
+    manager.participants, manager.participating = world, True
+    t = torch.ones(100 if rank == 2 else 200)
+    thc.allreduce(t, should_quantize=True).wait()
+    out["mismatch"] = [type(e).__name__ for e in manager.errors]
+    manager.errors.clear()
+    thc.allreduce(torch.ones(200), should_quantize=True).wait()  # no collective: reported at once
+    out["after"] = [str(e)[:60] for e in manager.errors]
+    quorum(3)
+    t = x(rank)
+    thc.allreduce(t, should_quantize=True).wait()
+    out["again"], out["errors_q3"], out["rebuilds"] = t, list(manager.errors), len(thc.rebuilds)
+    return out
+
+
+def test_torchfts_semantics_on_a_fake_manager():
+    """hhook.torchft against a Manager that behaves as torchft's, over 3 ranks: AVG is the
+    sum over the participants and SUM the sum, the same bits on every replica; a replica
+    that does not participate sends zeros; calls without should_quantize go to torchft's
+    own exchange; wait() covers callbacks chained on the future; a mismatch is reported on
+    every replica and ends THC in that quorum; the next quorum starts afresh, its rounding
+    counters from its id."""
+    import torch
+
+    from tests.support.distributed import run_world
+
+    world = 3
+    outs = run_world(_semantics_worker, world)
+
+    def x(r):
+        return torch.randn(3000, generator=torch.Generator().manual_seed(r)) * (10.0 if r == 1 else 1.0)
+
+    total = sum(x(r) for r in range(world))
+
+    def close(a, b):
+        return ((a - b).norm() / b.norm()).item() < 0.3
+
+    for out in outs:
+        for key in ("avg", "sum", "partial", "again"):
+            assert torch.equal(out[key], outs[0][key]), key
+        assert close(out["avg"], total / world) and close(out["sum"], total)
+        assert close(out["partial"], (x(0) + x(1)) / 2)
+        assert out["own"] == ("torchft's own exchange", 1)
+        assert out["chained"] == 1
+        assert out["calls_q1"] >= 1 << 32 and out["first_call_q2"] >= 2 << 32
+        assert out["name"] == "torchft:2:0"
+        assert out["mismatch"] == ["ConfigMismatchError"], out["mismatch"]
+        assert len(out["after"]) == 1 and "an earlier THC exchange of quorum 2 failed" in out["after"][0]
+        assert close(out["again"], total / world) and out["errors_q3"] == [] and out["rebuilds"] == 3
