@@ -4,7 +4,7 @@
 #   ci/setup.sh          torch==2.13.0 if missing (see below: on Linux x86-64 from PyPI that is the CUDA
 #                        build, several GB), hhook in editable mode with its profile extras, pytest
 #   ci/setup.sh --full   also Open MPI, mpi4py, Horovod 0.28.1 and the frameworks hhook adapts to
-#                        (Lightning, Accelerate, Transformers, Ray Train; pinned): the whole test suite
+#                        (Lightning, Accelerate, Transformers, Ray Train, torchft; pinned): the whole test suite
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"

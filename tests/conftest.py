@@ -1,7 +1,7 @@
 """``HHOOK_REQUIRE``: dependencies whose absence fails the suite instead of skipping tests.
 
 A comma-separated list of ``horovod``, ``mpi``, ``lightning``, ``accelerate``,
-``transformers`` and ``ray``. A test (or a test module) that skips
+``transformers``, ``ray`` and ``torchft``. A test (or a test module) that skips
 with a reason naming a required dependency fails instead, with that reason. ci/test.sh
 installs Open MPI, mpi4py, Horovod and the frameworks and sets ``HHOOK_REQUIRE`` to all of them, so there a
 Horovod that does not import (a failed build, an ABI mismatch with torch, an import that
@@ -26,7 +26,8 @@ os.environ.setdefault("HHOOK_AUTO_ONE_HOST", "measure")
 MENTIONS = {"horovod": re.compile(r"horovod", re.I), "mpi": re.compile(r"\bmpi", re.I),
             # the frameworks of tests/integrations/test_frameworks.py (hhook's adapters; pyproject's extras)
             "lightning": re.compile(r"\blightning", re.I), "accelerate": re.compile(r"\baccelerate", re.I),
-            "transformers": re.compile(r"\btransformers", re.I), "ray": re.compile(r"\bray\b", re.I)}
+            "transformers": re.compile(r"\btransformers", re.I), "ray": re.compile(r"\bray\b", re.I),
+            "torchft": re.compile(r"\btorchft", re.I)}  # tests/integrations/test_torchft.py
 _REQUIRED = pytest.StashKey[frozenset]()
 
 

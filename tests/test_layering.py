@@ -114,14 +114,15 @@ LAYERS = (
     ("state", {"state"}),
     ("decision", {"decision"}),
     # "": the package's front, src/hhook/__init__.py; adapters + lightning, accelerate, transformers: the framework
-    # adapters, over the DDP hook; diloco: the outer synchronization across sites, over thc_allreduce_async
+    # adapters, over the DDP hook; diloco: the outer synchronization across sites, over thc_allreduce_async;
+    # torchft: THC as torchft's fault-tolerant exchange, over thc_allreduce_async and a Membership per quorum
     ("integrations", {"ddp_hook", "horovod", "fsdp", "diloco", "", "adapters", "lightning", "accelerate",
-                      "transformers"}),
+                      "transformers", "torchft"}),
     ("benchmarks", {"simulation", "baselines", "profile"}),
 )
 #: Layers that are folders of hhook/ (the others are modules at its top).
 FOLDERS = {"codec", "scales", "schedule", "state", "decision"}
-INTEGRATIONS = {"hhook.ddp_hook", "hhook.horovod", "hhook.fsdp", "hhook.diloco"}
+INTEGRATIONS = {"hhook.ddp_hook", "hhook.horovod", "hhook.fsdp", "hhook.diloco", "hhook.torchft"}
 #: One module per framework, each over hhook.adapters and the DDP hook, none over another.
 FRAMEWORK_ADAPTERS = {"hhook.lightning", "hhook.accelerate", "hhook.transformers"}
 
@@ -175,7 +176,7 @@ def test_framework_adapters_stand_alone_and_the_core_does_not_import_them():
     assert not graph["hhook"] & FRAMEWORK_ADAPTERS
     # `import hhook` loads no framework (torch and numpy only)
     code = ("import sys, hhook; print(sorted(m for m in ('lightning', 'pytorch_lightning', 'accelerate', "
-            "'transformers', 'ray') if m in sys.modules))")
+            "'transformers', 'ray', 'torchft') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=str(ROOT.parent), env={**__import__("os").environ, "PYTHONPATH": str(ROOT.parent)})
     assert out.stdout.strip() == "[]", out

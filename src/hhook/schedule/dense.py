@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec.layout import SUPPORTED_DTYPES
+from . import membership
 from .futures import completed, then
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def plain_allreduce(tensor: torch.Tensor, group, world_size: int) -> torch.futur
     """What DDP does without a hook, exact: divide by ``world_size``, SUM-allreduce over
     ``group``; the future holds ``tensor``."""
     tensor.div_(world_size)
-    fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    fut = membership.of(group).all_reduce(tensor, dist.ReduceOp.SUM).get_future()
     return then(fut, lambda value: value[0], tensor, f"the plain allreduce of {tensor.numel()} elements", group)
 
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..codec import warm_up
 from ..codec.layout import SUPPORTED_DTYPES
 from ..scales import message
+from . import membership
 from .context import CallContext, check_deferred
 from .dense import dense_allreduce
 from .futures import attach, completed, new_future, settle, stream_of, then, value_of
@@ -145,8 +146,9 @@ def flat_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, layou
 
 
 def _on(group):
-    """``all_reduce(tensor, op)`` on ``group`` from this thread: its future."""
-    return lambda tensor, op: dist.all_reduce(tensor, op, group=group, async_op=True).get_future()
+    """``all_reduce(tensor, op)`` on ``group`` (:func:`hhook.schedule.membership.of`) from this thread: its future."""
+    members = membership.of(group)
+    return lambda tensor, op: members.all_reduce(tensor, op).get_future()
 
 
 def _in_turn(comm, sequencer):

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
-from . import liveness
+from . import liveness, membership
+from .membership import all_gather_flat  # noqa: F401 - imported from here by the schedule and FSDP
 from .blame import blame
 
 _lock = threading.Lock()
@@ -74,19 +75,15 @@ def timeout_of(group) -> datetime.timedelta:
     :class:`SecondGroup` has its parent's. Falls back to torch's default."""
     if isinstance(group, SecondGroup):
         return group.timeout
-    group = group if group is not None else dist.group.WORLD
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except Exception:  # noqa: BLE001 - a backend without CPU or without options (MPI)
-        pass
-    try:
-        return group._get_backend(torch.device("cuda")).options._timeout
-    except Exception:  # noqa: BLE001
-        return dist.default_pg_timeout
+    return membership.of(group).timeout
 
 
 def others_of(group) -> list[int]:
-    """The global ranks of ``group`` other than this one ([] where that cannot be told)."""
+    """The global ranks of ``group`` other than this one ([] where that cannot be told,
+    or where they are not ranks of the default group: a :class:`~.membership.Membership`
+    that is not ``live``)."""
+    if not getattr(group, "live", True):
+        return []
     try:
         ranks = group.ranks if isinstance(group, SecondGroup) else dist.get_process_group_ranks(
             group if group is not None else dist.group.WORLD)
@@ -154,7 +151,7 @@ def agrees(group, fingerprint: float, device, counters=None, dtype: torch.dtype 
     MAX all-reduce of :func:`pair`, read by :func:`pair_agrees`, so every rank reaches the
     same answer. ``counters`` (:class:`hhook.stats.Counters`) are charged the vector's bytes."""
     vector = pair(fingerprint, device, dtype)
-    dist.all_reduce(vector, dist.ReduceOp.MAX, group=group)
+    membership.of(group).all_reduce(vector, dist.ReduceOp.MAX).wait()
     if counters is not None:
         counters.add(None, 0, vector.nbytes)
     return pair_agrees(vector)
@@ -171,14 +168,6 @@ def pair_agrees(vector: torch.Tensor) -> bool:
     return high == -low
 
 
-def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """All-gather equal-sized ``input`` of every rank into one flat ``output``:
-    ``all_gather_single`` where torch has it (2.13), ``all_gather_into_tensor`` (the same
-    collective under its older name) where it does not (2.11, the GPU machines' torch)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, input, group=group, async_op=async_op)
-
-
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """SUM-reduce-scatter one flat ``input`` of ``world_size`` equal chunks into ``output``
     (this rank's chunk): ``reduce_scatter_single`` where torch has it (2.13; its old name
@@ -190,44 +179,35 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None, a
 def reduces_on_host(group) -> bool:
     """Whether ``group`` reduces CPU tensors (it has a Gloo or MPI backend): small control
     vectors then travel from the host, where reading them costs no device synchronisation."""
-    backend = str(dist.get_backend(group if group is not None else dist.group.WORLD))
-    return "gloo" in backend or "mpi" in backend
-
-
-def _gloo_for_cuda(parent: dist.ProcessGroup) -> bool:
-    """Whether ``parent`` reduces CUDA tensors over Gloo (ranks sharing one GPU, which
-    NCCL refuses): the second communicator then uses Gloo too."""
-    config = dict(item.split(":", 1) for item in dist.get_backend_config(parent).split(",") if ":" in item)
-    return config.get("cuda") == "gloo"
+    return membership.of(group).on_host
 
 
 class SecondGroup:
     """``all_reduce(tensor, op, async_op=True)`` on a private backend over ``parent``'s ranks."""
 
-    def __init__(self, parent: dist.ProcessGroup | None, device_type: str):
+    def __init__(self, parent, device_type: str):
         parent = parent if parent is not None else dist.group.WORLD
-        rank, size = dist.get_rank(parent), dist.get_world_size(parent)
+        members = membership.of(parent)  # a torch group, or a membership torch does not know (hhook.torchft)
+        rank, size, name = members.rank, members.size, members.name
         with _lock:
-            index = _made.get(parent.group_name, 0)
-            _made[parent.group_name] = index + 1
+            index = _made.get(name, 0)
+            _made[name] = index + 1
         # A store may outlive a job's attempt (torchrun's restarts): the keys of this one
         # carry a number rank 0 drew now, so a stale address of a failed attempt is never
         # read as a live peer's. The members are all here (a blocking handshake).
         # On the host wherever the parent has Gloo (CUDA tensors over Gloo too: ranks sharing a GPU).
         nonce = torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64,
-                             device=torch.device("cpu" if reduces_on_host(parent) else device_type))
+                             device=torch.device("cpu" if members.on_host else device_type))
         with explained("the handshake of hhook's second communicator", parent):
-            dist.all_reduce(nonce, dist.ReduceOp.MAX, group=parent)
+            members.all_reduce(nonce, dist.ReduceOp.MAX).wait()
         self.handshake_bytes = nonce.nbytes  # handed to a collective: the owner counts it
-        store = dist.PrefixStore(f"hhook/second/{parent.group_name}/{index}/{int(nonce.item()):x}/",
-                                 dist.distributed_c10d._get_default_store())
+        store = dist.PrefixStore(f"hhook/second/{name}/{index}/{int(nonce.item()):x}/", members.store)
         # The parent's timeout: a stalled peer fails these SUMs when it fails the job's own
         # collectives, not 30 minutes later.
-        self.timeout = timeout = timeout_of(parent)
+        self.timeout = timeout = members.timeout
         # The backend's ranks meet through the store: its host gone raises hhook's error.
-        with liveness.store_calls(f"the set-up of hhook's second communicator of group {parent.group_name!r}",
-                                  dist.get_process_group_ranks(parent)):
-            if device_type == "cuda" and not _gloo_for_cuda(parent):
+        with members.store_calls(f"the set-up of hhook's second communicator of group {name!r}"):
+            if device_type == "cuda" and not members.cuda_over_gloo:
                 if not dist.is_nccl_available():
                     raise RuntimeError("hhook: CUDA tensors need NCCL for the agreed-scale SUMs")
                 options = dist.ProcessGroupNCCL.Options()
@@ -236,8 +216,8 @@ class SecondGroup:
             else:
                 self.backend = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.parent = parent
-        self.parent_name = parent.group_name
-        self.ranks = dist.get_process_group_ranks(parent)
+        self.parent_name = name
+        self.ranks, self.live = members.ranks, members.live
         self.index = index
         with _lock:
             _open.append(self)

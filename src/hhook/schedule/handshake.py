@@ -45,8 +45,8 @@ import torch.distributed as dist
 
 from ..codec import rng
 from ..errors import ConfigMismatchError, PeerLostError, PeerTimeoutError
-from . import liveness
-from .groups import agrees, all_gather_flat, explained, reduces_on_host, timeout_of
+from . import liveness, membership
+from .groups import agrees, explained
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,11 @@ WORDS = 2 + 4 * MAX_FIELDS
 _MAGIC = 0x48484853  # "HHHS"
 _NONE, _INT, _BOOL, _FLOAT, _STR = range(5)
 
-#: Seconds between looks, while ranks have not all arrived, at whether they have or a
-#: missing one ended (a look reads the store once and this rank's liveness connections).
-LOOK_S = 0.2
+#: Most seconds between looks, while ranks have not all arrived, at whether they have or
+#: a missing one ended (a look reads the store once and this rank's liveness connections).
+#: The first look comes after FIRST_LOOK_S, each later one after twice the last: ranks
+#: that arrive together (torchft's quorums, at every membership change) wait milliseconds.
+LOOK_S, FIRST_LOOK_S = 0.2, 0.01
 #: Seconds a rank that found a mismatch waits for the other ranks' fields in the store
 #: (every rank found it in the same collective; one that does not come is named absent).
 NAME_WAIT_S = 4.0
@@ -151,28 +153,29 @@ def agree(group, fields, counters=None, what: str = "hhook's options handshake",
     rank. ``arrive``: first wait for every rank in the group's store (step 1), where a
     rank may not run hhook at all; ``counters`` (:class:`hhook.stats.Counters`) are
     charged the bytes handed to the collectives. A world of one compares nothing."""
-    if dist.get_world_size(group) == 1:
+    members = membership.of(group)
+    if members.size == 1:
         return
     if arrive:
         _arrive(group, what)
     words = encode(fields)
-    device = torch.device("cpu") if reduces_on_host(group) else torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cpu") if members.on_host else torch.device("cuda", torch.cuda.current_device())
     with explained(what, group):
         if agrees(group, digest(words), device, counters, torch.int32):
             return
         mine = torch.tensor(words, dtype=torch.int64, device=device)
-        rows = torch.empty(dist.get_world_size(group) * WORDS, dtype=torch.int64, device=device)
-        all_gather_flat(rows, mine, group=group)
+        rows = torch.empty(members.size * WORDS, dtype=torch.int64, device=device)
+        members.all_gather(rows, mine).wait()
     if counters is not None:
         counters.add(None, 0, mine.nbytes)
-    raise ConfigMismatchError(_differences(rows.view(-1, WORDS).tolist(), _ranks(group), what))
+    raise ConfigMismatchError(_differences(rows.view(-1, WORDS).tolist(), members.ranks, what))
 
 
 def call_number(group) -> int:
     """The number of this call among the checked calls on ``group`` (the same on every
     rank: every rank makes them in the same order), for :func:`named`'s keys."""
-    pg = group if group is not None else dist.group.WORLD
-    key = (liveness.instance(), pg.group_name)
+    members = membership.of(group)
+    key = (members.instance, members.name)
     with _lock:
         n = _calls.get(key, 0)
         _calls[key] = n + 1
@@ -185,23 +188,19 @@ def named(group, fields, number: int, what: str) -> Exception:
     ``number`` (:func:`call_number`), where every rank found that they differ: each rank
     puts its fields in the group's store and reads the others' (no collective: safe in a
     continuation). A rank that does not put them within :data:`NAME_WAIT_S` is named absent."""
-    pg = group if group is not None else dist.group.WORLD
-    store, ranks = dist.distributed_c10d._get_process_group_store(pg), _ranks(pg)
-    prefix = f"hhook/named/{liveness.instance()}/{pg.group_name}/{number}/"
+    members = membership.of(group)
+    store, ranks = members.store, members.ranks
+    prefix = f"hhook/named/{members.instance}/{members.name}/{number}/"
     words, keys = encode(fields), [f"{prefix}{r}" for r in range(len(ranks))]
     try:
-        store.set(keys[dist.get_rank(pg)], struct.pack(f"<{WORDS}q", *words))
+        store.set(keys[members.rank], struct.pack(f"<{WORDS}q", *words))
         deadline = time.monotonic() + NAME_WAIT_S
         while not store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.02)
         rows = [list(struct.unpack(f"<{WORDS}q", store.get(k))) if store.check([k]) else [0, 0] for k in keys]
     except Exception as exc:  # noqa: BLE001 - the store's host is gone or stalled
-        return liveness.store_failed(exc, what, ranks)
+        return members.store_failed(exc, what)
     return ConfigMismatchError(_differences(rows, ranks, what))
-
-
-def _ranks(group) -> list[int]:
-    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
 def _differences(rows: list, ranks: list[int], what: str) -> str:
@@ -238,18 +237,19 @@ def _arrive(group, what: str) -> None:
     liveness connection closed), :class:`~hhook.errors.PeerTimeoutError` at the timeout
     for one that is silent there too (stopped), :class:`~hhook.errors.ConfigMismatchError`
     for one that runs elsewhere. A store that fails raises hhook's error too."""
-    pg = group if group is not None else dist.group.WORLD
-    store, ranks = dist.distributed_c10d._get_process_group_store(pg), _ranks(pg)
-    key = (liveness.instance(), pg.group_name)
+    members = membership.of(group)
+    store, ranks = members.store, members.ranks
+    key = (members.instance, members.name)
     with _lock:
         n = _arrivals.get(key, 0)
         _arrivals[key] = n + 1
     prefix = f"hhook/handshake/{key[0]}/{n}/"
-    rank, world, timeout = dist.get_rank(pg), dist.get_world_size(pg), timeout_of(pg)
+    rank, world, timeout = members.rank, members.size, members.timeout
     deadline = time.monotonic() + timeout.total_seconds()
-    gone = liveness.ended(ranks)
+    gone = members.ended(ranks)
     if gone:  # before any store call: the store's host may be among them
         raise _lost(gone, f"before {what}")
+    pause = FIRST_LOOK_S
     try:
         store.set(f"{prefix}{rank}", "1")
         if store.add(f"{prefix}count", 1) == world:
@@ -259,19 +259,20 @@ def _arrive(group, what: str) -> None:
             if time.monotonic() >= deadline:  # first: a rank that ran something else may end with its own timeout
                 gone = {}
                 break
-            gone = {g: how for g, how in liveness.ended(ranks).items() if not store.check([f"{prefix}{ranks.index(g)}"])}
+            gone = {g: how for g, how in members.ended(ranks).items() if not store.check([f"{prefix}{ranks.index(g)}"])}
             if gone:
                 break
-            time.sleep(LOOK_S)
+            time.sleep(pause)
+            pause = min(LOOK_S, 2 * pause)
         else:
             return
         here = [r for r in range(world) if store.check([f"{prefix}{r}"])]
     except Exception as exc:  # noqa: BLE001 - the store's host is gone or stalled
-        raise liveness.store_failed(exc, what, ranks) from exc
+        raise members.store_failed(exc, what) from exc
     came, missing = [ranks[r] for r in here], [ranks[r] for r in range(world) if r not in here]
     if gone:
         raise _lost(gone, f"before reaching {what}, where {_said(came)} waited")
-    stopped = liveness.quiet(missing)
+    stopped = members.quiet(missing)
     if stopped:
         raise PeerTimeoutError(
             f"hhook: {_said(stopped)} of this group did not reach {what} within the group's timeout "

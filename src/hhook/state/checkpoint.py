@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from ..codec import CODEC_VERSION
 from ..codec.error_model import auto_bits
-from ..schedule import load_check
-from ..schedule.topology import Topology, TopologyError, detect_topology
+from ..schedule import load_check, membership
+from ..schedule.topology import Topology, TopologyError, detect_topology, flat_topology
 from ..stats import Counters
 from . import report
 from .keys import KeyStore, drop_residuals, start_afresh
@@ -49,8 +49,8 @@ class Checkpointed:
         runtime = self.runtime
         saved = {"format": STATE_FORMAT, "codec_version": CODEC_VERSION,
                  "layout": runtime.topo.record() if runtime.topo is not None else self.restored[0],
-                 "origin": None if not dist.is_initialized() else {
-                     "rank": dist.get_rank(self.process_group), "world_size": dist.get_world_size(self.process_group)}}
+                 "origin": None if not dist.is_initialized() and membership.registered(self.process_group) else {
+                     "rank": membership.of(self.process_group).rank, "world_size": membership.of(self.process_group).size}}
         saved.update(self.options.as_dict())
         decision = self.decision
         if self.prober is not None and decision is not None and not isinstance(decision, dict):
@@ -132,6 +132,13 @@ class Checkpointed:
         all-gather, also for ``"flat"``, so ranks that disagree fail together) and
         :func:`adopt_layout`. Raises :class:`~hhook.schedule.topology.TopologyError` on
         every rank alike."""
+        if self.runtime.topo is None and not membership.registered(self.process_group):
+            if self.options.topology != "flat":
+                raise ValueError("hhook: two-level THC (topology=...) needs a torch.distributed group; "
+                                 f"{self.process_group.name!r} is not one: use topology='flat'")
+            members = self.process_group
+            adopt_layout(self, flat_topology(members.size, members.rank, "a group torch.distributed does not know",
+                                             members))
         if self.runtime.topo is None:
             if not dist.is_initialized():
                 raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..schedule import handshake
+from ..schedule import handshake, membership
 from ..schedule.context import CallContext, GroupRuntime
 from ..schedule.flat import flat_allreduce_async
 from ..schedule.two_level import two_level_allreduce_async
@@ -22,15 +22,18 @@ from .options import Options
 
 
 def _check_group(process_group) -> None:
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {process_group!r}")
+    if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, membership.Membership)):
+        raise TypeError("process_group must be a torch.distributed ProcessGroup, None, or a "
+                        f"hhook.schedule.membership.Membership, got {process_group!r}")
 
 
 class THCState(Checkpointed, report.Reporting):
     r"""Options, error-feedback residuals and byte counters of THC compression.
 
     Args:
-        process_group: the group to reduce over; ``None`` means the default group.
+        process_group: the group to reduce over; ``None`` means the default group; a
+            :class:`~hhook.schedule.membership.Membership` is one ``torch.distributed``
+            does not know (:mod:`hhook.torchft`'s quorums; ``topology="flat"`` only).
         bits: bits per coordinate before headroom; ``2**bits`` quantization levels (1..8).
             ``"auto"``: the fewest bits whose predicted error of the mean at this world
             size (or node count, two-level) is no worse than 4 bits at 4 ranks rounding
@@ -121,7 +124,7 @@ class THCState(Checkpointed, report.Reporting):
         """The bits the codec uses over ``world_size`` ranks (default: this group's; a
         two-level state's shards use the inter-node state's, sized for the node count)."""
         if world_size is None and self.options.bits == "auto":
-            world_size = dist.get_world_size(self.process_group)
+            world_size = membership.of(self.process_group).size
         return self.options.codec_bits(world_size)
 
     def policy(self, mode: str, world_size: int | None = None):
@@ -139,7 +142,7 @@ class THCState(Checkpointed, report.Reporting):
         runtime = self.runtime if group is None else self.runtimes.setdefault(group, GroupRuntime())
         if runtime.agreed:
             return
-        if not dist.is_initialized():
+        if not dist.is_initialized() and membership.registered(self.process_group):
             raise RuntimeError("hhook: torch.distributed is not initialized (see hhook.init_distributed)")
         fields = self.options.fields() + ((("runs", runs),) if runs else ()) + tuple(extra)
         handshake.agree(self.process_group if group is None else group, fields, self.counters)
@@ -164,11 +167,12 @@ class THCState(Checkpointed, report.Reporting):
 
     def _made(self, group, mode: str | None) -> CallContext:
         pg = self.process_group if group is None else group
-        world, options = dist.get_world_size(pg), self.options
+        members, options = membership.of(pg), self.options
+        world = members.size
         topo = self.runtime.topo if group is None else None
         two_level = topo is not None and topo.two_level
         return CallContext(
-            pg, dist.get_rank(pg), world, self.runtime if group is None else self.runtimes[group], self.counters,
+            pg, members.rank, world, self.runtime if group is None else self.runtimes[group], self.counters,
             None if two_level else self.policy(options.scales if mode is None else mode, None if group is None else world),
             options.piece_limit(), options.block_size, options.config_id(), options.fields(),
             report.deferred_sources(self), two_level_allreduce_async if two_level else flat_allreduce_async,
