@@ -8,6 +8,7 @@ kills a replica inside a THC exchange (after the exchange's MAX, before its SUM)
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 
@@ -101,11 +102,12 @@ def test_a_replica_killed_inside_a_thc_exchange_fails_that_step_only(in_flight):
         commits = world.commits(replica)
         steps = [r["step"] for r in commits]
         assert steps == sorted(set(steps)) and steps[-1] == world.steps, steps
-        after = [r for r in commits if r["t"] > killed]
-        assert after and after[0]["participants"] == 2, after
         # the step in flight was discarded (no commit of it before the kill), the next quorum committed it
+        # (by step, not by the record's time: under load a survivor may record its commit of the step
+        # before later than the kill)
         held = next(r["step"] for r in world.records(2) if r["event"] == "holding")
-        assert after[0]["step"] == held + 1, (held, after[0])
+        after = [r for r in commits if r["step"] > held]
+        assert after and after[0]["participants"] == 2 and after[0]["step"] == held + 1, (held, after)
         assert after[0]["t"] - killed < JOIN_S + 1.0 + 1.0, after[0]["t"] - killed
         # hhook's error reached torchft's error path (Manager.wrap_future: reported, the step skipped)
         log = world.log(replica, tail=10**7)
@@ -160,34 +162,31 @@ def test_replica_groups_of_two_ranks_exchange_rank_by_rank():
             world.close()
 
 
-def test_streaming_diloco_fragments_with_overlap():
+def test_streaming_diloco_fragments_with_overlap(tmp_path):
     """Streaming DiLoCo: the model in 2 fragments synced in turn, each exchange launched 2
     inner steps before it is waited for (fragment_sync_delay): after every sync every replica
     holds the same parameters of the fragment it synced (the other one holds each replica's
-    own inner steps since its last sync), and it trains."""
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as tmp:
-        world = World(Path(tmp), steps=8, extra=("--fragments", "2", "--sync-delay", "2"))
-        try:
-            for replica in range(REPLICAS):
-                world.start(replica)
-            world.wait_for(lambda: all(world.done(r) for r in range(REPLICAS)), 120, "every replica's last step")
-            synced = {}  # step -> {replica: digest of the fragment that step synced: (step - 1) % 2}
-            for replica in range(REPLICAS):
-                for r in world.commits(replica):
-                    synced.setdefault(r["step"], {})[replica] = r["fragments"][(r["step"] - 1) % 2]
-            full = [r["step"] for r in world.commits(0) if r["participants"] == REPLICAS]
-            assert len(full) >= 4, world.commits(0)
-            for step in full:
-                assert len(set(synced[step].values())) == 1 and len(synced[step]) == REPLICAS, (step, synced[step])
-            # the fragment not synced at a step holds local progress: it differs between replicas
-            assert len({r["fragments"][full[-1] % 2] for r in (world.commits(x)[-1] for x in range(REPLICAS))}) > 1
-            losses = [r["loss"] for r in world.commits(0)]
-            assert sum(losses[-2:]) < 0.8 * sum(losses[:2]), losses
-        finally:
-            world.close()
+    own inner steps since its last sync), and it trains. Every quorum needs all three
+    replicas: with two, a replica that starts late (under load) heals into a step whose
+    fragment differs from its peers', with torchft's own fp32 exchange as with THC (measured:
+    a replica joining at step 17 of 40, both exchanges), matching them from its next commit."""
+    extra = ("--fragments", "2", "--sync-delay", "2", "--min-replicas", str(REPLICAS))
+    with contextlib.closing(World(tmp_path, steps=8, extra=extra, min_replicas=REPLICAS)) as world:
+        for replica in range(REPLICAS):
+            world.start(replica)
+        world.wait_for(lambda: all(world.done(r) for r in range(REPLICAS)), 120, "every replica's last step")
+        synced = {}  # step -> {replica: digest of the fragment that step synced: (step - 1) % 2}
+        for replica in range(REPLICAS):
+            for r in world.commits(replica):
+                synced.setdefault(r["step"], {})[replica] = r["fragments"][(r["step"] - 1) % 2]
+        full = [r["step"] for r in world.commits(0) if r["participants"] == REPLICAS]
+        assert len(full) >= 4, world.commits(0)
+        for step in full:
+            assert len(set(synced[step].values())) == 1 and len(synced[step]) == REPLICAS, (step, synced[step])
+        # the fragment not synced at a step holds local progress: it differs between replicas
+        assert len({r["fragments"][full[-1] % 2] for r in (world.commits(x)[-1] for x in range(REPLICAS))}) > 1
+        losses = [r["loss"] for r in world.commits(0)]
+        assert sum(losses[-2:]) < 0.8 * sum(losses[:2]), losses
 
 
 def test_a_stopped_replica_is_left_out_and_heals_when_it_resumes():

@@ -23,10 +23,11 @@ REPLICAS = 3
 class World:
     """A Lighthouse and the replica processes of one drill; records read from their files."""
 
-    def __init__(self, tmp_path, steps: int, extra: tuple = (), group_size: int = 1):
+    def __init__(self, tmp_path, steps: int, extra: tuple = (), group_size: int = 1, min_replicas: int = 2):
         from torchft.coordination import LighthouseServer
 
-        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=int(JOIN_S * 1000))
+        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas,
+                                           join_timeout_ms=int(JOIN_S * 1000))
         self.tmp, self.steps, self.procs, self.extra = tmp_path, steps, {}, tuple(extra)
         self.group_size = group_size
 

@@ -72,17 +72,15 @@ class THCState(Checkpointed, report.Reporting):
     # Pickles name this class hhook.state.THCState, as every hhook wrote them.
     __module__ = "hhook.state"
 
-    # options: immutable, replaced by load_state_dict; keys: residuals and predicted scales (KeyStore);
-    # runtime: the schedule's GroupRuntime of process_group, runtimes: of other groups (FSDP's shard groups),
-    # contexts: (group, mode) -> the CallContext made of them ((None, None): its own group, in its scales mode;
-    # never saved); restored: the (layout, origin) a loaded checkpoint
-    # was saved with, until the layout is found; counters (two-level: over the whole group; with the number of
-    # the next call) and intra_counters (inside the node); iter: DDP iterations; inter: two-level, the state of
-    # this rank's shard between nodes; bits="auto" (hhook.decision): the decision (plain data until the hook
-    # restores it), its clock (prober, never saved), the widths' states (variants, sharing counters and
-    # runtime); registration: what hhook.register learnt of the DDP model (hhook.ddp_hook); pending_load: the
-    # context every rank verified, kept by load_state_dict until the hook's next exchange finds whether every
-    # rank loaded (hhook.schedule.load_check).
+    # options: immutable, replaced by load_state_dict; keys: residuals and predicted scales (KeyStore); runtime:
+    # the schedule's GroupRuntime of process_group, runtimes: of other groups (FSDP's shard groups); contexts:
+    # (group, mode) -> its CallContext ((None, None): its own group and scales mode; never saved); restored: the
+    # (layout, origin) of a loaded checkpoint until the layout is found; counters (two-level: the whole group's,
+    # with the next call's number), intra_counters (inside the node); iter: DDP iterations; inter: two-level, the
+    # state of this rank's shard between nodes; bits="auto" (hhook.decision): the decision, its clock (prober,
+    # never saved), the widths' states (variants); registration: what hhook.register learnt of the DDP model;
+    # pending_load: the context every rank verified, kept by load_state_dict until the hook's next exchange
+    # finds whether every rank loaded (hhook.schedule.load_check).
     __slots__ = ("process_group", "options", "keys", "runtime", "runtimes", "contexts", "restored", "counters",
                  "intra_counters", "iter", "inter", "decision", "prober", "variants", "registration", "pending_load",
                  "__weakref__")
