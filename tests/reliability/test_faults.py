@@ -61,15 +61,24 @@ def torchrun(*args: str, nproc: int = 2, restarts: int = 0, limit: float = 240.0
 
 @pytest.mark.parametrize("scales,topology", [("agreed", "flat"), ("predicted", "flat"), ("agreed", "2")])
 def test_a_stalled_rank_stops_every_rank_with_a_clear_error_within_the_timeout(scales, topology):
-    """Rank 1 stops (SIGSTOP) for longer than the 6 s collective timeout, then goes on:
-    every other rank names the stalled collective and the timeout, within timeout + 10 s;
-    the stalled rank, continued, finds its peers gone and says so; nobody hangs. At 4
-    ranks as 2 nodes x 2 the node's shared-memory barriers are in the path too."""
-    timeout, stall = 6, 16
+    """Rank 1 stops (SIGSTOP) past the 6 s collective timeout: every other rank names the
+    stalled collective and the timeout, within timeout + 10 s, and exits; rank 1, continued
+    only once they all have ended (no wait beyond that), finds its peers gone and says so;
+    nobody hangs. At 4 ranks as 2 nodes x 2 the node's shared-memory barriers are in the
+    path too, and none of the job's files is left in /dev/shm while rank 1, the last
+    process of its node, is still stopped: it never runs an exit handler before that (a
+    launcher would tear it down with SIGKILL; before, the node's lock file stayed until the
+    next job's sweep)."""
+    timeout = 6
     world = 4 if topology == "2" else 3
     procs = launch(world, "--steps", "40", "--bits", "4", "--scales", scales, "--topology", topology,
-                   "--timeout", str(timeout), "--stall-at", "12", "--stall-s", str(stall))
-    results = finish(procs, limit=150)
+                   "--timeout", str(timeout), "--stall-at", "12", "--stall-s", "300")  # continued below
+    others = finish(procs[:1] + procs[2:], limit=150)
+    left = {m.group(1): glob.glob(m.group(1) + "*") for _, out, _ in others
+            for m in re.finditer(r"shared memory: (\S+)\*", out)}  # at once: another job's start sweeps them
+    _end_helper(procs[1])  # the script's own SIGCONT, 300 s on
+    os.kill(procs[1].pid, signal.SIGCONT)
+    results = others[:1] + finish(procs[1:2], limit=60) + others[1:]
     stopped = float(STOPPED.search(results[1][2]).group(1))
     for rank, (code, _, stderr) in enumerate(results):
         found = ERROR.search(stderr)
@@ -85,6 +94,11 @@ def test_a_stalled_rank_stops_every_rank_with_a_clear_error_within_the_timeout(s
         # the stalled rank is named, even where this rank waited for it through another
         # (two-level: rank 2 waits for rank 0 between nodes, rank 0 for rank 1 in its node)
         assert "a peer (rank 1) stalled" in message and "PeerTimeoutError" in message, message
+    if topology == "2":
+        assert all(code == 1 for code, _, _ in others), [e[-2000:] for _, _, e in others]
+        assert len(left) == 2 and not any(left.values()), left
+    else:
+        assert not left  # flat: no node-shared memory
 
 
 def test_a_killed_rank_without_restarts_stops_every_other_rank_clearly():
@@ -250,26 +264,10 @@ def test_no_shared_memory_is_left_behind_when_a_rank_is_killed():
         assert glob.glob(prefix + "*") == [], prefix
 
 
-def test_no_shared_memory_is_left_when_a_stalled_two_level_job_is_torn_down():
-    """2 nodes x 2, rank 1 stopped (SIGSTOP) past the 6 s timeout: the others raise and
-    exit; rank 1, still stopped, is then killed as a launcher tears a job down (SIGKILL: no
-    exit handler runs in it). None of the job's files is left in /dev/shm (before, the
-    node's lock file stayed until the next job's sweep)."""
-    procs = launch(4, "--steps", "40", "--bits", "4", "--topology", "2", "--timeout", "6", "--stall-at", "12",
-                   "--stall-s", "120")
-    others = finish([procs[0], procs[2], procs[3]], limit=120)
-    os.kill(procs[1].pid, signal.SIGKILL)
-    procs[1].wait(timeout=30)
-    left = {m.group(1): glob.glob(m.group(1) + "*") for _, out, _ in others
-            for m in re.finditer(r"shared memory: (\S+)\*", out)}  # at once: another job's start sweeps them
-    _end_helper(procs[1])
-    assert all(code == 1 for code, _, _ in others), [e[-2000:] for _, _, e in others]
-    assert len(left) == 2 and not any(left.values()), left
-
-
 def _end_helper(proc) -> None:
     """End the helper that would continue ``proc`` (the example's stall: ``sh -c "sleep S;
-    kill -CONT PID"`` in a session of its own, holding ``proc``'s pipes)."""
+    kill -CONT PID"`` in a session of its own, holding ``proc``'s pipes): its whole process
+    group, so that ``proc``'s pipes close when ``proc`` ends."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -277,9 +275,7 @@ def _end_helper(proc) -> None:
         except OSError:
             continue
         if argv[:2] == [b"sh", b"-c"] and argv[2].endswith(f"kill -CONT {proc.pid}".encode()):
-            os.kill(int(pid), signal.SIGKILL)
-    proc.stdout.close()
-    proc.stderr.close()
+            os.killpg(int(pid), signal.SIGKILL)
 
 
 def _subgroup_timeout_worker(rank, world, scales):
