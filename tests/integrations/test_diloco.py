@@ -367,8 +367,11 @@ def test_sites_of_two_ranks_with_ddp_or_fsdp2_beside_the_program_s_subgroups():
         assert 0 < r[True][2]["dense_bytes"] < 4 * numel  # FSDP2: this rank's own shards
 
 
-def _stall(rank, world):
-    """Groups made without timeout=: the default group's (4 s here); rank 1 stalls 14 s."""
+def _stall(rank, world, raised):
+    """Groups made without timeout=: the default group's (4 s here); rank 1 stalls until
+    rank 0 has raised (the file ``raised``; at most 60 s), then goes on."""
+    import os
+
     sites = hhook.diloco.find_sites(1)
     model = _net()
     outer = hhook.diloco.DiLoCo(model, None, sites, every=2, bits=4)
@@ -377,19 +380,24 @@ def _stall(rank, world):
     try:
         for step in range(6):
             if rank == 1 and step == 3:
-                time.sleep(14)
+                stalled = time.monotonic()
+                while not os.path.exists(raised) and time.monotonic() - stalled < 60:
+                    time.sleep(0.1)
             t0 = time.monotonic()
             outer.step()
     except (hhook.PeerTimeoutError, hhook.PeerLostError) as e:
-        return type(e).__name__, str(e), time.monotonic() - t0
+        took = time.monotonic() - t0
+        if rank == 0:
+            open(raised, "w").close()
+        return type(e).__name__, str(e), took
     return None, None, None
 
 
-def test_a_stalled_site_makes_the_other_raise_naming_it_within_the_default_group_s_timeout():
+def test_a_stalled_site_makes_the_other_raise_naming_it_within_the_default_group_s_timeout(tmp_path):
     """find_sites(1) without timeout= makes groups that wait as long as the default group
     (4 s), not torch's own 30 minutes: the other site raises PeerTimeoutError naming the
-    stalled one within about that."""
-    results = run_outcomes(_stall, 2, pg_timeout_s=4, timeout=120)
+    stalled one within about that; the stalled site, going on once it has, learns of it."""
+    results = run_outcomes(_stall, 2, str(tmp_path / "raised"), pg_timeout_s=4, timeout=120)
     assert results[0]["value"] is not None, results[0]["error"]
     kind, message, took = results[0]["value"]
     assert kind == "PeerTimeoutError", message

@@ -278,7 +278,7 @@ def _end_helper(proc) -> None:
             os.killpg(int(pid), signal.SIGKILL)
 
 
-def _subgroup_timeout_worker(rank, world, scales):
+def _subgroup_timeout_worker(rank, world, scales, raised):
     import datetime
 
     import torch
@@ -297,10 +297,11 @@ def _subgroup_timeout_worker(rank, world, scales):
     second = state.runtime.second["cpu"]
     out = {"second_timeout": second.timeout.total_seconds(), "world_second": timeout_of(both.runtime.second[
         "cpu"]).total_seconds()}
-    if rank == 1:
-        time.sleep(8)  # stalls: never joins the SUM below
-        return out
     tic = time.monotonic()
+    if rank == 1:  # stalls: never joins the SUM below; leaves once rank 0 has raised (at most 60 s)
+        while not os.path.exists(raised) and time.monotonic() - tic < 60:
+            time.sleep(0.1)
+        return out
     try:
         t = torch.ones(10)
         hhook.schedule.futures.then(second.all_reduce(t).get_future(), lambda v: v[0], t, "a test SUM", second).wait()
@@ -308,15 +309,16 @@ def _subgroup_timeout_worker(rank, world, scales):
     except hhook.PeerTimeoutError as e:
         out["error"] = str(e)
     out["waited"] = time.monotonic() - tic
+    open(raised, "w").close()
     return out
 
 
 @pytest.mark.parametrize("scales", ["agreed", "predicted"])
-def test_the_second_communicator_of_a_subgroup_waits_the_subgroup_s_timeout(scales):
+def test_the_second_communicator_of_a_subgroup_waits_the_subgroup_s_timeout(scales, tmp_path):
     """A subgroup beside WORLD with a 3 s timeout: its second communicator takes those 3 s
-    (not torch's 30 minutes, nor WORLD's), and a SUM whose peer stalls raises
-    PeerTimeoutError naming the peer and the timeout within them."""
-    res = run_world(_subgroup_timeout_worker, 3, scales, timeout=120)
+    (not torch's 30 minutes, nor WORLD's), and a SUM whose peer stalls (until rank 0 is
+    done) raises PeerTimeoutError naming the peer and the timeout within them."""
+    res = run_world(_subgroup_timeout_worker, 3, scales, str(tmp_path / "raised"), timeout=120)
     assert res[2] is None
     for r in res[:2]:
         assert r["second_timeout"] == 3.0 and r["world_second"] == 1800.0, r
