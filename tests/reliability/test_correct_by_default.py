@@ -150,11 +150,22 @@ def _compiled_case(compiled, name) -> list:
 def two_ranks():
     """``(test, scales) -> [(ok, what the rank returned)]``: the 2-rank scenarios of the
     tests below that pass or fail on their own results (no peer raising, no mismatch), in
-    one world, one after another, each with its own hook state (8 worlds -> 1)."""
+    one world, one after another, each with its own hook state (10 worlds -> 1)."""
     cases = [((name, scales), fn, (scales, *args)) for scales in MODES
              for name, fn, args in (("per_parameter", _per_parameter_worker, ()), ("nonfinite", _nonfinite_worker, ()),
-                                    ("nonfinite_deferred", _nonfinite_worker, (True,)), ("layout", _layout_worker, ()))]
+                                    ("nonfinite_deferred", _nonfinite_worker, (True,)), ("layout", _layout_worker, ()),
+                                    ("join", _join_worker, ()))]
     return run_cases(cases, 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    """``key -> [(ok, what the rank returned)]``: the 3-rank scenarios below that pass or
+    fail on their own results, in one world (4 worlds -> 1), each with its own state
+    (and models, sub-groups)."""
+    cases = [*[(("subgroups", scales), _subgroup_worker, (scales,)) for scales in MODES],
+             *[(("pauses", ef), _pause_worker, (ef,)) for ef in (False, True)]]
+    return run_cases(cases, 3, timeout=300)
 
 
 @pytest.mark.parametrize("scales", MODES)
@@ -256,8 +267,8 @@ def _subgroup_worker(rank, world, scales):
 
 
 @pytest.mark.parametrize("scales", MODES)
-def test_subgroups_beside_world_neither_hang_nor_mix(scales):
-    results = run_world(_subgroup_worker, 3, scales, timeout=90)
+def test_subgroups_beside_world_neither_hang_nor_mix(three_ranks, scales):
+    results = case_values(three_ranks["subgroups", scales])
     for grads, _ in results:
         assert all(torch.equal(a, b) for a, b in zip(grads, results[0][0]))
     assert results[0][1] is None
@@ -607,8 +618,8 @@ def _join_worker(rank, world, scales):
 
 
 @pytest.mark.parametrize("scales", MODES)
-def test_uneven_inputs_under_join_stay_in_sync(scales):
-    (a, calls_a), (b, calls_b) = run_world(_join_worker, 2, scales, timeout=90)
+def test_uneven_inputs_under_join_stay_in_sync(two_ranks, scales):
+    (a, calls_a), (b, calls_b) = case_values(two_ranks["join", scales])
     assert torch.equal(a, b) and calls_a == calls_b == 7  # 9 iterations, the first 2 dense
 
 
@@ -660,8 +671,8 @@ def _pause_worker(rank, world, error_feedback):
 
 
 @pytest.mark.parametrize("error_feedback", [False, True], ids=["plain", "error-feedback"])
-def test_predicted_scales_recover_from_pauses_shrinks_and_growth(error_feedback):
-    res = run_world(_pause_worker, 3, error_feedback, timeout=120)
+def test_predicted_scales_recover_from_pauses_shrinks_and_growth(three_ranks, error_feedback):
+    res = case_values(three_ranks["pauses", error_feedback])
     for r in res:
         v = r["vnmse"]
         steady = max(v["steady"][1:])  # the first call takes an agreed round
