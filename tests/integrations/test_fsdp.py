@@ -92,8 +92,13 @@ def shared():
     return of
 
 
-@pytest.mark.parametrize("world,reduce_dtype,reshard", [pytest.param(2, None, True, marks=pytest.mark.quick), (3, None, False), (2, torch.bfloat16, True),
-                                                       (2, torch.float16, True)])
+SHARED = pytest.mark.xdist_group("tests/integrations/test_fsdp.py")  # the shared fixture's worker (tests/conftest.py)
+
+
+@pytest.mark.parametrize("world,reduce_dtype,reshard", [pytest.param(2, None, True, marks=pytest.mark.quick),
+                                                       pytest.param(3, None, False, marks=SHARED),
+                                                       pytest.param(2, torch.bfloat16, True, marks=SHARED),
+                                                       pytest.param(2, torch.float16, True, marks=SHARED)])
 def test_matches_plain_fsdp(request, world, reduce_dtype, reshard):
     quick = (world, reduce_dtype, reshard) == (2, None, True)
     outs = run_world(_compare, world, reduce_dtype, reshard) if quick else \
