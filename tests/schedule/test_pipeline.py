@@ -45,7 +45,8 @@ def shared():
     16), each scenario with its own hook state (and model); a world is started by the first
     test that asks for it."""
     cases = {2: [*[(("many", scales), _many_tensors_worker, (scales,)) for scales in MODES],
-                 *[(("mixed", hook, scales), _mixed_worker, (hook, scales)) for scales in MODES for hook in (False, True)]],
+                 *[(("mixed", hook, scales), _mixed_worker, (hook, scales))
+                   for scales in MODES for hook in (False, True)]],
              3: [*[(("in_pieces", scales), _many_tensors_worker, (scales, 0.01)) for scales in MODES],
                  *[(("pieces", scales), _pieces_worker, (scales,)) for scales in MODES],
                  *[(("nonfinite", scales), _nonfinite_worker, (scales,)) for scales in MODES]],
