@@ -14,7 +14,7 @@ from torch import nn
 
 import hhook
 import hhook.diloco
-from tests.support.distributed import logged, run_outcomes, run_world
+from tests.support.distributed import case_values, logged, run_cases, run_outcomes, run_world
 
 
 def _net(seed: int = 0, width: int = 16, layers: int = 4) -> nn.Module:
@@ -71,12 +71,29 @@ def _outer_steps(rank, world, ranks_per_site, steps=3):
     return out
 
 
+@pytest.fixture(scope="module")
+def two_sites():
+    """``key -> [what each rank returned]``: the 2-rank scenarios of the tests below that
+    pass or fail on their own results, in one world (4 worlds -> 1), each with its own
+    sites' groups, models and DiLoCo; started by the first test that asks."""
+    runs = {}
+
+    def of(key):
+        if not runs:
+            resumed = [(11, save_at, options, False) for options, save in RESUMED for save_at in (None, save)]
+            runs.update(run_cases([("outer_steps", _outer_steps, (1,)), ("streamed", _streamed_all, ()),
+                                   ("resumed", _trains, (resumed,)), ("error_feedback", _ef_errors, (8, 30))], 2))
+        return case_values(runs[key])
+
+    return of
+
+
 @pytest.mark.parametrize("world,ranks_per_site", [(2, 1), (4, 2)])
-def test_outer_step_against_a_dense_reference_with_heterogeneous_sites(world, ranks_per_site):
+def test_outer_step_against_a_dense_reference_with_heterogeneous_sites(two_sites, world, ranks_per_site):
     """An fp32 exchange gives the reference's outer step to float rounding; THC at 8 bits
     within 2% of how far the step moved, every site the same bits; one site's
     pseudo-gradient 10x the other's, then zero."""
-    results = run_world(_outer_steps, world, ranks_per_site)
+    results = two_sites("outer_steps") if world == 2 else run_world(_outer_steps, world, ranks_per_site)
     for by_bits in results:
         got, want, stats = by_bits[None]
         for g, w in zip(got, want):
@@ -146,8 +163,8 @@ def _streamed(rank, sites, fragments, overlap):
             "numel": _flat(model).numel()}
 
 
-def test_streaming_syncs_each_fragment_at_its_offset_with_a_fraction_of_the_bytes():
-    every_config = run_world(_streamed_all, 2)
+def test_streaming_syncs_each_fragment_at_its_offset_with_a_fraction_of_the_bytes(two_sites):
+    every_config = two_sites("streamed")
     for (fragments, overlap), results in zip(STREAMED, zip(*every_config)):
         _check_streamed(fragments, overlap, results)
     split = [r[-1] for r in every_config]
@@ -244,11 +261,11 @@ RESUMED = [({"every": 4, "bits": 4, "fragments": 2, "overlap": 1, "error_feedbac
            ({"every": 5, "bits": None}, 7)]
 
 
-def test_resume_mid_period_continues_bit_for_bit():
+def test_resume_mid_period_continues_bit_for_bit(two_sites):
     """THC with error feedback, streamed, saved with an exchange in flight; an fp32 exchange
     saved mid-period: each resumed run ends on the straight run's bits."""
     runs = [(11, save_at, options, False) for options, save in RESUMED for save_at in (None, save)]
-    for rank_runs in run_world(_trains, 2, runs):
+    for rank_runs in two_sites("resumed"):
         for i in range(0, len(runs), 2):
             (a, _, _), (b, in_flight, _) = rank_runs[i], rank_runs[i + 1]
             assert torch.equal(a, b), runs[i]
@@ -367,8 +384,11 @@ def test_sites_of_two_ranks_with_ddp_or_fsdp2_beside_the_program_s_subgroups():
         assert 0 < r[True][2]["dense_bytes"] < 4 * numel  # FSDP2: this rank's own shards
 
 
-def _stall(rank, world):
-    """Groups made without timeout=: the default group's (4 s here); rank 1 stalls 14 s."""
+def _stall(rank, world, raised):
+    """Groups made without timeout=: the default group's (4 s here); rank 1 stalls until
+    rank 0 has raised (the file ``raised``; at most 60 s), then goes on."""
+    import os
+
     sites = hhook.diloco.find_sites(1)
     model = _net()
     outer = hhook.diloco.DiLoCo(model, None, sites, every=2, bits=4)
@@ -377,19 +397,24 @@ def _stall(rank, world):
     try:
         for step in range(6):
             if rank == 1 and step == 3:
-                time.sleep(14)
+                stalled = time.monotonic()
+                while not os.path.exists(raised) and time.monotonic() - stalled < 60:
+                    time.sleep(0.1)
             t0 = time.monotonic()
             outer.step()
     except (hhook.PeerTimeoutError, hhook.PeerLostError) as e:
-        return type(e).__name__, str(e), time.monotonic() - t0
+        took = time.monotonic() - t0
+        if rank == 0:
+            open(raised, "w").close()
+        return type(e).__name__, str(e), took
     return None, None, None
 
 
-def test_a_stalled_site_makes_the_other_raise_naming_it_within_the_default_group_s_timeout():
+def test_a_stalled_site_makes_the_other_raise_naming_it_within_the_default_group_s_timeout(tmp_path):
     """find_sites(1) without timeout= makes groups that wait as long as the default group
     (4 s), not torch's own 30 minutes: the other site raises PeerTimeoutError naming the
-    stalled one within about that."""
-    results = run_outcomes(_stall, 2, pg_timeout_s=4, timeout=120)
+    stalled one within about that; the stalled site, going on once it has, learns of it."""
+    results = run_outcomes(_stall, 2, str(tmp_path / "raised"), pg_timeout_s=4, timeout=120)
     assert results[0]["value"] is not None, results[0]["error"]
     kind, message, took = results[0]["value"]
     assert kind == "PeerTimeoutError", message
@@ -425,11 +450,11 @@ def _ef_error(rank, world, error_feedback, draws, steps):
     return errors
 
 
-def test_error_feedback_keeps_the_sum_of_outer_steps_on_track():
+def test_error_feedback_keeps_the_sum_of_outer_steps_on_track(two_sites):
     """Over 30 outer steps at 2 bits, the rounding errors of the decoded means add up
     (about sqrt(30) times one step's) without error feedback; with it the sum tracks the
     exact one to within about one step's error. Averaged over 8 draws per mode."""
-    errors = run_world(_ef_errors, 2, 8, 30)[0]
+    errors = two_sites("error_feedback")[0]
     with_ef, without = sum(errors[True]) / 8, sum(errors[False]) / 8
     assert with_ef < 0.4 * without, (with_ef, without)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.distributed import run_world
+from tests.support.distributed import case_values, run_cases, run_world
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
@@ -66,10 +66,44 @@ def _compare(rank, world, reduce_dtype, reshard):
     return out
 
 
-@pytest.mark.parametrize("world,reduce_dtype,reshard", [pytest.param(2, None, True, marks=pytest.mark.quick), (3, None, False), (2, torch.bfloat16, True),
-                                                       (2, torch.float16, True)])
-def test_matches_plain_fsdp(world, reduce_dtype, reshard):
-    for out in run_world(_compare, world, reduce_dtype, reshard):
+@pytest.fixture(scope="module")
+def shared():
+    """``world -> key -> [(ok, what the rank returned)]``: the scenarios of this module that
+    pass or fail on their own results (no rank raising, no mismatch, nothing patched), one
+    world per world size (3 worlds, not 14), each scenario with its own model, FSDP2
+    sharding and hook state; a world is started by the first test that asks for it. The
+    quick tier's case of test_matches_plain_fsdp keeps a world of its own."""
+    cases = {2: [(("compare", torch.bfloat16, True), _compare, (torch.bfloat16, True)),
+                 (("compare", torch.float16, True), _compare, (torch.float16, True)),
+                 (("accumulate_and_train",), _accumulate_and_train, ()), (("user_factor",), _user_factor, ()),
+                 (("clip_nonfinite",), _clip_nonfinite, ()), (("accumulation_grads",), _accumulation_grads, ()),
+                 (("checkpoint",), _checkpoint, ())],
+             3: [(("compare", None, False), _compare, (None, False)), (("nonfinite",), _nonfinite, ()),
+                 (("direct",), _direct, ())],
+             4: [(("hsdp",), _hsdp, ()), *[(("native_hsdp", f), _native_hsdp, (f,)) for f in (None, 0.5)],
+                 (("hsdp_states",), _hsdp_states, ())]}
+    worlds = {}
+
+    def of(world, *key):
+        if world not in worlds:
+            worlds[world] = run_cases(cases[world], world)
+        return case_values(worlds[world][key])
+
+    return of
+
+
+SHARED = pytest.mark.xdist_group("tests/integrations/test_fsdp.py")  # the shared fixture's worker (tests/conftest.py)
+
+
+@pytest.mark.parametrize("world,reduce_dtype,reshard", [pytest.param(2, None, True, marks=pytest.mark.quick),
+                                                       pytest.param(3, None, False, marks=SHARED),
+                                                       pytest.param(2, torch.bfloat16, True, marks=SHARED),
+                                                       pytest.param(2, torch.float16, True, marks=SHARED)])
+def test_matches_plain_fsdp(request, world, reduce_dtype, reshard):
+    quick = (world, reduce_dtype, reshard) == (2, None, True)
+    outs = run_world(_compare, world, reduce_dtype, reshard) if quick else \
+        request.getfixturevalue("shared")(world, "compare", reduce_dtype, reshard)
+    for out in outs:
         for a, b in zip(out["plain"], out["thc"]):
             assert a.shape == b.shape
             err = (a.float() - b.float()).norm() / a.float().norm()
@@ -114,8 +148,8 @@ def _nonfinite(rank, world):
     return [bool(torch.isnan(p.grad.to_local()).all()) for p in list(model.parameters())[:2]]
 
 
-def test_nonfinite_everywhere():
-    for flags in run_world(_nonfinite, 3):
+def test_nonfinite_everywhere(shared):
+    for flags in shared(3, "nonfinite"):
         assert flags == [True, True]
 
 
@@ -199,8 +233,8 @@ def _accumulate_and_train(rank, world):
     return results
 
 
-def test_accumulation_converges_like_plain():
-    for r in run_world(_accumulate_and_train, 2):
+def test_accumulation_converges_like_plain(shared):
+    for r in shared(2, "accumulate_and_train"):
         assert r["thc"] < 1.3 * r["plain"] + 1e-3, r
 
 
@@ -245,8 +279,8 @@ def _exact_mean_grads(x, y, world):
     return full
 
 
-def test_custom_hsdp():
-    outs = run_world(_hsdp, 4)
+def test_custom_hsdp(shared):
+    outs = shared(4, "hsdp")
     for grads, full, _ in outs:
         for a, b in zip(grads, full):
             assert (a - b).norm() / b.norm() < 0.05
@@ -285,8 +319,8 @@ def _direct(rank, world):
     return err, all_nan, torch.equal(out64, ref64.view(world, n)[rank] / world), state.stats()
 
 
-def test_direct_comm_nonfinite_and_fallback():
-    for err, all_nan, exact64, stats in run_world(_direct, 3):
+def test_direct_comm_nonfinite_and_fallback(shared):
+    for err, all_nan, exact64, stats in shared(3, "direct"):
         assert err < 0.02
         assert all_nan  # one rank's inf in one chunk: every rank's output is NaN
         assert exact64  # float64: exact dense fallback ...
@@ -329,8 +363,8 @@ def _user_factor(rank, world):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_user_divide_factor_respected(world):
-    for errs in run_world(_user_factor, world):
+def test_user_divide_factor_respected(shared, world):
+    for errs in (shared(2, "user_factor") if world == 2 else run_world(_user_factor, world)):
         assert max(errs) < 0.05, errs
 
 
@@ -356,10 +390,10 @@ def _native_hsdp(rank, world, factor):
 
 
 @pytest.mark.parametrize("factor", [None, 0.5])
-def test_native_hsdp_matches_plain_hsdp(factor):
+def test_native_hsdp_matches_plain_hsdp(shared, factor):
     # Before the fix, register forced FSDP's divide factor to 1 under native HSDP: the
     # replica all-reduce then summed replica means, gradients 2x plain HSDP's at 2x2.
-    for errs, calls in run_world(_native_hsdp, 4, factor):
+    for errs, calls in shared(4, "native_hsdp", factor):
         assert calls == 2 and max(errs) < 0.05, errs
 
 
@@ -393,8 +427,8 @@ def _hsdp_states(rank, world):
     return out
 
 
-def test_register_hsdp_replica_state_and_auto_bits_follow_their_groups():
-    for r in run_world(_hsdp_states, 4):
+def test_register_hsdp_replica_state_and_auto_bits_follow_their_groups(shared):
+    for r in shared(4, "hsdp_states"):
         assert max(r["errors_8"]) < 0.05, r["errors_8"]  # 0.78-1.0 when the replica state averaged over WORLD
         assert max(r["errors_auto"]) < 0.15, r["errors_auto"]
         assert r["bits_8"] == [8] and r["bits_auto"] == [r["auto_bits_2"]] == [5], r
@@ -557,8 +591,8 @@ def _clip_nonfinite(rank, world):
     return bool(torch.isfinite(norm))
 
 
-def test_clip_grad_norm_sees_nonfinite_on_every_rank():
-    assert run_world(_clip_nonfinite, 2) == [False, False]
+def test_clip_grad_norm_sees_nonfinite_on_every_rank(shared):
+    assert shared(2, "clip_nonfinite") == [False, False]
 
 
 def _accumulation_grads(rank, world):
@@ -578,8 +612,8 @@ def _accumulation_grads(rank, world):
     return errs, state.stats()["compressed_calls"]
 
 
-def test_accumulation_matches_plain_gradient():
-    for errs, calls in run_world(_accumulation_grads, 2):
+def test_accumulation_matches_plain_gradient(shared):
+    for errs, calls in shared(2, "accumulation_grads"):
         assert calls == 2  # one reduce-scatter per module, at the synchronising micro-batch
         assert max(errs) < 0.05, errs
 
@@ -615,8 +649,8 @@ def _checkpoint(rank, world):
     return keys, loaded.stats()["compressed_calls"], max(errs)
 
 
-def test_state_checkpoint_and_training_continues():
-    for keys, calls, err in run_world(_checkpoint, 2):
+def test_state_checkpoint_and_training_continues(shared):
+    for keys, calls, err in shared(2, "checkpoint"):
         assert keys == [("0", 0), ("0", 1), ("2", 0), ("2", 1)]
         assert calls == 2 + 4  # counters carried over, then two more steps of two modules
         assert err < 0.01, err

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.distributed import logged, run_world
+from tests.support.distributed import case_values, logged, run_cases, run_world
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 from hhook.fsdp.modules import param_group  # noqa: E402
@@ -155,11 +155,36 @@ def _gather(rank, world, bits, param_dtype, reshard):
             "dtype": {n: first[n].dtype for n in first}}
 
 
-@pytest.mark.parametrize("world,bits,param_dtype,reshard", [
-    (2, 8, None, True), (3, 8, None, False), (2, 6, None, True), (3, 4, torch.bfloat16, True),
-    (2, 8, torch.bfloat16, False)])
-def test_gathered_params_within_the_bound_and_identical_on_every_rank(world, bits, param_dtype, reshard):
-    outs = run_world(_gather, world, bits, param_dtype, reshard)
+GATHER_CASES = [(2, 8, None, True), (3, 8, None, False), (2, 6, None, True), (3, 4, torch.bfloat16, True),
+                (2, 8, torch.bfloat16, False)]
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """``world -> key -> [(ok, what the rank returned)]``: the scenarios below that pass or
+    fail on their own results (no rank raising, no mismatch), one world per world size (2
+    worlds, not 14), each scenario with its own model and hook state; a world is started
+    by the first test that asks for it."""
+    cases = {2: [(("gather", *c[1:]), _gather, c[1:]) for c in GATHER_CASES if c[0] == 2]
+             + [(("bytes", dtype), _bytes, (dtype,)) for dtype in (None, torch.bfloat16)]
+             + [(("heterogeneous",), _heterogeneous, ()), (("hsdp",), _hsdp, ())],
+             3: [(("gather", *c[1:]), _gather, c[1:]) for c in GATHER_CASES if c[0] == 3]
+             + [(("optimizer", dtype), _optimizer_exact, (dtype,)) for dtype in (None, torch.bfloat16)]
+             + [(("nonfinite", dtype), _nonfinite, (dtype,)) for dtype in (None, torch.bfloat16)]
+             + [(("subgroup",), _subgroup, ())]}
+    worlds = {}
+
+    def of(world, *key):
+        if world not in worlds:
+            worlds[world] = run_cases(cases[world], world)
+        return case_values(worlds[world][key])
+
+    return of
+
+
+@pytest.mark.parametrize("world,bits,param_dtype,reshard", GATHER_CASES)
+def test_gathered_params_within_the_bound_and_identical_on_every_rank(shared, world, bits, param_dtype, reshard):
+    outs = shared(world, "gather", bits, param_dtype, reshard)
     for out in outs:
         for name in QUANTIZED:
             assert out["ratio"][name] <= 1.0, (name, out["ratio"][name])
@@ -215,8 +240,8 @@ def _optimizer_exact(rank, world, param_dtype):
 
 
 @pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
-def test_sharded_params_the_optimizer_updates_stay_exact(param_dtype):
-    for out in run_world(_optimizer_exact, 3, param_dtype):
+def test_sharded_params_the_optimizer_updates_stay_exact(shared, param_dtype):
+    for out in shared(3, "optimizer", param_dtype):
         (plain, plain_losses), (ag, ag_losses) = out["plain"], out["ag4"]
         assert plain_losses != ag_losses  # the forward did compute with 4-bit weights
         for a, b in zip(plain, ag):
@@ -278,9 +303,9 @@ def _nonfinite(rank, world, param_dtype):
 
 
 @pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
-def test_nonfinite_shard_reaches_every_rank_where_it_was(param_dtype):
+def test_nonfinite_shard_reaches_every_rank_where_it_was(shared, param_dtype):
     dtype = param_dtype or torch.float32
-    for w0, w2, exact0, exact2, stats in run_world(_nonfinite, 3, param_dtype):
+    for w0, w2, exact0, exact2, stats in shared(3, "nonfinite", param_dtype):
         expected = exact0.to(dtype).clone()
         expected[44, 0], expected[45, 2] = float("inf"), float("nan")
         # the call with the inf/NaN is plain FSDP2's all-gather: the same bits, inf and NaN where they were
@@ -394,8 +419,8 @@ def _subgroup(rank, world):
         hhook.fsdp.all_gather_stats(model)
 
 
-def test_subgroup_mesh_beside_world():
-    outs = run_world(_subgroup, 3)
+def test_subgroup_mesh_beside_world(shared):
+    outs = shared(3, "subgroup")
     assert outs[2] is None
     for errs, stats in outs[:2]:
         assert all(0 < e < 0.01 for e in errs.values()), errs
@@ -424,8 +449,8 @@ def _heterogeneous(rank, world):
     return [((w[r] - exact[r]).norm() / exact[r].norm()).item() for r in (slice(0, 66), slice(66, None))]
 
 
-def test_heterogeneous_shards_keep_their_relative_error():
-    for errs in run_world(_heterogeneous, 2):
+def test_heterogeneous_shards_keep_their_relative_error(shared):
+    for errs in shared(2, "heterogeneous"):
         assert all(0 < e < 0.012 for e in errs), errs  # int8 with rotation: about 0.007 on each
 
 
@@ -443,8 +468,8 @@ def _hsdp(rank, world):
     return {n: ((seen[n][0] - exact[n].detach()).norm() / exact[n].norm()).item() for n in QUANTIZED}
 
 
-def test_native_hsdp_mesh():
-    for errs in run_world(_hsdp, 2):
+def test_native_hsdp_mesh(shared):
+    for errs in shared(2, "hsdp"):
         assert all(0 < e < 0.01 for e in errs.values()), errs
 
 
@@ -568,13 +593,13 @@ def _bytes(rank, world, param_dtype):
 
 
 @pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
-def test_bytes_at_8_bits(param_dtype):
+def test_bytes_at_8_bits(shared, param_dtype):
     itemsize = 2 if param_dtype else 4
     rows = -(-1023 // 2)
     weight, bias = rows * 511, rows  # one rank's padded shards
     blocks = -(-weight // 256)
     payload = -(-(16 + -(-bias * itemsize // 4) * 4 + 4 * blocks + 256 * blocks) // 16) * 16
-    for stats in run_world(_bytes, 2, param_dtype):
+    for stats in shared(2, "bytes", param_dtype):
         calls = stats["compressed_calls"]
         assert calls == 1 and stats["wire_bytes"] == 8 + calls * 2 * payload  # handshake + payloads (a root keeps its params)
         assert stats["dense_bytes"] == calls * 2 * (weight + bias) * itemsize

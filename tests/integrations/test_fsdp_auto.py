@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.distributed import logged, run_world
+from tests.support.distributed import case_values, logged, run_cases, run_world
 from tests.support.fsdp_auto import model as _model, shard as _shard
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -52,14 +52,31 @@ def _decide(rank, world, costs, param_dtype=None, steps=30):
     return state.stats()["decision"], seen
 
 
-@pytest.mark.parametrize("costs,choice", [
+FASTEST = [
     # rank 1 is slow with the compressed all-gather: the slowest rank's periods decide
     ([{"rs+ag": 0.10, "rs": 0.20, "dense": 0.30}, {"rs+ag": 0.35, "rs": 0.20, "dense": 0.30}], "rs"),
     ([{"rs+ag": 0.10, "rs": 0.20, "dense": 0.30}, {"rs+ag": 0.12, "rs": 0.20, "dense": 0.30}], "rs+ag"),
     ([{"rs+ag": 0.50, "rs": 0.40, "dense": 0.30}, {"rs+ag": 0.50, "rs": 0.40, "dense": 0.30}], "dense"),
-])
-def test_auto_keeps_the_fastest_on_every_rank(costs, choice):
-    outs = run_world(_decide, 2, costs)
+]
+BF16_COSTS = [{"rs+ag": 0.5, "rs": 0.4, "dense": 0.3}] * 2
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """``key -> [what each rank returned]``: this module's 2-rank scenarios that neither
+    raise on purpose nor patch a class (``_accumulate``'s timed reduce-scatter stays in
+    worlds of its own), in one world (not 7), each with its own model, sharding, state and
+    fake clock."""
+    cases = [*[(("fastest", choice), _decide, (costs,)) for costs, choice in FASTEST],
+             (("bf16",), _decide, (BF16_COSTS, torch.bfloat16)), (("hsdp",), _hsdp, ()), (("fixed",), _fixed, ()),
+             (("two_forwards",), _two_forwards, ())]
+    runs = run_cases(cases, 2)
+    return lambda *key: case_values(runs[key])
+
+
+@pytest.mark.parametrize("costs,choice", FASTEST)
+def test_auto_keeps_the_fastest_on_every_rank(shared, costs, choice):
+    outs = shared("fastest", choice)
     assert outs[0] == outs[1]  # the same decisions and the same method every step, on every rank
     decision, seen = outs[0]
     assert decision["phase"] == "exploit" and decision["choice"] == choice, decision
@@ -69,8 +86,8 @@ def test_auto_keeps_the_fastest_on_every_rank(costs, choice):
     assert all(m == choice for m, *_ in seen[-5:])
 
 
-def test_auto_with_bf16_policy():
-    outs = run_world(_decide, 2, [{"rs+ag": 0.5, "rs": 0.4, "dense": 0.3}] * 2, torch.bfloat16)
+def test_auto_with_bf16_policy(shared):
+    outs = shared("bf16")
     assert outs[0][0]["choice"] == "dense"
 
 
@@ -108,8 +125,8 @@ def _hsdp(rank, world):
     return lines, state.decision, state.stats()["compressed_calls"] > 0
 
 
-def test_auto_on_a_replicate_mesh_compresses_without_measuring():
-    for lines, decision, compressed in run_world(_hsdp, 2):
+def test_auto_on_a_replicate_mesh_compresses_without_measuring(shared):
+    for lines, decision, compressed in shared("hsdp"):
         assert any("without measuring: its mesh has a replicate dimension" in ln for ln in lines), lines
         assert decision is None and compressed
 
@@ -123,8 +140,8 @@ def _fixed(rank, world):
     return state.decision, hhook.fsdp.all_gather_stats(model)
 
 
-def test_integer_bits_never_measure():
-    assert run_world(_fixed, 2) == [(None, None)] * 2
+def test_integer_bits_never_measure(shared):
+    assert shared("fixed") == [(None, None)] * 2
 
 
 def _timed_comms(switch, now, forward_cost, reduce_scatter_cost):
@@ -216,27 +233,30 @@ def _two_forwards(rank, world, steps=24):
         return out
 
     THCAllGather.__call__ = recorded
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    torch.manual_seed(3)
-    differ, methods = [], set()
-    for step in range(steps):
-        gathered.clear()
-        if step == 0:  # one step of one forward: the later steps' forwards B fall on either parity
-            model(torch.randn(8, 37)).square().mean().backward()
-        else:
-            a, b = model(torch.randn(8, 37)), model(torch.randn(8, 37))
-            (a.square().mean() - b.mean()).backward()
-            assert len(gathered) >= 3, len(gathered)  # forward A, forward B, the backward's re-gather
-        opt.step()
-        opt.zero_grad()
-        methods |= {m for m, _ in gathered}
-        if any(m != gathered[0][0] or not torch.equal(t, gathered[0][1]) for m, t in gathered):
-            differ.append(step)
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        torch.manual_seed(3)
+        differ, methods = [], set()
+        for step in range(steps):
+            gathered.clear()
+            if step == 0:  # one step of one forward: the later steps' forwards B fall on either parity
+                model(torch.randn(8, 37)).square().mean().backward()
+            else:
+                a, b = model(torch.randn(8, 37)), model(torch.randn(8, 37))
+                (a.square().mean() - b.mean()).backward()
+                assert len(gathered) >= 3, len(gathered)  # forward A, forward B, the backward's re-gather
+            opt.step()
+            opt.zero_grad()
+            methods |= {m for m, _ in gathered}
+            if any(m != gathered[0][0] or not torch.equal(t, gathered[0][1]) for m, t in gathered):
+                differ.append(step)
+    finally:  # the world's other scenarios (the shared fixture) gather unrecorded
+        THCAllGather.__call__ = call
     return differ, sorted(methods)
 
 
-def test_two_forwards_before_one_backward_use_one_method():
-    for differ, methods in run_world(_two_forwards, 2):
+def test_two_forwards_before_one_backward_use_one_method(shared):
+    for differ, methods in shared("two_forwards"):
         assert methods == ["dense", "rs", "rs+ag"]  # the turns switched methods between steps
         assert differ == []
 

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hhook
 from hhook.schedule import teardown
 
-from tests.support.distributed import run_world
+from tests.support.distributed import case_values, run_cases, run_world
 
 MODES = ["agreed", "predicted"]
 DRAWS = 58  # as the issue's reproduction
@@ -49,13 +49,31 @@ def _parity_worker(rank, world, scales, case):
     return torch.stack(draws[2:]), state.stats()
 
 
+PARITY_CASES = [(2, "rank"), (3, "rank"), (2, "tenfold"), (2, "ef"), (3, "ef"), (2, "independent")]
+
+
+@pytest.fixture(scope="module")
+def parity():
+    """``world -> (scales, case) -> [(ok, what the rank returned)]``: every case of
+    :data:`PARITY_CASES` of one world size in one world (2 worlds, not 12), each case with
+    its own model, DDP and hook state (the same seeds and draws as in a world of its own);
+    a world is started by the first test that asks for it."""
+    worlds = {}
+
+    def of(world):
+        if world not in worlds:
+            cases = [((scales, case), _parity_worker, (scales, case)) for w, case in PARITY_CASES if w == world
+                     for scales in MODES]
+            worlds[world] = run_cases(cases, world)
+        return worlds[world]
+
+    return of
+
+
 @pytest.mark.parametrize("scales", MODES)
-@pytest.mark.parametrize(
-    "world,case",
-    [(2, "rank"), (3, "rank"), (2, "tenfold"), (2, "ef"), (3, "ef"), (2, "independent")],
-)
-def test_mean_of_many_compressed_results_is_the_exact_mean(world, case, scales):
-    results = run_world(_parity_worker, world, scales, case)
+@pytest.mark.parametrize("world,case", PARITY_CASES)
+def test_mean_of_many_compressed_results_is_the_exact_mean(parity, world, case, scales):
+    results = case_values(parity(world)[scales, case])
     exact = sum(_input_of(r, case) for r in range(world)) / world
     draws, stats = results[0]
     assert all(torch.equal(d, draws) for d, _ in results)  # every rank decodes the same
@@ -113,33 +131,41 @@ COMPILE_CASES = {**{("plain", scales, static): (scales, static) for scales in MO
                  **{("buckets", scales): (scales, False, 1) for scales in MODES}}
 
 
-def _compile_cases_worker(rank, world):
-    import traceback
-
-    import torch._dynamo
-
-    out = {}
-    for name, args in [*COMPILE_CASES.items(), ("python_reducer", None)]:
-        torch._dynamo.reset()
-        try:
-            out[name] = (True, _python_reducer_worker(rank, world) if args is None
-                         else _compile_worker(rank, world, *args))
-        except Exception:  # this case fails its own test; the other cases still run
-            out[name] = (False, traceback.format_exc())
-    return out
-
-
 @pytest.fixture(scope="module")
 def compiled():
-    """``case -> [what each rank returned]``: :data:`COMPILE_CASES` and the python reducer."""
-    ranks = run_world(_compile_cases_worker, 2, timeout=900)
-    return {name: [r[name] for r in ranks] for name in ranks[0]}
+    """``case -> [(ok, what the rank returned)]``: :data:`COMPILE_CASES` and the python
+    reducer, in one world, dynamo's caches reset before each."""
+    import torch._dynamo
+
+    cases = [(name, _compile_worker, args) for name, args in COMPILE_CASES.items()]
+    return run_cases([*cases, ("python_reducer", _python_reducer_worker, ())], 2,
+                     before_each=torch._dynamo.reset, timeout=900)
 
 
 def _compiled_case(compiled, name) -> list:
-    failed = [value for ok, value in compiled[name] if not ok]
-    assert not failed, "\n".join(failed)
-    return [value for _, value in compiled[name]]
+    return case_values(compiled[name])
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """``(test, scales) -> [(ok, what the rank returned)]``: the 2-rank scenarios of the
+    tests below that pass or fail on their own results (no peer raising, no mismatch), in
+    one world, one after another, each with its own hook state (10 worlds -> 1)."""
+    cases = [((name, scales), fn, (scales, *args)) for scales in MODES
+             for name, fn, args in (("per_parameter", _per_parameter_worker, ()), ("nonfinite", _nonfinite_worker, ()),
+                                    ("nonfinite_deferred", _nonfinite_worker, (True,)), ("layout", _layout_worker, ()),
+                                    ("join", _join_worker, ()))]
+    return run_cases(cases, 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    """``key -> [(ok, what the rank returned)]``: the 3-rank scenarios below that pass or
+    fail on their own results, in one world (4 worlds -> 1), each with its own state
+    (and models, sub-groups)."""
+    cases = [*[(("subgroups", scales), _subgroup_worker, (scales,)) for scales in MODES],
+             *[(("pauses", ef), _pause_worker, (ef,)) for ef in (False, True)]]
+    return run_cases(cases, 3, timeout=300)
 
 
 @pytest.mark.parametrize("scales", MODES)
@@ -178,9 +204,8 @@ def _per_parameter_worker(rank, world, scales):
 
 
 @pytest.mark.parametrize("scales", MODES)
-def test_per_parameter_hook_form_reduces_in_place(scales):
-    results = run_world(_per_parameter_worker, 2, scales)
-    for errors, calls in results:
+def test_per_parameter_hook_form_reduces_in_place(two_ranks, scales):
+    for errors, calls in case_values(two_ranks["per_parameter", scales]):
         assert calls == 3 and 0 < max(errors) < 0.03, errors  # 8 bits; the constant dominates the block maxima
 
 
@@ -242,8 +267,8 @@ def _subgroup_worker(rank, world, scales):
 
 
 @pytest.mark.parametrize("scales", MODES)
-def test_subgroups_beside_world_neither_hang_nor_mix(scales):
-    results = run_world(_subgroup_worker, 3, scales, timeout=90)
+def test_subgroups_beside_world_neither_hang_nor_mix(three_ranks, scales):
+    results = case_values(three_ranks["subgroups", scales])
     for grads, _ in results:
         assert all(torch.equal(a, b) for a, b in zip(grads, results[0][0]))
     assert results[0][1] is None
@@ -286,8 +311,8 @@ def _nonfinite_worker(rank, world, scales, deferred=False):
 
 
 @pytest.mark.parametrize("scales", MODES)
-def test_nonfinite_results_are_counted(scales):
-    for counts in run_world(_nonfinite_worker, 2, scales):
+def test_nonfinite_results_are_counted(two_ranks, scales):
+    for counts in case_values(two_ranks["nonfinite", scales]):
         assert counts == [(0, False), (1, True), (1, False), (2, True)]
 
 
@@ -330,8 +355,8 @@ def test_deferred_mismatch_raises_at_the_next_call():
 
 
 @pytest.mark.parametrize("scales", MODES)
-def test_nonfinite_results_are_counted_on_the_deferred_path(scales):
-    for counts in run_world(_nonfinite_worker, 2, scales, True, timeout=60):
+def test_nonfinite_results_are_counted_on_the_deferred_path(two_ranks, scales):
+    for counts in case_values(two_ranks["nonfinite_deferred", scales]):
         assert counts == [(0, False), (1, True), (1, False), (2, True)], counts
 
 
@@ -552,16 +577,22 @@ def _layout_worker(rank, world, scales):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("hhook.scales").addHandler(handler)
-    logging.getLogger("hhook.scales").setLevel(logging.INFO)
-    hhook.thc_allreduce_async(torch.randn(50, 60), state, key="w").wait()  # same length, another shape
+    log = logging.getLogger("hhook.scales")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        hhook.thc_allreduce_async(torch.randn(50, 60), state, key="w").wait()  # same length, another shape
+    finally:  # the world's next scenarios (the two_ranks fixture) log as before
+        log.removeHandler(handler)
+        log.setLevel(level)
     fresh = policy.keys["w"] is not before and policy.keys["w"].layout == ((50, 60), "torch.float32")
     return same, fresh, len(records)
 
 
 @pytest.mark.parametrize("scales", MODES)
-def test_a_key_that_holds_another_tensor_starts_afresh(scales):
-    for same, fresh, logged in run_world(_layout_worker, 2, scales):
+def test_a_key_that_holds_another_tensor_starts_afresh(two_ranks, scales):
+    for same, fresh, logged in case_values(two_ranks["layout", scales]):
         assert same and fresh and logged == 1
 
 
@@ -587,8 +618,8 @@ def _join_worker(rank, world, scales):
 
 
 @pytest.mark.parametrize("scales", MODES)
-def test_uneven_inputs_under_join_stay_in_sync(scales):
-    (a, calls_a), (b, calls_b) = run_world(_join_worker, 2, scales, timeout=90)
+def test_uneven_inputs_under_join_stay_in_sync(two_ranks, scales):
+    (a, calls_a), (b, calls_b) = case_values(two_ranks["join", scales])
     assert torch.equal(a, b) and calls_a == calls_b == 7  # 9 iterations, the first 2 dense
 
 
@@ -640,8 +671,8 @@ def _pause_worker(rank, world, error_feedback):
 
 
 @pytest.mark.parametrize("error_feedback", [False, True], ids=["plain", "error-feedback"])
-def test_predicted_scales_recover_from_pauses_shrinks_and_growth(error_feedback):
-    res = run_world(_pause_worker, 3, error_feedback, timeout=120)
+def test_predicted_scales_recover_from_pauses_shrinks_and_growth(three_ranks, error_feedback):
+    res = case_values(three_ranks["pauses", error_feedback])
     for r in res:
         v = r["vnmse"]
         steady = max(v["steady"][1:])  # the first call takes an agreed round

@@ -61,15 +61,24 @@ def torchrun(*args: str, nproc: int = 2, restarts: int = 0, limit: float = 240.0
 
 @pytest.mark.parametrize("scales,topology", [("agreed", "flat"), ("predicted", "flat"), ("agreed", "2")])
 def test_a_stalled_rank_stops_every_rank_with_a_clear_error_within_the_timeout(scales, topology):
-    """Rank 1 stops (SIGSTOP) for longer than the 6 s collective timeout, then goes on:
-    every other rank names the stalled collective and the timeout, within timeout + 10 s;
-    the stalled rank, continued, finds its peers gone and says so; nobody hangs. At 4
-    ranks as 2 nodes x 2 the node's shared-memory barriers are in the path too."""
-    timeout, stall = 6, 16
+    """Rank 1 stops (SIGSTOP) past the 6 s collective timeout: every other rank names the
+    stalled collective and the timeout, within timeout + 10 s, and exits; rank 1, continued
+    only once they all have ended (no wait beyond that), finds its peers gone and says so;
+    nobody hangs. At 4 ranks as 2 nodes x 2 the node's shared-memory barriers are in the
+    path too, and none of the job's files is left in /dev/shm while rank 1, the last
+    process of its node, is still stopped: it never runs an exit handler before that (a
+    launcher would tear it down with SIGKILL; before, the node's lock file stayed until the
+    next job's sweep)."""
+    timeout = 6
     world = 4 if topology == "2" else 3
     procs = launch(world, "--steps", "40", "--bits", "4", "--scales", scales, "--topology", topology,
-                   "--timeout", str(timeout), "--stall-at", "12", "--stall-s", str(stall))
-    results = finish(procs, limit=150)
+                   "--timeout", str(timeout), "--stall-at", "12", "--stall-s", "300")  # continued below
+    others = finish(procs[:1] + procs[2:], limit=150)
+    left = {m.group(1): glob.glob(m.group(1) + "*") for _, out, _ in others
+            for m in re.finditer(r"shared memory: (\S+)\*", out)}  # at once: another job's start sweeps them
+    _end_helper(procs[1])  # the script's own SIGCONT, 300 s on
+    os.kill(procs[1].pid, signal.SIGCONT)
+    results = others[:1] + finish(procs[1:2], limit=60) + others[1:]
     stopped = float(STOPPED.search(results[1][2]).group(1))
     for rank, (code, _, stderr) in enumerate(results):
         found = ERROR.search(stderr)
@@ -85,6 +94,11 @@ def test_a_stalled_rank_stops_every_rank_with_a_clear_error_within_the_timeout(s
         # the stalled rank is named, even where this rank waited for it through another
         # (two-level: rank 2 waits for rank 0 between nodes, rank 0 for rank 1 in its node)
         assert "a peer (rank 1) stalled" in message and "PeerTimeoutError" in message, message
+    if topology == "2":
+        assert all(code == 1 for code, _, _ in others), [e[-2000:] for _, _, e in others]
+        assert len(left) == 2 and not any(left.values()), left
+    else:
+        assert not left  # flat: no node-shared memory
 
 
 def test_a_killed_rank_without_restarts_stops_every_other_rank_clearly():
@@ -250,26 +264,10 @@ def test_no_shared_memory_is_left_behind_when_a_rank_is_killed():
         assert glob.glob(prefix + "*") == [], prefix
 
 
-def test_no_shared_memory_is_left_when_a_stalled_two_level_job_is_torn_down():
-    """2 nodes x 2, rank 1 stopped (SIGSTOP) past the 6 s timeout: the others raise and
-    exit; rank 1, still stopped, is then killed as a launcher tears a job down (SIGKILL: no
-    exit handler runs in it). None of the job's files is left in /dev/shm (before, the
-    node's lock file stayed until the next job's sweep)."""
-    procs = launch(4, "--steps", "40", "--bits", "4", "--topology", "2", "--timeout", "6", "--stall-at", "12",
-                   "--stall-s", "120")
-    others = finish([procs[0], procs[2], procs[3]], limit=120)
-    os.kill(procs[1].pid, signal.SIGKILL)
-    procs[1].wait(timeout=30)
-    left = {m.group(1): glob.glob(m.group(1) + "*") for _, out, _ in others
-            for m in re.finditer(r"shared memory: (\S+)\*", out)}  # at once: another job's start sweeps them
-    _end_helper(procs[1])
-    assert all(code == 1 for code, _, _ in others), [e[-2000:] for _, _, e in others]
-    assert len(left) == 2 and not any(left.values()), left
-
-
 def _end_helper(proc) -> None:
     """End the helper that would continue ``proc`` (the example's stall: ``sh -c "sleep S;
-    kill -CONT PID"`` in a session of its own, holding ``proc``'s pipes)."""
+    kill -CONT PID"`` in a session of its own, holding ``proc``'s pipes): its whole process
+    group, so that ``proc``'s pipes close when ``proc`` ends."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -277,12 +275,10 @@ def _end_helper(proc) -> None:
         except OSError:
             continue
         if argv[:2] == [b"sh", b"-c"] and argv[2].endswith(f"kill -CONT {proc.pid}".encode()):
-            os.kill(int(pid), signal.SIGKILL)
-    proc.stdout.close()
-    proc.stderr.close()
+            os.killpg(int(pid), signal.SIGKILL)
 
 
-def _subgroup_timeout_worker(rank, world, scales):
+def _subgroup_timeout_worker(rank, world, scales, raised):
     import datetime
 
     import torch
@@ -301,10 +297,11 @@ def _subgroup_timeout_worker(rank, world, scales):
     second = state.runtime.second["cpu"]
     out = {"second_timeout": second.timeout.total_seconds(), "world_second": timeout_of(both.runtime.second[
         "cpu"]).total_seconds()}
-    if rank == 1:
-        time.sleep(8)  # stalls: never joins the SUM below
-        return out
     tic = time.monotonic()
+    if rank == 1:  # stalls: never joins the SUM below; leaves once rank 0 has raised (at most 60 s)
+        while not os.path.exists(raised) and time.monotonic() - tic < 60:
+            time.sleep(0.1)
+        return out
     try:
         t = torch.ones(10)
         hhook.schedule.futures.then(second.all_reduce(t).get_future(), lambda v: v[0], t, "a test SUM", second).wait()
@@ -312,15 +309,16 @@ def _subgroup_timeout_worker(rank, world, scales):
     except hhook.PeerTimeoutError as e:
         out["error"] = str(e)
     out["waited"] = time.monotonic() - tic
+    open(raised, "w").close()
     return out
 
 
 @pytest.mark.parametrize("scales", ["agreed", "predicted"])
-def test_the_second_communicator_of_a_subgroup_waits_the_subgroup_s_timeout(scales):
+def test_the_second_communicator_of_a_subgroup_waits_the_subgroup_s_timeout(scales, tmp_path):
     """A subgroup beside WORLD with a 3 s timeout: its second communicator takes those 3 s
-    (not torch's 30 minutes, nor WORLD's), and a SUM whose peer stalls raises
-    PeerTimeoutError naming the peer and the timeout within them."""
-    res = run_world(_subgroup_timeout_worker, 3, scales, timeout=120)
+    (not torch's 30 minutes, nor WORLD's), and a SUM whose peer stalls (until rank 0 is
+    done) raises PeerTimeoutError naming the peer and the timeout within them."""
+    res = run_world(_subgroup_timeout_worker, 3, scales, str(tmp_path / "raised"), timeout=120)
     assert res[2] is None
     for r in res[:2]:
         assert r["second_timeout"] == 3.0 and r["world_second"] == 1800.0, r

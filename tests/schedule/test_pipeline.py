@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hhook
 from hhook.schedule.allreduce import check_tensor
 
-from tests.support.distributed import run_world
+from tests.support.distributed import case_values, run_cases, run_world
 
 MODES = ["agreed", "predicted"]
 
@@ -38,19 +38,43 @@ def _many_tensors_worker(rank, world, scales, chunk_mb=0):
     return errors, sums
 
 
+@pytest.fixture(scope="module")
+def shared():
+    """``world -> key -> [(ok, what the rank returned)]``: this module's scenarios that pass
+    or fail on their own results (no rank raising), one world per world size (4 worlds, not
+    16), each scenario with its own hook state (and model); a world is started by the first
+    test that asks for it."""
+    cases = {2: [*[(("many", scales), _many_tensors_worker, (scales,)) for scales in MODES],
+                 *[(("mixed", hook, scales), _mixed_worker, (hook, scales))
+                   for scales in MODES for hook in (False, True)]],
+             3: [*[(("in_pieces", scales), _many_tensors_worker, (scales, 0.01)) for scales in MODES],
+                 *[(("pieces", scales), _pieces_worker, (scales,)) for scales in MODES],
+                 *[(("nonfinite", scales), _nonfinite_worker, (scales,)) for scales in MODES]],
+             5: [(("many", scales), _many_tensors_worker, (scales,)) for scales in MODES],
+             8: [(("many", scales), _many_tensors_worker, (scales,)) for scales in MODES]}
+    worlds = {}
+
+    def of(world, *key):
+        if world not in worlds:
+            worlds[world] = run_cases(cases[world], world)
+        return case_values(worlds[world][key])
+
+    return of
+
+
 @pytest.mark.parametrize("scales", MODES)
 @pytest.mark.parametrize("world", [2, 5, 8])
-def test_many_tensors_in_flight_neither_deadlock_nor_reorder(world, scales):
-    results = run_world(_many_tensors_worker, world, scales, timeout=300)
+def test_many_tensors_in_flight_neither_deadlock_nor_reorder(shared, world, scales):
+    results = shared(world, "many", scales)
     for errors, sums in results:
         assert sums == results[0][1]  # every rank decodes the same sums
         assert max(errors) < 0.35  # 4 bits on Gaussian data; a mix-up gives errors near 1
 
 
 @pytest.mark.parametrize("scales", MODES)
-def test_tensors_in_pieces_neither_deadlock_nor_reorder(scales):
+def test_tensors_in_pieces_neither_deadlock_nor_reorder(shared, scales):
     # 0.01 MB pieces: up to 5 pieces of each of the 24 tensors in flight at once
-    results = run_world(_many_tensors_worker, 3, scales, 0.01, timeout=300)
+    results = shared(3, "in_pieces", scales)
     for errors, sums in results:
         assert sums == results[0][1]
         assert max(errors) < 0.35
@@ -95,8 +119,8 @@ def _pieces_worker(rank, world, scales):
 
 
 @pytest.mark.parametrize("scales", MODES)
-def test_pieces_keep_every_guarantee(scales):
-    for steps, calls in run_world(_pieces_worker, 3, scales):
+def test_pieces_keep_every_guarantee(shared, scales):
+    for steps, calls in shared(3, "pieces", scales):
         exact, nan, error = zip(*steps)
         assert exact[1] and not any(nan[:2]) and not nan[3]  # identical step: exact
         assert nan[2]  # one piece's inf: all of it NaN, not only that piece
@@ -152,9 +176,9 @@ def _mixed_worker(rank, world, hook, scales):
 
 
 @pytest.mark.parametrize("scales", MODES)
-def test_float64_sparse_and_stale_gradients(scales):
-    plain = run_world(_mixed_worker, 2, False, scales)
-    thc = run_world(_mixed_worker, 2, True, scales)
+def test_float64_sparse_and_stale_gradients(shared, scales):
+    plain = shared(2, "mixed", False, scales)
+    thc = shared(2, "mixed", True, scales)
     for r in thc:
         assert r["params"] == thc[0]["params"]  # replicas stay identical
         # The stale gradient is identical on every rank: it must come back exactly, not
@@ -240,5 +264,5 @@ def _nonfinite_worker(rank, world, scales):
 
 
 @pytest.mark.parametrize("scales", MODES)
-def test_nonfinite_on_one_rank_makes_every_rank_nan(scales):
-    assert run_world(_nonfinite_worker, 3, scales) == [[False, False, True]] * 3
+def test_nonfinite_on_one_rank_makes_every_rank_nan(shared, scales):
+    assert shared(3, "nonfinite", scales) == [[False, False, True]] * 3

@@ -15,7 +15,7 @@ import hhook
 from hhook.simulation import heavy_tailed, vnmse
 from hhook.codec.error_model import auto_bits
 from hhook.schedule.topology import TopologyError
-from tests.support.distributed import logged, run_world
+from tests.support.distributed import case_values, logged, run_cases, run_world
 
 MODES = ["agreed", "predicted"]
 
@@ -62,10 +62,25 @@ def _ddp_worker(rank, world, scales, compiled):
     return out
 
 
+def _reset_dynamo():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def ddp_runs():
+    """``(scales, compiled) -> [(ok, what the rank returned)]``: the 4 runs of the test
+    below in one 4-rank world (not 4), each with its own models, sub-group and hook state,
+    dynamo's caches reset before each (a compiled run compiles from scratch)."""
+    cases = [((scales, compiled), _ddp_worker, (scales, compiled)) for compiled in (False, True) for scales in MODES]
+    return run_cases(cases, 4, before_each=_reset_dynamo, timeout=600)
+
+
 @pytest.mark.parametrize("scales", MODES)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_ddp_hook_two_level_matches_plain_ddp(scales, compiled):
-    res = run_world(_ddp_worker, 4, scales, compiled, timeout=400)
+def test_ddp_hook_two_level_matches_plain_ddp(ddp_runs, scales, compiled):
+    res = case_values(ddp_runs[scales, compiled])
     for r in res:
         assert r["describe"] == "4 ranks as 2 nodes x 2 (two-level)"
         assert max(r["errors"]) < 0.03, r["errors"]  # 8 bits; a swapped or unsynchronised bucket is off by O(1)

@@ -201,6 +201,37 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0, backend: str =
     return [out[r] for r in range(world_size)]
 
 
+def _cases_worker(rank, world_size, cases, before_each):
+    out = {}
+    for key, fn, args in cases:
+        try:
+            if before_each is not None:
+                before_each()
+            out[key] = (True, fn(rank, world_size, *args))
+        except Exception:  # this case fails its own test; the cases after it still run
+            out[key] = (False, traceback.format_exc())
+    return out
+
+
+def run_cases(cases, world_size: int, *, before_each=None, timeout: float = 600.0) -> dict:
+    """Several independent scenarios in one world, one after another: ``cases`` is a list of
+    ``(key, fn, args)``; returns ``key -> [(ok, fn(rank, world_size, *args) or its
+    traceback) for each rank]``. For tests that each check one scenario of a module-scoped
+    fixture: a world costs its ranks' start, the process group and hhook's handshake, a
+    scenario often less. ``before_each`` (module-level, no arguments) runs before each case
+    (``torch._dynamo.reset``). A case that raises fails only the test that reads it
+    (:func:`case_values`); a hang fails them all."""
+    ranks = run_world(_cases_worker, world_size, cases, before_each, timeout=timeout)
+    return {key: [r[key] for r in ranks] for key, _, _ in cases}
+
+
+def case_values(outcomes: list) -> list:
+    """What each rank's case of :func:`run_cases` returned; its tracebacks if any raised."""
+    failed = [value for ok, value in outcomes if not ok]
+    assert not failed, "\n".join(failed)
+    return [value for _, value in outcomes]
+
+
 def run_outcomes(fn, world_size: int, *args, pg_timeout_s: float = 10.0, timeout: float = 120.0) -> list[dict]:
     """How each rank of ``fn(rank, world_size, *args)`` ended, for jobs whose ranks may fail:
     ``[{"value": what fn returned (None if it raised), "error": its traceback (or None),
