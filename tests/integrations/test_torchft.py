@@ -19,20 +19,29 @@ torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip i
 from tests.support.torchft_world import JOIN_S, REPLICAS, World, digests  # noqa: E402
 
 
+PAUSE = 12
+
+
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory):
     """3 replicas; replica 2 SIGKILLed once it committed step 3 (between syncs: its next
     sync is SYNC inner steps away), restarted 0.5 s later; every replica runs to step 24 (the restarted one joins
-    a few steps after its start: its imports take seconds)."""
-    world = World(tmp_path_factory.mktemp("torchft_drill"), steps=24)
+    a few steps after its start: its imports take seconds; the survivors wait at step PAUSE until its manager is
+    built, or on a loaded host they could end before it asks for a quorum, and it would wait for one alone)."""
+    tmp = tmp_path_factory.mktemp("torchft_drill")
+    rejoin = tmp / "rejoin"  # the survivors wait at step PAUSE until the restarted replica is ready
+    world = World(tmp, steps=24)
     try:
         for replica in range(REPLICAS):
-            world.start(replica)
+            world.start(replica, *(("--pause-at", str(PAUSE), "--pause-file", str(rejoin)) if replica < 2 else ()))
         world.wait_for(lambda: any(r["step"] >= 3 for r in world.commits(2)), 90, "replica 2's step 3")
         first_pid = world.records(2)[0]["pid"]
         killed = world.kill(2)
         time.sleep(0.5)
         world.start(2)
+        world.wait_for(lambda: any(r["event"] == "ready" and r["pid"] != first_pid for r in world.records(2)), 90,
+                       "the restarted replica's manager")
+        rejoin.touch()
         world.wait_for(lambda: all(world.done(r) for r in range(REPLICAS)), 120, "every replica's last step")
         yield world, killed, first_pid
     finally:

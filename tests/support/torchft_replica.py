@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--hold-at", type=int, default=-1)
     ap.add_argument("--fail-at", type=int, default=-1, help="raise inside the THC exchange at this manager step")
+    ap.add_argument("--pause-at", type=int, default=-1,
+                    help="between syncs at this manager step, wait until --pause-file exists (a restart to rejoin)")
+    ap.add_argument("--pause-file", default="")
     ap.add_argument("--group-size", type=int, default=1, help="ranks of this replica group (DDP among them)")
     ap.add_argument("--group-rank", type=int, default=0)
     ap.add_argument("--store-port", type=int, default=0, help="the replica group's store (its rank 0 hosts it)")
@@ -113,9 +116,13 @@ def main() -> None:
     w1, w2 = torch.randn(64, 16, generator=truth), torch.randn(16, generator=truth)
     data = torch.Generator().manual_seed(1000 + 10 * args.replica + args.group_rank)
     losses, last_step = [], manager.current_step()
+    say("ready")  # the manager is built: the first step asks for a quorum
     with DiLoCo(manager, fragments, inner, outer, sync_every=args.sync_every, should_quantize=True,
                 use_bucketization=True, fragment_sync_delay=args.sync_delay):
         while manager.current_step() < args.steps:
+            if 0 <= args.pause_at <= manager.current_step() and not os.path.exists(args.pause_file):
+                time.sleep(0.05)  # between syncs: the Lighthouse forms no quorum without this replica meanwhile
+                continue
             x = torch.randn(32, 64, generator=data)
             y = torch.tanh(x @ w1) @ w2
             loss = torch.nn.functional.mse_loss(forward(x).squeeze(-1), y)
