@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.distributed import case_values, run_cases, run_world
+from tests.support.distributed import run_world, shared_worlds
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
@@ -82,14 +82,7 @@ def shared():
                  (("direct",), _direct, ())],
              4: [(("hsdp",), _hsdp, ()), *[(("native_hsdp", f), _native_hsdp, (f,)) for f in (None, 0.5)],
                  (("hsdp_states",), _hsdp_states, ())]}
-    worlds = {}
-
-    def of(world, *key):
-        if world not in worlds:
-            worlds[world] = run_cases(cases[world], world)
-        return case_values(worlds[world][key])
-
-    return of
+    return shared_worlds(cases)
 
 
 SHARED = pytest.mark.xdist_group("tests/integrations/test_fsdp.py")  # the shared fixture's worker (tests/conftest.py)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.distributed import case_values, logged, run_cases, run_world
+from tests.support.distributed import logged, run_world, shared_worlds
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 from hhook.fsdp.modules import param_group  # noqa: E402
@@ -172,14 +172,7 @@ def shared():
              + [(("optimizer", dtype), _optimizer_exact, (dtype,)) for dtype in (None, torch.bfloat16)]
              + [(("nonfinite", dtype), _nonfinite, (dtype,)) for dtype in (None, torch.bfloat16)]
              + [(("subgroup",), _subgroup, ())]}
-    worlds = {}
-
-    def of(world, *key):
-        if world not in worlds:
-            worlds[world] = run_cases(cases[world], world)
-        return case_values(worlds[world][key])
-
-    return of
+    return shared_worlds(cases)
 
 
 @pytest.mark.parametrize("world,bits,param_dtype,reshard", GATHER_CASES)

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hhook
 from hhook.schedule.allreduce import check_tensor
 
-from tests.support.distributed import case_values, run_cases, run_world
+from tests.support.distributed import run_world, shared_worlds
 
 MODES = ["agreed", "predicted"]
 
@@ -52,14 +52,7 @@ def shared():
                  *[(("nonfinite", scales), _nonfinite_worker, (scales,)) for scales in MODES]],
              5: [(("many", scales), _many_tensors_worker, (scales,)) for scales in MODES],
              8: [(("many", scales), _many_tensors_worker, (scales,)) for scales in MODES]}
-    worlds = {}
-
-    def of(world, *key):
-        if world not in worlds:
-            worlds[world] = run_cases(cases[world], world)
-        return case_values(worlds[world][key])
-
-    return of
+    return shared_worlds(cases)
 
 
 @pytest.mark.parametrize("scales", MODES)

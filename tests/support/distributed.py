@@ -232,6 +232,20 @@ def case_values(outcomes: list) -> list:
     return [value for _, value in outcomes]
 
 
+def shared_worlds(cases: dict):
+    """For a module-scoped fixture: ``cases`` maps a world size to its :func:`run_cases`
+    list; returns ``of(world, *key)``, what each rank's case ``key`` returned
+    (:func:`case_values`), the world of that size run once, by the first test that asks."""
+    worlds = {}
+
+    def of(world, *key):
+        if world not in worlds:
+            worlds[world] = run_cases(cases[world], world)
+        return case_values(worlds[world][key])
+
+    return of
+
+
 def run_outcomes(fn, world_size: int, *args, pg_timeout_s: float = 10.0, timeout: float = 120.0) -> list[dict]:
     """How each rank of ``fn(rank, world_size, *args)`` ended, for jobs whose ranks may fail:
     ``[{"value": what fn returned (None if it raised), "error": its traceback (or None),
