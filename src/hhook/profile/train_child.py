@@ -13,7 +13,7 @@ import time
 import traceback
 
 from ..baselines.harness import KINDS as BASELINE_KINDS
-from .train import ATTACH, attach_diloco, attach_fsdp, diloco_sync
+from .train import ATTACH, STARTUP_S, attach_diloco, attach_fsdp, diloco_sync
 
 
 def _split_bytes(state) -> tuple[int, int] | None:
@@ -51,7 +51,11 @@ def _join(spec: dict, beat):
     data = (x_train, y_train, x_test, y_test, shard(len(x_train), rank, world))
     beat("data loaded")
     timeout = datetime.timedelta(seconds=spec["pg_timeout_s"])
-    store = dist.TCPStore(spec["master_addr"], spec["port"], world, is_master=rank == 0, timeout=timeout)
+    # The ranks meet within the start-up allowance, not the collectives' timeout: on a loaded
+    # host a rank's imports can outlast the latter (a GPU-check dry run beside the test suite:
+    # rank 0 gave up after 21 s with 1 of 2 ranks joined).
+    joined = max(timeout, datetime.timedelta(seconds=STARTUP_S))
+    store = dist.TCPStore(spec["master_addr"], spec["port"], world, is_master=rank == 0, timeout=joined)
     dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world, timeout=timeout)
     beat("process group")
     device = torch.device("cpu")
