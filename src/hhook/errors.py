@@ -14,8 +14,9 @@ class OpMismatchError(RuntimeError):
 
 
 class RankFailedError(RuntimeError):
-    """Some rank failed while encoding this tensor; every rank raises this (that rank
-    raises its own exception)."""
+    """Some rank failed on this tensor (while encoding it, or in a collective of its own
+    node) and sent filler; every other rank raises this (that rank raises its own
+    exception)."""
 
 
 class PeerTimeoutError(TimeoutError):

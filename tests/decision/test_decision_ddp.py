@@ -229,7 +229,7 @@ def _failure_worker(rank, world):
         except hhook.RankFailedError:
             outcome.append("peer")
         except RuntimeError as e:  # DDP may wrap the future's exception
-            outcome.append("own" if "simulated" in str(e) else "peer" if "failed while encoding" in str(e) else str(e))
+            outcome.append("own" if "simulated" in str(e) else "peer" if "failed on this tensor" in str(e) else str(e))
         finally:
             codec_module.THCCodec.quantize = original
         state.prober.clock.advance(state.prober.method)

@@ -15,7 +15,7 @@ import torch
 
 import hhook
 from hhook.schedule import node_memory, teardown
-from tests.support.distributed import ROOT, case_values, run_cases, run_world
+from tests.support.distributed import ROOT, case_values, run_cases, run_outcomes, run_world
 
 MODES = ["agreed", "predicted"]
 
@@ -164,6 +164,47 @@ def test_a_rank_failure_raises_on_every_rank_of_every_node(scales, intra, where)
     """... and every continuation is released after it, so the job's exit does not wait."""
     res = run_world(_failure_worker, 4, scales, intra, where, timeout=120)
     assert res == [(["peer", "ok"], True), (["own", "ok"], True), (["peer", "ok"], True), (["peer", "ok"], True)], res
+
+
+# -- a node whose rank died: its ring peers learn it from the exchange, not from an exit --
+LINGER_TIMEOUT_S = 10.0
+
+
+def _lingering_mate_worker(rank, world, scales, intra):
+    _fake_torchrun(rank)
+    os.environ["HHOOK_SHM"] = "1" if intra == "shm" else "0"
+    state = hhook.THCState(bits=4, topology="auto", scales=scales)
+    hhook.thc_allreduce(torch.randn(6000), state, key="w")  # a history for predicted keys
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:  # as the DDP hook exchanges a bucket: the schedule, no per-call check over the whole group
+        ctx = state.context()
+        ctx.schedule(ctx, torch.randn(6000), "w", None).wait()
+        said = "ok"
+    except Exception as exc:  # noqa: BLE001 - what each rank says is the result
+        said = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - start
+    if rank == 3:  # a program that goes on after the error: its process and connections stay past the timeout
+        time.sleep(LINGER_TIMEOUT_S + 3)
+    return said, seconds
+
+
+@pytest.mark.parametrize("scales,intra", [("agreed", "shm"), ("predicted", "collectives")])
+def test_a_rank_whose_node_mate_died_tells_its_ring_at_once(scales, intra):
+    """Rank 2 dies; rank 3, its node mate, raises and its program goes on (it does not
+    exit). Rank 1, whose ring peer between nodes is rank 3, must not wait for rank 3's
+    process to end (the group's timeout, or never): rank 3 takes its turn between nodes
+    with filler marked failed, so rank 1 raises RankFailedError at once, naming rank 2 as
+    dead from the job's reports, and rank 0 (rank 2's ring peer) PeerLostError."""
+    out = run_outcomes(_lingering_mate_worker, 4, scales, intra, pg_timeout_s=LINGER_TIMEOUT_S, timeout=90)
+    assert out[2]["exitcode"] == -signal.SIGKILL, out
+    said = {rank: out[rank]["value"] for rank in (0, 1, 3)}
+    assert all(value is not None for value in said.values()), out
+    assert said[3][0].startswith("PeerLostError") and "rank 2" in said[3][0], said
+    assert said[1][0].startswith("RankFailedError") and "rank 2 died" in said[1][0], said
+    assert said[0][0].startswith(("PeerLostError", "RankFailedError")) and "rank 2" in said[0][0], said
+    assert all(seconds < LINGER_TIMEOUT_S / 2 for _, seconds in said.values()), said
 
 
 # -- item 3: within the shared-memory budget, else collectives --------------------------

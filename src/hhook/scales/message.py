@@ -99,8 +99,8 @@ def check_prefix(count, status, fp_a, fp_b, chunks, world_size, fps, dtype, what
         )
     if any_failed(status):
         raise RankFailedError(
-            f"hhook: {failed_ranks(status)} rank(s) failed while encoding this tensor ({what}); "
-            "see that rank's own exception"
+            f"hhook: {failed_ranks(status)} rank(s) failed on this tensor and sent filler (while encoding it, or in "
+            f"a collective of their own node) ({what}); see that rank's own exception"
         )
     word_bits = 32 if dtype == torch.int32 else 64
     if (fp_a, fp_b) != (wrap(n * fps[0], word_bits), wrap(n * fps[1], word_bits)):

@@ -88,6 +88,17 @@ def blame(kind: str, peers: list[int], timeout_s: float, what: str = "") -> Blam
         return _cache[key]
 
 
+def reported(ranks) -> bool:
+    """Whether any of ``ranks`` (global) reported giving up in this process-group instance
+    (False where the store cannot tell)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        with _lock, bounded(store):
+            return any(store.check([_key(rank)]) for rank in ranks)
+    except Exception:  # noqa: BLE001 - no default group, or a store that does not answer
+        return False
+
+
 def _resolve(store, me: int, peers: list[int], kind: str, timeout_s: float, what: str) -> Blame:
     # Read before reporting: a peer that waits for this rank's report may end its process
     # as soon as it reads it, and with it the store where that rank hosts it.

@@ -38,13 +38,14 @@ import torch
 import torch.distributed as dist
 
 from ..codec import warm_up
+from ..errors import RankFailedError
 from ..codec.layout import SUPPORTED_DTYPES
 from ..scales import message
 from . import membership
 from .context import CallContext, check_deferred
 from .dense import dense_allreduce
 from .futures import attach, completed, new_future, settle, stream_of, then, value_of
-from .groups import SecondGroup, explain
+from .groups import SecondGroup, explain, told_failure_cause
 
 
 def _all(futures: list, value: torch.Tensor, starts: list[int]) -> torch.futures.Future:
@@ -193,7 +194,10 @@ def _reduce(ctx: CallContext, target: torch.Tensor, key, layout, failed=None, la
     def decode(sums: torch.Tensor) -> torch.Tensor:
         if changed is not None:  # filler of the verified size: how many ranks sent one
             changed.count = int(sums[0]) // message.CHANGED
-        _, nonfinite = policy.decode(sums, plan, target, defer)
+        try:
+            _, nonfinite = policy.decode(sums, plan, target, defer)
+        except RankFailedError as exc:  # a peer that lost or waited for a rank of its node: the reports say which
+            raise RankFailedError(f"{exc}{told_failure_cause(group)}") from None
         if nonfinite is True:
             ctx.counters.add("nonfinite_calls", 0, 0)
         return target

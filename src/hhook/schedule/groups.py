@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .. import errors
 from . import liveness, membership
 from .membership import all_gather_flat  # noqa: F401 - imported from here by the schedule and FSDP
-from .blame import blame
+from .blame import blame, reported
 
 _lock = threading.Lock()
 _made: dict = {}  # parent group name -> second communicators made for it in this process
@@ -119,10 +119,21 @@ def failure_cause(group) -> str:
     others = others_of(group)
     timeout = timeout_of(group).total_seconds()
     who = blame("lost", others, timeout, f"a collective that a peer failed on {_label(group)}")
-    if who is None or not who.culprits or not who.lost:
+    if who is None or not who.culprits or not (who.lost or who.waiting):
         return ""
+    if not who.lost:  # a peer waited the timeout for a rank that never reported: it stalled
+        return (f"; by the job's reports, a peer ({errors.ranks_text(who.culprits)}) stalled and "
+                f"{errors.ranks_text(who.waiting)} waited the timeout for it")
     how = "left the job normally" if set(who.culprits) <= set(who.left) else "died (killed, out of memory, preempted)"
     return f"; by the job's reports, {errors.ranks_text(who.culprits)} {how} and {errors.ranks_text(who.lost)} lost it"
+
+
+def told_failure_cause(group) -> str:
+    """:func:`failure_cause` where there is one to find (a rank of the job died, or a peer
+    of ``group`` reported why it gave up), else "" without consulting or writing any
+    report (a peer that failed locally, as a rank's own encoding error)."""
+    others = others_of(group)
+    return failure_cause(group) if others and (liveness.died() or reported(others)) else ""
 
 
 def _label(group) -> str:

@@ -28,8 +28,10 @@ group, the same bits on every rank; inf or NaN on any rank makes the whole tenso
 every rank (no exception); identical tensors on every rank come back exactly; a
 configuration mismatch between nodes raises on every rank through the future (and the
 node's other ranks still complete their all-gather, so nobody hangs); a rank that fails
-(its node mean, its encoding) raises its own exception, its ring peers raise
-:class:`~hhook.errors.RankFailedError` from the flat schedule, and every rank of those
+(its node mean, its encoding, or its node's own collective, where a rank of the node died
+or stalled) raises its own exception, and still takes its turn between nodes with filler
+marked failed: its ring peers raise :class:`~hhook.errors.RankFailedError` from the flat
+schedule at once, rather than waiting for its process to end, and every rank of their
 nodes does too (each shard travels in the all-gather with its owner's status). A key
 whose tensor changes shape or dtype starts its shard's state afresh, as the flat path's. float64 and sparse
 tensors take one exact allreduce over the parent group.
@@ -249,8 +251,7 @@ class _TwoLevelCall:
             f.value()
         except BaseException as exc:  # noqa: BLE001 - the node's collective failed on every member
             self._mapped()  # not every rank may have mapped it: nobody will now
-            self._skip_turns()
-            self.result.set_exception(explain(
+            self._tell_ring(explain(
                 exc, f"the node's reduce-scatter of a two-level tensor of {self.d} elements", self.topo.intra_group))
             return
         self._mapped()  # every rank of the node has mapped it
@@ -263,6 +264,24 @@ class _TwoLevelCall:
             self.failure.append(exc)
             shard = torch.zeros(s, dtype=torch.float32, device=self.tensor.device)
         self.inter_seq.launch(self.inter_ticket, lambda: self.reduce_between_nodes(shard), stream_of(shard))
+
+    def _tell_ring(self, err: BaseException) -> None:
+        """The node's own collective failed (a rank of it lost or stalled): no gather, but
+        this rank still takes its turn between nodes, with filler marked failed, so its
+        ring peers raise :class:`~hhook.errors.RankFailedError` at once (and their nodes
+        through the gather) instead of waiting for this process to end; then ``err``."""
+        self.failure.append(err)
+        self.gather_seq.launch(self.gather_ticket, None)
+        shard = torch.zeros(self.s, dtype=torch.float32, device=self.tensor.device)
+
+        def launch() -> None:
+            try:
+                attach(flat_allreduce_async(self.inter, shard, self.key, self.layout, err), lambda g: None,
+                       self.inter.group)
+            finally:
+                self.result.set_exception(err)
+
+        self.inter_seq.launch(self.inter_ticket, launch, stream_of(shard))
 
     def reduce_between_nodes(self, shard: torch.Tensor) -> None:
         """Stage 2: THC of this rank's shard over the nodes' ring, then the gather."""
