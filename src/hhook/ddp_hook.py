@@ -16,7 +16,6 @@ from .decision import live_decision, reduce_bucket_as_decided
 from .decision.hook import one_host, skip_measuring
 from .scales.message import CallChanged
 from .schedule import load_check
-from .schedule.dense import dense_allreduce
 from .schedule.futures import completed, then
 from .state import THCState
 from .state.advice import one_process
@@ -79,6 +78,8 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
         fut = _exchange(state, bucket, layout)
     if bucket.is_last():  # one iteration per backward pass
         state.iter += 1
+        if state.pending_load is not None:  # the group's, which a load does not change
+            state.pending_load.iter += 1
         registration = state.registration
         if registration is not None:
             registration.iterations += 1
@@ -101,8 +102,8 @@ def _exchange(state: THCState, bucket: dist.GradBucket, layout: tuple) -> torch.
         live_decision(state)
         return reduce_bucket_as_decided(state, bucket, layout,
                                         (lambda reduce: _before_rebuild(state, bucket, layout, reduce)) if first else None)
-    if state.iter < state.options.start_iter or buffer.is_sparse:
-        return dense_allreduce(ctx, buffer)
+    if state.iter < state.options.start_iter or buffer.is_sparse:  # with the count of ranks that loaded since
+        return load_check.plain(ctx, buffer)
     fut = _before_rebuild(state, bucket, layout, _fixed_width(ctx)) if first else None
     return fut if fut is not None else ctx.schedule(ctx, buffer, bucket.index(), layout)
 

@@ -47,14 +47,15 @@ def _said(fn) -> str:
     return ""
 
 
-def _one_sided(rank, loader, scales, option, group=None):
-    """Train, then ``loader`` alone loads a checkpoint whose ``option`` differs; two more
-    steps: what each raised, and in how many seconds from the load. Then every rank loads
-    that checkpoint: what the next two steps raised (nothing: training goes on)."""
+def _one_sided(rank, loader, scales, option, group=None, steps=3):
+    """Train ``steps`` steps (3: past start_iter, THC; 0 or 1: DDP's plain iterations),
+    then ``loader`` alone loads a checkpoint whose ``option`` differs; two more steps: what
+    each raised, and in how many seconds from the load. Then every rank loads that
+    checkpoint: what the next two steps raised (nothing: training goes on)."""
     saved = hhook.THCState(**{"bits": 4, "scales": scales, option: CHANGES[option](scales)}).state_dict()
     ddp = DDP(_net(), process_group=group, bucket_cap_mb=0.01)  # several buckets: one error each, paired
     state = hhook.register(ddp, bits=4, scales=scales)
-    for _ in range(3):
+    for _ in range(steps):
         _step(ddp, rank)
     dist.barrier(group)
     start = time.monotonic()
@@ -92,9 +93,66 @@ def test_a_one_sided_load_raises_on_every_rank_at_the_next_exchange(scales):
             assert recovered == "" and now == loaded, (rank, option, recovered)
 
 
+def _plain_case_worker(rank, world, scales):
+    return {(steps, option): _one_sided(rank, 1, scales, option, steps=steps) for steps in (0, 1)
+            for option in ("bits", "scales")}
+
+
+@pytest.mark.parametrize("scales", MODES)
+def test_a_one_sided_load_before_start_iter_raises_on_every_rank_at_the_next_exchange(scales):
+    """The common case: hhook.register, then one rank loads (steps 0), or a load inside
+    DDP's plain iterations (steps 1): the plain allreduce carries the count of ranks that
+    loaded. Before, the loading rank waited in the handshake while the other ran its plain
+    allreduce (the group's timeout)."""
+    outcomes = run_outcomes(_plain_case_worker, 2, scales, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
+    for rank, o in enumerate(outcomes):
+        assert o["error"] is None and o["exitcode"] == 0, (rank, o)
+        for (steps, option), (first, seconds, again, recovered, now) in o["value"].items():
+            running, loaded = 4 if option == "bits" else scales, CHANGES[option](scales)
+            for said in (first, again):
+                _check(said, option, [(0, running), (1, loaded)])
+                _check(said, "load_state_dict", [(0, False), (1, True)])
+            assert seconds < FAST_S, (rank, steps, option, seconds)
+            assert recovered == "" and now == loaded, (rank, steps, option, recovered)
+
+
+def _plain_both_load_worker(rank, world, scales):
+    """Every rank registers, then loads its checkpoint (a resume's order): the first plain
+    allreduce finds every rank loaded, and the run goes on bit for bit with the one that
+    loaded before registering."""
+    saving = hhook.THCState(bits=2, scales=scales)
+    saved = saving.state_dict()
+    params = []
+    for order in ("register, then load", "load, then register"):
+        torch.manual_seed(1)
+        ddp = DDP(_net())
+        if order == "register, then load":
+            state = hhook.register(ddp, bits=4, scales=scales)
+            state.load_state_dict(saved)
+        else:
+            state = hhook.THCState(bits=4, scales=scales)
+            state.load_state_dict(saved)
+            hhook.register(ddp, state=state)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(4):
+            torch.manual_seed(100 * rank + step)
+            opt.zero_grad()
+            _step(ddp, rank)
+            opt.step()
+        params.append(torch.cat([p.detach().flatten() for p in ddp.parameters()]))
+        assert state.options.bits == 2 and state.pending_load is None
+    return torch.equal(params[0], params[1])
+
+
+@pytest.mark.parametrize("scales", MODES)
+def test_every_rank_loading_right_after_register_trains_on_bit_for_bit(scales):
+    assert run_world(_plain_both_load_worker, 2, scales, timeout=180) == [True, True]
+
+
 def _subgroup_worker(rank, world):
     sub = dist.new_group([1, 2])  # every rank, as PyTorch requires
-    said = None if rank == 0 else {scales: _one_sided(rank, 2, scales, "bits", sub) for scales in MODES}
+    said = None if rank == 0 else {(scales, steps): _one_sided(rank, 2, scales, "bits", sub, steps) for scales in MODES
+                                   for steps in (0, 3)}  # before start_iter (plain) and after (THC)
     dist.barrier()  # rank 0, outside the subgroup, holds the store until the others are done
     return said
 
@@ -104,7 +162,7 @@ def test_a_one_sided_load_on_a_subgroup_beside_world_names_the_global_ranks():
     assert outcomes[0]["value"] is None and outcomes[0]["exitcode"] == 0, outcomes[0]
     for rank, o in list(enumerate(outcomes))[1:]:
         assert o["error"] is None and o["exitcode"] == 0, (rank, o)
-        for scales, (first, seconds, again, recovered, now) in o["value"].items():
+        for (scales, steps), (first, seconds, again, recovered, now) in o["value"].items():
             for said in (first, again):
                 _check(said, "bits", [(1, 4), (2, 2)])
                 _check(said, "load_state_dict", [(1, False), (2, True)])

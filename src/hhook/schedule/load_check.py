@@ -5,13 +5,21 @@ ranks that did not load would never enter.
 :meth:`hhook.THCState.load_state_dict` replaces a state's options, so the options
 handshake (:mod:`hhook.schedule.handshake`) must run again, on every rank. A rank cannot
 tell whether the others loaded too; its handshake would wait for them (the group's whole
-timeout), while they go on into their exchange. So where every rank's next exchange is a
-THC one of the flat schedule at a fixed width (DDP's iterations from ``start_iter`` on),
-the loading rank keeps the context every rank last verified (:class:`Loaded`: the old
-options, scale policy and transport) and sends, in that exchange, filler of the verified
-size marked :data:`~hhook.scales.message.CHANGED`, as a ``thc_allreduce`` call that
-changed does (:mod:`hhook.schedule.call_check`), in whichever scale mode, since the mark
-rides in the SUM of the verified collectives. Every rank reads how many ranks loaded:
+timeout), while they go on into their exchange. So where every rank's next exchange is
+known (DDP's, at a fixed width, flat), the loading rank keeps the context every rank last
+verified and the iteration the group is at (:class:`Loaded`) and takes part in that
+exchange as the others do, saying that it loaded:
+
+* **before** ``start_iter`` (DDP's plain iterations, its first one included: a load
+  right after :func:`hhook.register` is the common case), every rank's plain allreduce
+  carries one more element (:func:`plain`): 0 from a rank that did not load, 1 from one
+  that did (it sends zeros for its bucket);
+* **from** ``start_iter`` on, in THC's exchange, filler of the verified size marked
+  :data:`~hhook.scales.message.CHANGED`, as a ``thc_allreduce`` call that changed does
+  (:mod:`hhook.schedule.call_check`), in whichever scale mode, since the mark rides in
+  the SUM of the verified collectives.
+
+Every rank reads how many ranks loaded:
 
 * **all of them**: the loading rank waited for that first exchange (on the hook's
   thread, once per load): the handshake runs again, as before this check existed, and
@@ -22,8 +30,8 @@ rides in the SUM of the verified collectives. Every rank reads how many ranks lo
   differs and ``load_state_dict`` (whether the rank loaded) with each rank's value,
   through the group's store (:func:`named_error`: no collective, safe in a continuation).
 
-Elsewhere (``bits="auto"``, two-level layouts, a load before ``start_iter``, FSDP2,
-``thc_allreduce``) the handshake runs again at the next exchange as before.
+Elsewhere (``bits="auto"``, two-level layouts, FSDP2, ``thc_allreduce``) the handshake
+runs again at the next exchange as before.
 """
 
 from __future__ import annotations
@@ -31,13 +39,17 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 from ..codec.layout import SUPPORTED_DTYPES
 from ..errors import ConfigMismatchError
 from ..scales.message import CallChanged
 from ..stats import Counters
+from . import membership
 from .context import CallContext
+from .dense import count, dense_allreduce, uncompressed
 from .flat import flat_allreduce_async
+from .futures import then
 from .handshake import call_number, named
 
 WHAT = "the THC options after load_state_dict on some ranks"
@@ -47,18 +59,56 @@ WHAT = "the THC options after load_state_dict on some ranks"
 class Loaded:
     """What a rank that loaded a checkpoint keeps until its next exchange tells whether
     every rank loaded: ``ctx``, the context every rank verified (its counters this
-    record's own); ``some``: an exchange found that some ranks, not all, loaded."""
+    record's own); ``iter``, the DDP iteration the group is at (this rank's before the
+    load, counted on by the hook): before the verified ``start_iter`` the others' next
+    exchange is a plain allreduce; ``some``: an exchange found that some ranks, not all,
+    loaded."""
 
     ctx: CallContext
+    iter: int
     some: bool = False
 
+    @property
+    def plain(self) -> bool:
+        return self.iter < dict(self.ctx.fields)["start_iter"]
 
-def kept(ctx: CallContext | None) -> Loaded | None:
-    """The record of ``ctx`` (the hook's verified context), where its exchanges are THC
-    ones of the flat schedule over several ranks; else None (the handshake runs again)."""
+
+def kept(ctx: CallContext | None, iteration: int) -> Loaded | None:
+    """The record of ``ctx`` (the hook's verified context) at DDP iteration ``iteration``,
+    where its exchanges are those of the flat schedule over several ranks; else None (the
+    handshake runs again)."""
     if ctx is None or ctx.world_size == 1 or ctx.inter is not None:
         return None
-    return Loaded(dataclasses.replace(ctx, counters=Counters()))
+    return Loaded(dataclasses.replace(ctx, counters=Counters()), iteration)
+
+
+def plain(ctx: CallContext, tensor: torch.Tensor, changed: CallChanged | None = None) -> torch.futures.Future:
+    """DDP's plain allreduce of ``tensor`` (the iterations before ``start_iter``) with one
+    more element, the number of ranks that loaded a checkpoint since the handshake
+    (``changed``: this rank did, and sends zeros). Where it is not 0 the future raises
+    :class:`~hhook.scales.message.CallChanged` counting them. A sparse tensor, or a world
+    of one, goes as it is (:func:`~hhook.schedule.dense.dense_allreduce`)."""
+    if tensor.is_sparse or ctx.world_size == 1:
+        return dense_allreduce(ctx, tensor)
+    uncompressed(tensor)  # said once where it is for its dtype (float64)
+    words = torch.empty(tensor.numel() + 1, dtype=tensor.dtype, device=tensor.device)
+    if changed is None:
+        torch.div(tensor.reshape(-1), ctx.world_size, out=words[:-1])
+    else:
+        words[:-1].zero_()
+    words[-1] = 0 if changed is None else 1
+    count(ctx.counters, tensor, words)
+    fut = membership.of(ctx.group).all_reduce(words, dist.ReduceOp.SUM).get_future()
+
+    def done(value) -> torch.Tensor:
+        loaded = int(words[-1].item())
+        if loaded:
+            err = changed or CallChanged(f"hhook: {loaded} rank(s) loaded a checkpoint since the options handshake")
+            err.count = loaded
+            raise err
+        return tensor.copy_(words[:-1].view_as(tensor))
+
+    return then(fut, done, tensor, f"the plain allreduce of {tensor.numel()} elements", ctx.group)
 
 
 def exchange(loaded: Loaded, tensor: torch.Tensor, key, layout) -> torch.futures.Future | None:
@@ -66,13 +116,18 @@ def exchange(loaded: Loaded, tensor: torch.Tensor, key, layout) -> torch.futures
     of the verified size, marked. The first one is waited for here: None where every rank
     loaded (the caller forgets ``loaded``, runs the handshake and exchanges ``tensor``),
     else its future, which raises :class:`~hhook.scales.message.CallChanged`
-    (:func:`named_error` names it), as every later one does, not waited for. A tensor
-    that every rank exchanges dense (sparse, float64, empty) goes as it is, unmarked."""
-    if tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES or tensor.numel() == 0:
+    (:func:`named_error` names it), as every later one does, not waited for. Before
+    ``start_iter`` the others' plain allreduce (:func:`plain`), marked; after it, a tensor
+    that every rank exchanges dense (sparse, float64, empty) goes as it is, unmarked (so
+    does a sparse one before)."""
+    if tensor.is_sparse or (not loaded.plain and (tensor.dtype not in SUPPORTED_DTYPES or tensor.numel() == 0)):
         return flat_allreduce_async(loaded.ctx, tensor, key, layout)  # dense (or nothing) on every rank: no mark
     changed = CallChanged("hhook: this rank loaded a checkpoint since the group's options handshake")
-    filler = torch.zeros(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    fut = flat_allreduce_async(loaded.ctx, filler, key, layout, changed)
+    if loaded.plain:  # the others' plain allreduce, this rank's bucket as zeros, marked
+        fut = plain(loaded.ctx, tensor, changed)
+    else:
+        filler = torch.zeros(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        fut = flat_allreduce_async(loaded.ctx, filler, key, layout, changed)
     if loaded.some:
         return fut
     try:

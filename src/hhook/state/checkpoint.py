@@ -92,8 +92,8 @@ class Checkpointed:
         topo = self.runtime.topo
         if self.pending_load is not None:  # loaded again: the next exchange asks again whether every rank did
             self.pending_load.some = False
-        elif self.runtime.agreed and _thc_next(self):  # a load on some ranks only is found there
-            self.pending_load = load_check.kept(self.contexts.get((None, None)))
+        elif self.runtime.agreed and _exchange_known(self):  # a load on some ranks only is found there
+            self.pending_load = load_check.kept(self.contexts.get((None, None)), self.iter)
         self.reset_runtime()
         self.restored = (saved.get("layout"), saved.get("origin"))
         self.options = options
@@ -146,12 +146,16 @@ class Checkpointed:
         return self.runtime.topo
 
 
-def _thc_next(state) -> bool:
+def _exchange_known(state) -> bool:
     """Whether every rank's next DDP exchange, under the options every rank verified, is
-    THC at a fixed width: past ``start_iter`` and DDP's first iteration, not ``bits="auto"``."""
+    known to a rank that loads a checkpoint now (:mod:`hhook.schedule.load_check`): not
+    ``bits="auto"``; a plain allreduce (before ``start_iter``), or THC at a fixed width past
+    DDP's first iteration. (A state that only ``thc_allreduce`` uses keeps the record
+    unread: its next call's handshake drops it.)"""
     registration = state.registration
-    return (state.options.bits != "auto" and state.iter >= state.options.start_iter
-            and (registration is None or registration.iterations > 0))
+    if state.options.bits == "auto":
+        return False
+    return state.iter < state.options.start_iter or registration is None or registration.iterations > 0
 
 
 def _load_components(state, saved: dict) -> None:
