@@ -81,8 +81,12 @@ _SET_TIMEOUT = ("Set the timeout with hhook.init_distributed(timeout_s=...) or "
                 "torch.distributed.init_process_group(timeout=...)")
 
 
+#: What a job of torch.distributed does after a rank died.
+RESTART = "Restart the job from its last checkpoint (torchrun --max-restarts does it for you)"
+
+
 def explain(exc: BaseException, what: str, timeout_s: float | None = None, peers: str = "",
-            blame=None) -> BaseException:
+            blame=None, recovery: str = RESTART) -> BaseException:
     """``exc`` as the error a user can act on, or ``exc`` itself.
 
     A transport's timeout becomes :class:`PeerTimeoutError` and a closed connection
@@ -93,7 +97,8 @@ def explain(exc: BaseException, what: str, timeout_s: float | None = None, peers
     :class:`Blame` that names the rank that stalled even where it is not this rank's peer,
     and tells a peer that gave up waiting (a closed connection that is a
     :class:`PeerTimeoutError`) from one that died. Anything else (and an error already
-    explained) is returned unchanged.
+    explained) is returned unchanged. ``recovery``: what the job does after a lost rank
+    (the group's :attr:`~hhook.schedule.membership.Membership.recovery`).
     """
     if isinstance(exc, (PeerTimeoutError, PeerLostError)):
         return exc
@@ -143,8 +148,7 @@ def explain(exc: BaseException, what: str, timeout_s: float | None = None, peers
             said = ", ".join(filter(None, (dead, at)))
             err = PeerLostError(
                 f"hhook: {what} failed: a peer{f' ({said})' if said else ' of the group'} closed its connection, so "
-                f"that rank died (killed, out of memory, preempted){after}. Restart the job from its last checkpoint "
-                f"(torchrun --max-restarts does it for you). Transport: {_first_line(text)}")
+                f"that rank died (killed, out of memory, preempted){after}. {recovery}. Transport: {_first_line(text)}")
     err.__cause__ = exc
     return err
 

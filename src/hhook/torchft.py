@@ -65,6 +65,9 @@ class Quorum(Membership):
     it) under ``hhook/``. Ended at the next reconfiguration: a collective launched on an
     ended quorum raises, never goes to the next quorum's group."""
 
+    recovery = ("torchft's Manager reports it and discards this step; the next quorum goes on without that replica, "
+                "and a restarted one heals from a live one")
+
     def __init__(self, pg, store_addr: str, rank: int, size: int, quorum_id: int, group_rank: int,
                  timeout: datetime.timedelta):
         self.pg, self.store_addr, self.rank, self.size = pg, store_addr, rank, size

@@ -121,6 +121,8 @@ def test_a_replica_killed_inside_a_thc_exchange_fails_that_step_only(in_flight):
         # hhook's error reached torchft's error path (Manager.wrap_future: reported, the step skipped)
         log = world.log(replica, tail=10**7)
         assert "got exception in future -- skipping remaining: " in log and "PeerLostError: hhook" in log
+        said = next(line for line in log.splitlines() if "PeerLostError: hhook" in line)
+        assert "torchft's Manager reports it" in said and "torchrun" not in said, said  # torchft's recovery, not a restart
     by_step = digests(world)
     for step in range(4, world.steps + 1):
         assert by_step[step][0] == by_step[step][1], by_step[step]

@@ -108,7 +108,9 @@ def explain(exc: BaseException, what: str, group) -> BaseException:
     timeout = timeout_of(group).total_seconds()
     others = others_of(group)
     where = f"{what} on {_label(group)}"
-    return errors.explain(exc, what, timeout, peers_of(group), lambda kind: blame(kind, others, timeout, where))
+    recovery = group.recovery if isinstance(group, SecondGroup) else membership.of(group).recovery
+    return errors.explain(exc, what, timeout, peers_of(group), lambda kind: blame(kind, others, timeout, where),
+                          recovery)
 
 
 def failure_cause(group) -> str:
@@ -200,6 +202,7 @@ class SecondGroup:
         parent = parent if parent is not None else dist.group.WORLD
         members = membership.of(parent)  # a torch group, or a membership torch does not know (hhook.torchft)
         rank, size, name = members.rank, members.size, members.name
+        self.recovery = members.recovery
         with _lock:
             index = _made.get(name, 0)
             _made[name] = index + 1

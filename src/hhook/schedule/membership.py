@@ -43,6 +43,8 @@ class Membership:
 
     live = False
     cuda_over_gloo = True
+    #: What the job does after a member died (the end of a lost peer's error message).
+    recovery = errors.RESTART
     #: What keys of records in :attr:`store` start with besides the name: nothing where the
     #: store is the membership's own (a new membership, a new store prefix).
     instance = ""
