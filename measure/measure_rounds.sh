@@ -4,7 +4,7 @@
 # scales (a MAX round, then the SUM: two rounds a bucket), THC 4 bits with hhook's default scales
 # (agreed today; thc:4:predicted for the one-round form), and thc:auto (hhook.register's default). Links: loopback (plain torchrun, no
 # namespaces) and ci/netcluster.sh links RATE:ONE_WAY_MS (the delay through measure/delaylink.py).
-# Each link writes OUTDIR/rounds-RANKSx-LINK.json (LINK: loopback or RATE-MS). Needs root, ip netns and tc for the emulated links.
+# Each link writes OUTDIR/rounds-MODEL-RANKSx-LINK.json (LINK: loopback or RATE-MS). Needs root, ip netns and tc for the emulated links.
 # Usage: bash measure/measure_rounds.sh [OUTDIR] (default bench), with STEPS (default 60),
 #   LINKS (default "loopback 1gbit:0 1gbit:10 100mbit:50"), RANKS (default 2), MODEL (default gpt).
 set -euo pipefail
@@ -21,7 +21,7 @@ ARGS=(-m hhook.profile train --quiet --model "$MODEL" --methods "$METHODS" --ste
       --eval-every "$STEPS" --target-accuracy 0.99 --timeout 600)
 
 for link in ${LINKS:-loopback 1gbit:0 1gbit:10 100mbit:50}; do
-    name="rounds-${RANKS}x-${link/:/-}"
+    name="rounds-${MODEL}-${RANKS}x-${link/:/-}"
     if [ "$link" = loopback ]; then
         "$PY" -m torch.distributed.run --standalone --nproc-per-node "$RANKS" "${ARGS[@]}" --json "$OUT/$name.json"
         continue
