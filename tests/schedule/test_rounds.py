@@ -77,6 +77,35 @@ def test_a_keyed_thc_allreduce_takes_no_check_round_once_verified(scales, steady
         assert unkeyed == 3
 
 
+def _ddp_worker(rank, world, scales):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(200, 1000), torch.nn.Tanh(), torch.nn.Linear(1000, 500))
+    ddp = DDP(net, bucket_cap_mb=0.5)  # several buckets once rebuilt (DDP's first holds 1 MB)
+    hhook.register(ddp, bits=4, scales=scales)
+    per_step = []
+    for _ in range(6):
+        with counted() as seen:
+            (ddp(torch.randn(8, 200)) * (1 + 9 * rank)).sum().backward()  # rank 1's gradient about 10x rank 0's
+        per_step.append(len(seen))
+    return per_step
+
+
+@pytest.mark.parametrize("scales", ["predicted", "agreed"])
+def test_the_ddp_hook_takes_its_rounds_and_no_more(scales):
+    """Per bucket: one plain allreduce before start_iter (the count of ranks that loaded a
+    checkpoint rides in it, no round more), then agreed scales' MAX and SUM; predicted
+    scales' one SUM once a bucket has history (its first compressed step takes the agreed
+    round). Counted on every rank, rank 1's gradient about 10x rank 0's."""
+    for per_step in run_world(_ddp_worker, 2, scales):
+        buckets = per_step[1]  # the plain step after DDP rebuilt its buckets
+        assert buckets >= 2, per_step
+        steady = buckets if scales == "predicted" else 2 * buckets
+        # the first compressed step: MAX and SUM a bucket, and the second communicator's set-up
+        assert per_step[2] == 2 * buckets + 1 and per_step[3:] == [steady] * 3, per_step
+
+
 def _diloco_worker(rank, world):
     torch.manual_seed(0)
     model = torch.nn.Linear(20, 10)
