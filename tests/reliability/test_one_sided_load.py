@@ -29,9 +29,14 @@ CHANGES = {"bits": lambda scales: 2, "scales": lambda scales: "predicted" if sca
            "block_size": lambda scales: 256}
 
 
-def _net():
+def _net(buckets: str = "several"):
+    """1.3 MB of gradients, several DDP buckets once rebuilt (DDP's first holds 1 MB); or
+    (``"one"``) 31 kB in one bucket, where a test counts collectives per step."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Tanh(), torch.nn.Linear(300, 5))
+    if buckets == "one":
+        return torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Tanh(), torch.nn.Linear(300, 5))
+    return torch.nn.Sequential(torch.nn.Linear(20, 1000), torch.nn.Tanh(), torch.nn.Linear(1000, 300), torch.nn.Tanh(),
+                               torch.nn.Linear(300, 5))
 
 
 def _step(ddp, rank):
@@ -176,7 +181,7 @@ def _both_load_worker(rank, world, scales):
     saving = hhook.THCState(bits=2, scales=scales)
     saving.iter = 10  # saved past start_iter: THC from the first step after the load
     saved = saving.state_dict()
-    ddp = DDP(_net())
+    ddp = DDP(_net("one"))
     state = hhook.register(ddp, bits=4, scales=scales)
     rounds = []
     for _ in range(4):
