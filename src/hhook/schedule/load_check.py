@@ -39,17 +39,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from ..codec.layout import SUPPORTED_DTYPES
 from ..errors import ConfigMismatchError
 from ..scales.message import CallChanged
 from ..stats import Counters
-from . import membership
 from .context import CallContext
-from .dense import count, dense_allreduce, uncompressed
+from .dense import tallied_allreduce
 from .flat import flat_allreduce_async
-from .futures import then
 from .handshake import call_number, named
 
 WHAT = "the THC options after load_state_dict on some ranks"
@@ -83,32 +80,18 @@ def kept(ctx: CallContext | None, iteration: int) -> Loaded | None:
 
 
 def plain(ctx: CallContext, tensor: torch.Tensor, changed: CallChanged | None = None) -> torch.futures.Future:
-    """DDP's plain allreduce of ``tensor`` (the iterations before ``start_iter``) with one
-    more element, the number of ranks that loaded a checkpoint since the handshake
-    (``changed``: this rank did, and sends zeros). Where it is not 0 the future raises
-    :class:`~hhook.scales.message.CallChanged` counting them. A sparse tensor, or a world
-    of one, goes as it is (:func:`~hhook.schedule.dense.dense_allreduce`)."""
-    if tensor.is_sparse or ctx.world_size == 1:
-        return dense_allreduce(ctx, tensor)
-    uncompressed(tensor)  # said once where it is for its dtype (float64)
-    words = torch.empty(tensor.numel() + 1, dtype=tensor.dtype, device=tensor.device)
-    if changed is None:
-        torch.div(tensor.reshape(-1), ctx.world_size, out=words[:-1])
-    else:
-        words[:-1].zero_()
-    words[-1] = 0 if changed is None else 1
-    count(ctx.counters, tensor, words)
-    fut = membership.of(ctx.group).all_reduce(words, dist.ReduceOp.SUM).get_future()
+    """DDP's plain allreduce of ``tensor`` (the iterations before ``start_iter``) tallying
+    the ranks that loaded a checkpoint since the handshake (``changed``: this rank did, and
+    sends zeros; :func:`~hhook.schedule.dense.tallied_allreduce`). Where some did, the
+    future raises :class:`~hhook.scales.message.CallChanged` counting them."""
 
-    def done(value) -> torch.Tensor:
-        loaded = int(words[-1].item())
+    def check(loaded: int) -> None:
         if loaded:
             err = changed or CallChanged(f"hhook: {loaded} rank(s) loaded a checkpoint since the options handshake")
             err.count = loaded
             raise err
-        return tensor.copy_(words[:-1].view_as(tensor))
 
-    return then(fut, done, tensor, f"the plain allreduce of {tensor.numel()} elements", ctx.group)
+    return tallied_allreduce(ctx, tensor, 0 if changed is None else 1, check)
 
 
 def exchange(loaded: Loaded, tensor: torch.Tensor, key, layout) -> torch.futures.Future | None:

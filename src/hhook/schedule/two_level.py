@@ -278,8 +278,9 @@ class _TwoLevelCall:
             try:
                 attach(flat_allreduce_async(self.inter, shard, self.key, self.layout, err), lambda g: None,
                        self.inter.group)
-            finally:
-                self.result.set_exception(err)
+            except BaseException:  # noqa: BLE001 - the ring then learns of it from this rank's end; err is raised
+                pass
+            self.result.set_exception(err)
 
         self.inter_seq.launch(self.inter_ticket, launch, stream_of(shard))
 
