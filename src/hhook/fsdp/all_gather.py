@@ -48,7 +48,7 @@ from ..codec import rng
 from ..codec.weights import WeightCodec
 from ..errors import ConfigMismatchError, RankFailedError
 from ..scales import message
-from ..schedule.groups import all_gather_flat
+from ..schedule.membership import all_gather_flat
 from ..stats import Counters
 from .modules import param_groups, group_key
 

@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from .. import errors
 from . import liveness, membership
-from .membership import all_gather_flat  # noqa: F401 - imported from here by the schedule and FSDP
 from .blame import blame, reported
 
 _lock = threading.Lock()
@@ -135,7 +134,10 @@ def told_failure_cause(group) -> str:
     of ``group`` reported why it gave up), else "" without consulting or writing any
     report (a peer that failed locally, as a rank's own encoding error)."""
     others = others_of(group)
-    return failure_cause(group) if others and (liveness.died() or reported(others)) else ""
+    if not others:
+        return ""
+    died = liveness.DIED in liveness.ended(range(dist.get_world_size())).values()
+    return failure_cause(group) if died or reported(others) else ""
 
 
 def _label(group) -> str:

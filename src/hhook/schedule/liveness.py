@@ -98,17 +98,6 @@ def ended(ranks) -> dict:
     return {rank: mesh.closed[rank] for rank in ranks if rank in mesh.closed}
 
 
-def died() -> list:
-    """The ranks of the default group whose process died (no goodbye), as far as this
-    rank's connections tell now."""
-    with _lock:
-        mesh = _mesh[0] if _mesh else None
-    if mesh is None:
-        return []
-    mesh.poll()
-    return sorted(rank for rank, how in mesh.closed.items() if how == DIED)
-
-
 def quiet(ranks) -> list:
     """Those of ``ranks`` connected and silent for :data:`QUIET_S` (stopped, or far behind)."""
     with _lock:

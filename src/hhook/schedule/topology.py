@@ -52,7 +52,8 @@ import torch.distributed as dist
 from ..codec import rng
 from . import liveness
 from .futures import Sequencer
-from .groups import all_gather_flat, explained, others_of, timeout_of
+from .groups import explained, others_of, timeout_of
+from .membership import all_gather_flat
 from ..launch import launcher_layout
 from .node_memory import SHM_DIR, NodeMemory, budget_bytes, free_bytes, sweep_stale
 

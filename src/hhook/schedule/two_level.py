@@ -58,7 +58,8 @@ from ..codec.layout import SUPPORTED_DTYPES
 from .dense import count, plain_allreduce, uncompressed
 from .flat import flat_allreduce_async, second_group
 from .futures import attach, completed, new_future, stream_of, value_of
-from .groups import all_gather_flat, explain, failure_cause, timeout_of
+from .groups import explain, failure_cause, timeout_of
+from .membership import all_gather_flat
 from .handshake import agree
 
 

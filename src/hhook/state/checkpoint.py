@@ -74,9 +74,10 @@ class Checkpointed:
         :func:`hhook.register` gave it stay. The next exchange runs the options handshake
         again (:mod:`hhook.schedule.handshake`): ranks that loaded checkpoints of other
         options raise :class:`~hhook.errors.ConfigMismatchError` there, on every rank.
-        Where one rank's DDP hook state loads and another's does not, past ``start_iter``,
-        every rank raises it at that next exchange, naming each rank's options, instead
-        of waiting in the handshake (:mod:`hhook.schedule.load_check`). Per-key state that
+        Where one rank's DDP hook state loads and another's does not (at a fixed width,
+        flat: before ``start_iter`` as after it), every rank raises it at that next
+        exchange, naming each rank's options, instead of waiting in the handshake
+        (:mod:`hhook.schedule.load_check`). Per-key state that
         cannot describe this run starts afresh with one log line: a checkpoint of another
         node layout or world size (compared when the layout is found, or now if it is
         known) or of another codec version; another rank's residuals. A component missing
