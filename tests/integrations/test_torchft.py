@@ -24,8 +24,8 @@ PAUSE = 12
 
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory):
-    """3 replicas; replica 2 SIGKILLed once it committed step 3 (between syncs: its next
-    sync is SYNC inner steps away), restarted 0.5 s later; every replica runs to step 24 (the restarted one joins
+    """3 replicas; replica 2 SIGKILLed once it committed three steps with every replica
+    (between syncs: its next sync is SYNC inner steps away), restarted 0.5 s later; every replica runs to step 24 (the restarted one joins
     a few steps after its start: its imports take seconds; the survivors wait at step PAUSE until its manager is
     built, or on a loaded host they could end before it asks for a quorum, and it would wait for one alone)."""
     tmp = tmp_path_factory.mktemp("torchft_drill")
@@ -34,7 +34,10 @@ def drill(tmp_path_factory):
     try:
         for replica in range(REPLICAS):
             world.start(replica, *(("--pause-at", str(PAUSE), "--pause-file", str(rejoin)) if replica < 2 else ()))
-        world.wait_for(lambda: any(r["step"] >= 3 for r in world.commits(2)), 90, "replica 2's step 3")
+        # three commits of the full quorum first: on a loaded host a replica that starts late
+        # makes the first quorums of two, and the fault-free run needs two commits of three
+        full = lambda: [r for r in world.commits(2) if r["participants"] == REPLICAS]  # noqa: E731
+        world.wait_for(lambda: len(full()) >= 3, 90, "replica 2's third commit with every replica")
         first_pid = world.records(2)[0]["pid"]
         killed = world.kill(2)
         time.sleep(0.5)
