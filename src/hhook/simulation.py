@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .codec import THCCodec
+from .scales.policy import GATHERED
 
 
 def heavy_tailed(numel: int, world_size: int, seed: int = 0, device="cpu") -> torch.Tensor:
@@ -78,14 +79,18 @@ def simulate_allreduce(codec: THCCodec, inputs: torch.Tensor, step: int = 0) -> 
 def simulate_policy(policies: list, inputs: torch.Tensor, key="sim", step: int = 0) -> torch.Tensor:
     """One call of a scale policy (:mod:`hhook.scales`) on each row of ``inputs``, one
     policy object per simulated rank (they carry per-key state between calls, like the
-    ranks' own), with the MAX and SUM computed locally. Returns the decoded mean."""
+    ranks' own), with the MAX and SUM (or the all-gather) computed locally. Returns the
+    decoded mean."""
     world = inputs.shape[0]
     plans = [p.begin(x, key, r, world, step) for r, (p, x) in enumerate(zip(policies, inputs))]
     agreed = None
     if plans[0].max_vector is not None:
         agreed = torch.stack([pl.max_vector for pl in plans]).amax(0)
     words = [p.finish(pl, None if agreed is None else agreed.clone()) for p, pl in zip(policies, plans)]
-    total = torch.stack(words).sum(0, dtype=words[0].dtype)
+    if plans[0].kind == GATHERED:  # every rank's message, in rank order
+        total = torch.cat(words)
+    else:
+        total = torch.stack(words).sum(0, dtype=words[0].dtype)
     outs = [p.decode(total, pl, torch.empty_like(inputs[0]))[0] for p, pl in zip(policies, plans)]
     return outs[0]
 

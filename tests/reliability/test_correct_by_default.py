@@ -19,7 +19,7 @@ from hhook.schedule import teardown
 
 from tests.support.distributed import case_values, run_cases, run_world
 
-MODES = ["agreed", "predicted"]
+MODES = ["agreed", "predicted", "gathered"]
 DRAWS = 58  # as the reproduction
 
 
@@ -82,7 +82,9 @@ def test_mean_of_many_compressed_results_is_the_exact_mean(parity, world, case, 
     sigma = float(per_draw.std())
     bound = 3 * sigma / math.sqrt(DRAWS) + 1e-6 * exact
     assert abs(float(per_draw.mean()) - exact) <= bound, (float(per_draw.mean()), exact, bound)
-    assert sigma > 0  # compressed (random rounding), not sent exact
+    # Compressed (random rounding), not sent exact; with its own scales each rank's five
+    # equal values land on its grid exactly (rotated, they are +-1, 3/5, 1/5 of the maximum).
+    assert sigma > 0 or scales == "gathered"
 
 
 class MLP(torch.nn.Module):

@@ -13,7 +13,7 @@ import hhook
 from tests.support.distributed import run_outcomes, run_world
 from tests.support.plain_data import round_trip
 
-MODES = ["agreed", "predicted"]
+MODES = ["agreed", "predicted", "gathered"]
 N = 5000
 
 

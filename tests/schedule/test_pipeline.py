@@ -14,7 +14,7 @@ from hhook.schedule.allreduce import check_tensor
 
 from tests.support.distributed import run_world, shared_worlds
 
-MODES = ["agreed", "predicted"]
+MODES = ["agreed", "predicted", "gathered"]
 
 
 def _many_tensors_worker(rank, world, scales, chunk_mb=0):

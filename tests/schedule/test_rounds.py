@@ -2,8 +2,8 @@
 nothing that launches an exchange waits for a peer.
 
 Collectives are counted inside the ranks by wrapping torch.distributed's functions and the
-second communicator's ``all_reduce`` (hhook's SUMs and checks go there): a second round
-per call cannot creep back in unnoticed.
+second communicator's ``all_reduce`` and ``all_gather`` (hhook's SUMs and checks go there):
+a second round per call cannot creep back in unnoticed.
 """
 
 import contextlib
@@ -38,19 +38,23 @@ def counted():
             return _fn(*args, **kwargs)
 
         setattr(dist, name, wrapped)
-    second = groups.SecondGroup.all_reduce
+    second, second_gather = groups.SecondGroup.all_reduce, groups.SecondGroup.all_gather
 
     def second_all_reduce(self, tensor, op=dist.ReduceOp.SUM):
         seen.append("second.all_reduce")
         return second(self, tensor, op)
 
-    groups.SecondGroup.all_reduce = second_all_reduce
+    def second_all_gather(self, output, input):
+        seen.append("second.all_gather")
+        return second_gather(self, output, input)
+
+    groups.SecondGroup.all_reduce, groups.SecondGroup.all_gather = second_all_reduce, second_all_gather
     try:
         yield seen
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-        groups.SecondGroup.all_reduce = second
+        groups.SecondGroup.all_reduce, groups.SecondGroup.all_gather = second, second_gather
 
 
 def _thc_worker(rank, world, scales):
@@ -67,14 +71,16 @@ def _thc_worker(rank, world, scales):
     return rounds, len(seen)
 
 
-@pytest.mark.parametrize("scales, steady", [("predicted", 1), ("agreed", 2)])
+@pytest.mark.parametrize("scales, steady", [("predicted", 1), ("agreed", 2), ("gathered", 1)])
 def test_a_keyed_thc_allreduce_takes_no_check_round_once_verified(scales, steady):
-    """The first call of a key: its check round and the exchange (agreed: MAX and SUM); every
-    later call: the exchange alone (predicted: one SUM; agreed: the MAX and the SUM)."""
+    """The first call of a key: its check round and the exchange (agreed: MAX and SUM;
+    gathered: one all-gather); every later call: the exchange alone (predicted: one SUM;
+    agreed: the MAX and the SUM; gathered: the all-gather)."""
+    first = 2 if scales == "gathered" else 3  # check, then MAX and SUM (predicted: no history yet)
     for rounds, unkeyed in run_world(_thc_worker, 2, scales):
-        assert rounds[0] == 3, rounds  # check, MAX, SUM
+        assert rounds[0] == first, rounds
         assert rounds[2:] == [steady] * 3, rounds
-        assert unkeyed == 3
+        assert unkeyed == first
 
 
 def _ddp_worker(rank, world, scales):
@@ -92,15 +98,19 @@ def _ddp_worker(rank, world, scales):
     return per_step
 
 
-@pytest.mark.parametrize("scales", ["predicted", "agreed"])
+@pytest.mark.parametrize("scales", ["predicted", "agreed", "gathered"])
 def test_the_ddp_hook_takes_its_rounds_and_no_more(scales):
     """Per bucket: one plain allreduce before start_iter (the count of ranks that loaded a
     checkpoint rides in it, no round more), then agreed scales' MAX and SUM; predicted
     scales' one SUM once a bucket has history (its first compressed step takes the agreed
-    round). Counted on every rank, rank 1's gradient about 10x rank 0's."""
+    round); gathered scales' one all-gather from the first. Counted on every rank, rank 1's
+    gradient about 10x rank 0's."""
     for per_step in run_world(_ddp_worker, 2, scales):
         buckets = per_step[1]  # the plain step after DDP rebuilt its buckets
         assert buckets >= 2, per_step
+        if scales == "gathered":  # no MAX, and no second communicator to set up
+            assert per_step[2:] == [buckets] * 4, per_step
+            continue
         steady = buckets if scales == "predicted" else 2 * buckets
         # the first compressed step: MAX and SUM a bucket, and the second communicator's set-up
         assert per_step[2] == 2 * buckets + 1 and per_step[3:] == [steady] * 3, per_step
@@ -166,7 +176,7 @@ def _changed_worker(rank, world, scales):
     return (y - base.mean(0)).abs().max().item(), (z.reshape(-1) - base[:, :3000].mean(0)).abs().max().item()
 
 
-@pytest.mark.parametrize("scales", ["predicted", "agreed"])
+@pytest.mark.parametrize("scales", ["predicted", "agreed", "gathered"])
 def test_a_key_that_every_rank_changes_alike_is_checked_again(scales):
     for err_len, err_layout in run_world(_changed_worker, 2, scales):
         assert err_len < 0.05 and err_layout < 0.05, (err_len, err_layout)
@@ -221,7 +231,7 @@ def _one_rank_changed_worker(rank, world, scales, change):
 
 
 @pytest.mark.parametrize("change", ["numel", "layout"])
-@pytest.mark.parametrize("scales", ["predicted", "agreed"])
+@pytest.mark.parametrize("scales", ["predicted", "agreed", "gathered"])
 def test_one_rank_that_changes_a_verified_key_fails_on_every_rank(scales, change):
     for message, took in run_world(_one_rank_changed_worker, 2, scales, change):
         assert message is not None and took < 5.0, (message, took)

@@ -15,7 +15,7 @@ from hhook.stats import Counters
 from tests.support.distributed import run_world
 from tests.support.ready_order import ReadyOrderMLP
 
-MODES = ["agreed", "predicted"]
+MODES = ["agreed", "predicted", "gathered"]
 STEPS, SAVE_AT = 8, 4
 
 

@@ -28,7 +28,8 @@ FSDP's reduction is made a plain SUM (``set_force_sum_reduction_for_comms(True)`
 Predicted scales are refused: a key's predicted scales come from the summed thermometer
 counts of its message, but after a reduce-scatter only rank ``j`` holds the sums of chunk
 ``j``, while every rank encodes chunk ``j`` at the next step; sharing them would cost the
-extra round predicted scales exist to save.
+extra round predicted scales exist to save. Gathered scales are refused too: they hand every
+rank every rank's whole message, where a reduce-scatter hands each its own shard.
 
 Custom HSDP (:func:`register_hsdp`): 1-D FSDP over the ranks of one node plus
 ``set_all_reduce_hook`` running :func:`hhook.thc_allreduce` over the replica group

@@ -17,13 +17,21 @@ try:  # torch >= 2.6
 except ImportError:  # pragma: no cover
     ReduceScatter = object
 
-PREDICTED_REFUSED = (
-    "hhook.fsdp supports scales='agreed' only: predicted scales cannot work for a reduce-scatter "
-    "without an extra round. A chunk's next scales come from the summed thermometer counts of its "
-    "message, but after the reduce-scatter only rank j holds chunk j's sums, while every rank encodes "
-    "chunk j at the next step (broadcasting them would be the round predicted scales exist to save). "
-    "Use scales='agreed' (the default)."
-)
+#: Why FSDP's reduce-scatter refuses each scale mode but agreed.
+SCALES_REFUSED = {
+    "predicted": (
+        "hhook.fsdp supports scales='agreed' only: predicted scales cannot work for a reduce-scatter "
+        "without an extra round. A chunk's next scales come from the summed thermometer counts of its "
+        "message, but after the reduce-scatter only rank j holds chunk j's sums, while every rank encodes "
+        "chunk j at the next step (broadcasting them would be the round predicted scales exist to save). "
+        "Use scales='agreed' (the default)."
+    ),
+    "gathered": (
+        "hhook.fsdp supports scales='agreed' only: gathered scales hand every rank every rank's whole "
+        "message, where a reduce-scatter hands each rank its own shard (n times the bytes). Use "
+        "scales='agreed' (the default)."
+    ),
+}
 
 
 class THCReduceScatter(ReduceScatter):
@@ -48,7 +56,7 @@ class THCReduceScatter(ReduceScatter):
     def __init__(self, state: THCState, name: str, factor: float | None, returns_sum: bool | None = None,
                  switch=None):
         if state.options.scales != "agreed":
-            raise ValueError(PREDICTED_REFUSED)
+            raise ValueError(SCALES_REFUSED[state.options.scales])
         self.state = state
         self.name = name
         self.factor = factor

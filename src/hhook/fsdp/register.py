@@ -9,7 +9,7 @@ from . import all_gather as fsdp_all_gather
 from . import auto as fsdp_auto
 from .all_gather import AllGatherOptions, AllGatherState
 from .modules import check_params, fsdp_modules, mesh_sizes, param_group
-from .reduce_scatter import PREDICTED_REFUSED, THCReduceScatter
+from .reduce_scatter import SCALES_REFUSED, THCReduceScatter
 from ..schedule import handshake
 from ..state import THCState
 
@@ -74,7 +74,7 @@ def register(module, state: THCState | None = None, *, all_gather: int | AllGath
     compresses the reduce-scatter.
 
     Raises ``ValueError`` for a module without ``FSDPModule``, a reduce-scatter or
-    all-gather already customised, a replicate-only mesh, ``scales="predicted"``,
+    all-gather already customised, a replicate-only mesh, ``scales`` other than ``"agreed"``,
     ``error_feedback=True`` or a bad width; ``TypeError`` for float64/complex parameters;
     ``ConfigMismatchError`` on every rank, naming what differs, when ranks differ in the
     state's options, the all-gather's, the parameters they would quantize or
@@ -104,7 +104,7 @@ def _register(module, state: THCState, all_gather, decide_over=None, candidates=
     ``all_gather`` is False)."""
     options = state.options
     if options.scales != "agreed":
-        raise ValueError(PREDICTED_REFUSED)
+        raise ValueError(SCALES_REFUSED[options.scales])
     if options.error_feedback:
         raise ValueError("hhook.fsdp.register does not support error_feedback (agreed scales are unbiased "
                          "without it)")

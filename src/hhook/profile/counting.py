@@ -21,9 +21,9 @@ def collective_bytes(counter: dict | None = None):
     ``all_gather_into_tensor`` / ``all_gather_single`` (FSDP2's parameter all-gather),
     the input of ``reduce_scatter_tensor`` / ``reduce_scatter_single`` (FSDP2's gradient
     reduce-scatter, hhook.fsdp's messages) and of ``dist.all_to_all_single`` (two-level THC
-    inside a node), and of what hhook's second communicator reduces. The reduce-scatters'
-    and the all-gathers' bytes are also added to ``counter["reduce_scatter"]`` and
-    ``counter["all_gather"]``. A collective that calls another one of these (torch's
+    inside a node), and of what hhook's second communicator reduces (or gathers: its
+    output). The reduce-scatters' and the all-gathers' bytes are also added to
+    ``counter["reduce_scatter"]`` and ``counter["all_gather"]``. A collective that calls another one of these (torch's
     ``reduce_scatter_tensor`` calls ``reduce_scatter_single``) counts once. DDP without a
     hook reduces in C++ and is not seen: charge it its gradients' size; neither is
     node-local shared memory."""
@@ -37,11 +37,12 @@ def collective_bytes(counter: dict | None = None):
     names = ("all_reduce", "all_gather", "all_to_all_single") + REDUCE_SCATTER + ALL_GATHER
     originals = {(dist, name): getattr(dist, name) for name in names if hasattr(dist, name)}
     originals[(SecondGroup, "all_reduce")] = SecondGroup.all_reduce
+    originals[(SecondGroup, "all_gather")] = SecondGroup.all_gather
     local = threading.local()  # nesting depth per thread (continuations run on Gloo's threads)
 
     def handed(owner, name, args, kwargs):
         """The tensor whose size is charged: the first argument, except as said above."""
-        if owner is SecondGroup:  # (self, tensor)
+        if owner is SecondGroup:  # (self, tensor) or, all-gathering, (self, output, input)
             return args[1]
         if name in REDUCE_SCATTER:  # (output, input): the input
             return args[1] if len(args) > 1 else kwargs["input"]

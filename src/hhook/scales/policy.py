@@ -25,6 +25,13 @@ SUM) and :meth:`~ScalePolicy.decode` (the mean).
   which measures the new maxima exactly (Horovod's
   :class:`~hhook.scales.PredictedScales`, which has no agreed round, follows the block
   instead: 4x down or 8x up per step).
+* **Gathered** (``"gathered"``): each rank quantizes onto its own block maxima, which
+  travel in its message beside its codes (lanes as narrow as the bits: nothing is summed),
+  and one all-gather gives every rank every message; each decodes the sum in rank order.
+  One round from the first call, no history, never clips, and every rank's rounding error
+  is bounded by its own maxima (no more than agreed scales'), but each rank receives
+  ``n - 1`` messages: for the few ranks of a wide-area link, where a round costs more
+  than bytes (docs/usage.md, "What a round costs").
 """
 
 from __future__ import annotations
@@ -37,14 +44,14 @@ import torch
 
 from ..codec import THCCodec, rng, rotation
 from ..codec.layout import HEADER
-from . import message, thermometer
+from . import gathered, message, thermometer
 from .message import PREFIX
 
 logger = logging.getLogger(__name__)
 
 #: Step kinds, folded into the fingerprint: ranks on different kinds of step fail loudly.
 #: (``DENSE``: Horovod's warm-up step, :mod:`hhook.scales.one_round`.)
-AGREED, PREDICTED, DENSE = 0x41, 0x51, 0x44
+AGREED, PREDICTED, DENSE, GATHERED = 0x41, 0x51, 0x44, 0x47
 
 
 def default_headroom(bits: int) -> float:
@@ -88,6 +95,7 @@ class Plan:
     agreed: torch.Tensor | None = None
     header: torch.Tensor | None = None  # this rank's prepared header (flag, digest)
     error: BaseException | None = None  # this rank failed locally; it sends filler
+    packer: THCCodec | None = None  # the codec whose lanes carry the codes, where not ``codec`` (gathered)
 
     @property
     def dense(self) -> bool:
@@ -95,7 +103,7 @@ class Plan:
         return self.kind == DENSE
 
     def describe(self) -> str:
-        kind = {AGREED: "agreed", PREDICTED: "predicted", DENSE: "warm-up"}[self.kind]
+        kind = {AGREED: "agreed", PREDICTED: "predicted", DENSE: "warm-up", GATHERED: "gathered"}[self.kind]
         return f"{self.codec.describe()}, numel={self.tensor.numel()}, {kind} step"
 
 
@@ -132,6 +140,7 @@ class ScalePolicy:
         headroom: predicted scales are ``headroom`` times the thermometer's bound on the
             maximum; 1 never clips a block that did not grow, more leaves room for growth.
             Default: :func:`default_headroom` of ``bits``.
+        gather: each rank's own scales, every message all-gathered (``predict`` is ignored).
     """
 
     #: A predicted key whose block left the thermometer's range takes an agreed round next
@@ -139,18 +148,13 @@ class ScalePolicy:
     remeasure = True
 
     def __init__(self, bits=4, block_size=1024, seed=0, error_feedback=False, predict=True, headroom=None,
-                 rounding="correlated"):
+                 rounding="correlated", gather=False):
         THCCodec(bits, block_size, seed, rounding=rounding)  # validates
         headroom = _checked_headroom(default_headroom(bits) if headroom is None else headroom)
-        self.bits = bits
-        self.block_size = block_size
-        self.seed = seed
-        self.error_feedback = bool(error_feedback)
-        self.predict = bool(predict)
-        self.headroom = float(headroom)
-        self.rounding = rounding
-        self.keys: dict = {}
-        self._codecs: dict[int, THCCodec] = {}
+        self.bits, self.block_size, self.seed, self.rounding = bits, block_size, seed, rounding
+        self.error_feedback, self.headroom, self.gather = bool(error_feedback), float(headroom), bool(gather)
+        self.predict = bool(predict) and not self.gather  # gathered scales predict nothing
+        self.keys, self._codecs = {}, {}  # key -> KeyState; world size -> THCCodec
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -158,7 +162,7 @@ class ScalePolicy:
         return state
 
     #: The constructor's arguments, saved with the keys by :meth:`state_dict`.
-    OPTIONS = ("bits", "block_size", "seed", "error_feedback", "predict", "headroom", "rounding")
+    OPTIONS = ("bits", "block_size", "seed", "error_feedback", "predict", "headroom", "rounding", "gather")
 
     def state_dict(self) -> dict:
         """The options and every key's state as plain data (tensors, numbers, tuples):
@@ -180,6 +184,7 @@ class ScalePolicy:
 
     def __setstate__(self, state):
         state.setdefault("rounding", "independent")  # saved before there was a choice: what it ran
+        state.setdefault("gather", False)
         self.__dict__.update(state)
 
     def codec(self, world_size: int) -> THCCodec:
@@ -251,7 +256,10 @@ class ScalePolicy:
         numel = tensor.numel()
         state = self.key_state(key, numel, world_size, layout)
         plan = Plan(tensor, world_size, codec, codec.stream(rank, call, shared), config, state)
-        if self.predict and state is not None and state.scales is not None:
+        if self.gather:
+            plan.kind, plan.packer = GATHERED, self.codec(1)  # lanes as wide as the bits
+            plan.n_meta = gathered.maxima_words(plan.packer, numel)
+        elif self.predict and state is not None and state.scales is not None:
             plan.kind, plan.scales = PREDICTED, state.scales
             plan.n_meta = thermometer.words(codec, numel)
         digest = state.digest if plan.kind == PREDICTED else 0
@@ -274,10 +282,11 @@ class ScalePolicy:
 
     # -- stage 3 -------------------------------------------------------------------
     def finish(self, plan: Plan, agreed: torch.Tensor | None = None) -> torch.Tensor:
-        """The words to SUM-allreduce: ``agreed`` is the MAX-reduced vector of an agreed
-        round (None for a predicted one). Never raises: a local failure sends filler of
-        the same length that makes every rank raise :class:`~hhook.errors.RankFailedError`."""
-        codec, numel = plan.codec, plan.tensor.numel()
+        """The words to SUM-allreduce (all-gather: gathered scales): ``agreed`` is the
+        MAX-reduced vector of an agreed round (None otherwise). Never raises: a local
+        failure sends filler of the same length that makes every rank raise
+        :class:`~hhook.errors.RankFailedError`."""
+        codec, numel = plan.packer or plan.codec, plan.tensor.numel()
         length = PREFIX + plan.n_meta + codec.words_numel(numel)
         if plan.error is None:
             try:
@@ -290,11 +299,15 @@ class ScalePolicy:
 
     def _encode(self, plan: Plan, agreed, length: int) -> torch.Tensor:
         codec, prepared, numel = plan.codec, plan.prepared, plan.tensor.numel()
-        words = torch.empty(length, dtype=codec.layout.word_dtype, device=plan.tensor.device)
         residual = self.residual(plan.state, codec, plan.tensor.device)
+        codec = plan.packer or codec
+        words = torch.empty(length, dtype=codec.layout.word_dtype, device=plan.tensor.device)
         # Written by quantize(), kept by decode() only if the step was not skipped.
         plan.new_residual = torch.empty_like(residual) if residual is not None else None
-        if plan.kind == PREDICTED:
+        if plan.kind == GATHERED:
+            agreed = gathered.own_scales(codec, numel, prepared)
+            gathered.write_maxima(words[PREFIX : PREFIX + plan.n_meta], agreed)
+        elif plan.kind == PREDICTED:
             # The local header: this rank's flag, digest unknown (never "identical" here).
             agreed = torch.cat([codec.header(numel, prepared.scales[0], device=plan.scales.device), plan.scales])
             words[PREFIX : PREFIX + plan.n_meta] = thermometer.encode(prepared.scales[HEADER:], plan.scales, codec)
@@ -316,6 +329,12 @@ class ScalePolicy:
         """
         if plan.error is not None:
             raise plan.error
+        if plan.kind == GATHERED:
+            verdict = gathered.decode(sums, plan.packer, plan.world_size, plan.fps, plan.describe(),
+                                      plan.prepared.source, out)
+            if verdict is None and plan.new_residual is not None:  # nothing of its own sent otherwise
+                plan.state.residual = plan.new_residual
+            return out, verdict is True
         codec = plan.codec
         body = sums[PREFIX + plan.n_meta :]
         if plan.kind == AGREED and defer is not None:

@@ -41,6 +41,7 @@ from ..codec import warm_up
 from ..errors import RankFailedError
 from ..codec.layout import SUPPORTED_DTYPES
 from ..scales import message
+from ..scales.policy import GATHERED
 from . import membership
 from .context import CallContext, check_deferred
 from .dense import dense_allreduce
@@ -152,16 +153,24 @@ def _on(group):
     return lambda tensor, op: members.all_reduce(tensor, op).get_future()
 
 
-def _in_turn(comm, sequencer):
-    """``all_reduce(tensor, op)`` on ``comm`` (a second communicator) in a ticket's turn of
-    ``sequencer``, drawn now: a future of it (a lane's MAXes and SUMs share one order)."""
+def _gather_on(group):
+    """``all_gather(output, input)`` on ``group`` from this thread: its future."""
+    members = membership.of(group)
+    return lambda output, input: members.all_gather(output, input).get_future()
+
+
+def _in_turn(comm, sequencer, gather: bool = False):
+    """``all_reduce(tensor, op)`` (``gather``: ``all_gather(output, input)``) on ``comm``
+    (a second communicator) in a ticket's turn of ``sequencer``, drawn now: a future of it
+    (a lane's collectives share one order)."""
 
     def launch(tensor: torch.Tensor, op) -> torch.futures.Future:
         ticket, fut = sequencer.ticket(), new_future(tensor)
+        collective = comm.all_gather if gather else comm.all_reduce
 
         def run() -> None:
             try:
-                attach(comm.all_reduce(tensor, op).get_future(), lambda g: settle(fut, g.value), comm.parent)
+                attach(collective(tensor, op).get_future(), lambda g: settle(fut, g.value), comm.parent)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 fut.set_exception(exc)
 
@@ -185,6 +194,7 @@ def _reduce(ctx: CallContext, target: torch.Tensor, key, layout, failed=None, la
     SUM's continuation."""
     runtime, group, policy = ctx.runtime, ctx.group, ctx.policy
     first, sequencer = (_in_turn(*lane[:2]), lane[1]) if lane else (_on(group), runtime.sequencer)
+    gather = _in_turn(*lane[:2], gather=True) if lane else _gather_on(group)
     changed = failed if isinstance(failed, message.CallChanged) else None
     call = next(lane[2]) if lane else ctx.counters.next_call()  # drawn in call order, the same on every rank
     plan = policy.begin(target, key, ctx.rank, ctx.world_size, call, ctx.config, layout, failed)
@@ -193,7 +203,8 @@ def _reduce(ctx: CallContext, target: torch.Tensor, key, layout, failed=None, la
 
     def decode(sums: torch.Tensor) -> torch.Tensor:
         if changed is not None:  # filler of the verified size: how many ranks sent one
-            changed.count = int(sums[0]) // message.CHANGED
+            count = sums.view(ctx.world_size, -1)[:, 0].sum() if plan.kind == GATHERED else sums[0]
+            changed.count = int(count) // message.CHANGED
         try:
             _, nonfinite = policy.decode(sums, plan, target, defer)
         except RankFailedError as exc:  # a peer that lost or waited for a rank of its node: the reports say which
@@ -201,6 +212,15 @@ def _reduce(ctx: CallContext, target: torch.Tensor, key, layout, failed=None, la
         if nonfinite is True:
             ctx.counters.add("nonfinite_calls", 0, 0)
         return target
+
+    if plan.kind == GATHERED:  # each rank's own scales: one all-gather of every message
+        words = _marked(policy.finish(plan), changed)
+        gathered = words.new_empty(ctx.world_size * words.numel())
+        # An all-gather counts its output, as the profiler and FSDP's all-gather count it
+        # (n messages; a ring sends n - 1 of them, an allreduce's 2(n - 1)/n of its input).
+        ctx.counters.add("compressed_calls", 4 * target.numel(), gathered.nbytes)
+        fut = gather(gathered, words)
+        return then(fut, lambda value: decode(gathered), target, f"the all-gather of the codes of {what}", group)
 
     if plan.max_vector is None:  # predicted scales: one round
         words = _marked(policy.finish(plan), changed)

@@ -257,3 +257,9 @@ class SecondGroup:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         return self.backend.allreduce([tensor], opts)
+
+    def all_gather(self, output, input):
+        """Launch an all-gather of equal-sized ``input`` into flat ``output``; returns its Work."""
+        if self.backend is None:
+            return self.all_reduce(input)  # raises the destroyed group's error
+        return self.backend.allgather([list(output.chunk(len(self.ranks)))], [input])

@@ -36,7 +36,7 @@ class KeyStore:
         if policy is None:
             policy = self.policies[name] = ScalePolicy(
                 bits, options.block_size, options.seed, options.error_feedback, predict=mode == "predicted",
-                rounding=options.rounding,
+                rounding=options.rounding, gather=mode == "gathered",
             )
         return policy
 

@@ -16,10 +16,11 @@ from ..codec import CODEC_VERSION, THCCodec, rng
 from ..codec.error_model import auto_bits
 
 #: The scale policies (:mod:`hhook.scales`): agree on each step's maxima (two
-#: collectives; never clips; the default), or predict them from the previous step (one
-#: collective once a key has history; clips blocks that grew). ``"auto"`` is accepted and
-#: means ``"agreed"``.
-SCALE_MODES = ("agreed", "predicted")
+#: collectives; never clips; the default), predict them from the previous step (one
+#: collective once a key has history; clips blocks that grew), or let each rank keep its
+#: own and gather every rank's codes (one all-gather; never clips; bytes grow with the
+#: ranks). ``"auto"`` is accepted and means ``"agreed"``.
+SCALE_MODES = ("agreed", "predicted", "gathered")
 #: Piece size of ``chunk_mb="auto"`` on CPUs: a 21 MB bucket goes in 2 pieces, DDP's
 #: default 25 MB bucket in 3 (docs/train.md: 4 MB pieces cost more than they hide).
 DEFAULT_CHUNK_MB = 12

@@ -49,6 +49,7 @@ class THCState(Checkpointed, report.Reporting):
         scales: ``"agreed"`` (default): a MAX allreduce of this step's block maxima, then
             the SUM; never clips. ``"predicted"``: one SUM once a key has history, with
             scales from the previous step's maxima (:mod:`hhook.scales`); clips blocks that grew.
+            ``"gathered"``: one all-gather of every rank's codes on its own maxima (bytes grow with ranks).
         chunk_mb: split a tensor above this many MB of float32 into pieces, each reduced
             on its own, so one is on the wire while the next is encoded. ``"auto"``
             (default): 12 MB for CPU tensors, whole tensors on GPUs; ``0``: never split.
