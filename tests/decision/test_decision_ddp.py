@@ -25,7 +25,8 @@ ONE_WORLD = pytest.mark.xdist_group("tests/decision/test_decision_ddp.py::compil
 
 # -- multi-rank DDP on a fake clock ------------------------------------------------
 #: fake step periods: THC at 4 bits fastest, so the choice is known in advance
-FAKE = {"plain": 0.40, "fp32": 0.40, "bf16": 0.20, "thc:5": 0.12, "thc:4": 0.10, "thc:3": 0.11, "thc:2": 0.13}
+FAKE = {"plain": 0.40, "fp32": 0.40, "bf16": 0.20, "thc:5": 0.12, "thc:5:gathered": 0.115, "thc:4": 0.10, "thc:3": 0.11,
+        "thc:2": 0.13}
 
 
 class FakeClock:
@@ -186,20 +187,23 @@ def test_subgroup_beside_world():
     assert res[0][0] == res[1][0] and res[0][1] == res[1][1] == "thc:4" and res[0][2] and res[1][2]
 
 
-def _nonfinite_worker(rank, world, scales):
-    # probing order on the fake clock: thc:5 at iterations 2-7, thc:4 8-13 (and 14-15, the
-    # best so far while its turn's periods come back), thc:3 16-21, thc:4 22-23, bf16 24-28
-    res = _train(rank, world, hhook.register(DDP(Net()), scales=scales), steps=30, inject=(3, 9, 25))
+def _nonfinite_worker(rank, world, scales, inject):
+    # probing order on the fake clock, predicted scales: thc:5 at iterations 2-7, thc:4 8-13
+    # (and 14-15, the best so far while its turn's periods come back), thc:3 16-21, thc:4
+    # 22-23, bf16 24-28; agreed scales: thc:5:gathered (the one-round form) at 8-13 after
+    # thc:5, thc:4 at 14-19
+    res = _train(rank, world, hhook.register(DDP(Net()), scales=scales), steps=30, inject=inject)
     return res["methods"], res["nonfinite"]
 
 
-@pytest.mark.parametrize("scales", MODES)
-def test_nonfinite_gradient_while_probing_is_nonfinite_everywhere(scales):
-    res = run_world(_nonfinite_worker, 2, scales, timeout=300)
+@pytest.mark.parametrize("scales, turns", [("agreed", {3: "thc:5", 9: "thc:5:gathered", 15: "thc:4"}),
+                                           ("predicted", {3: "thc:5", 9: "thc:4", 25: "bf16"})])
+def test_nonfinite_gradient_while_probing_is_nonfinite_everywhere(scales, turns):
+    res = run_world(_nonfinite_worker, 2, scales, tuple(turns), timeout=300)
     methods, nonfinite = res[0]
-    assert [methods[i] for i in (3, 9, 25)] == ["thc:5", "thc:4", "bf16"], methods
+    assert {i: methods[i] for i in turns} == turns, methods
     for _, flags in res:
-        assert flags == {3: True, 9: True, 25: True}
+        assert flags == {i: True for i in turns}
 
 
 class _Boom(RuntimeError):
@@ -584,3 +588,28 @@ def compiled_runs():
         assert not failed, "\n".join(failed)
         return [r[name][1] for r in ranks]
     return run
+
+
+class RoundTripClock(FakeClock):
+    """A long link: every round costs more than bytes, so THC's one-round form is fastest."""
+
+    COSTS = {**FAKE, "thc:5:gathered": 0.06}
+
+    def advance(self, method):
+        self.now += self.scale * self.COSTS[method or "thc:4"]
+
+
+def _one_round_worker(rank, world):
+    res = _train(rank, world, steps=40, clock=RoundTripClock(1.0 + rank))
+    s = res["state"].stats()
+    return (res["methods"][-5:], s["decision"]["choice"], _same_everywhere(_params(res["model"])), res["loss"],
+            _plain_loss(rank, world))
+
+
+def test_the_default_takes_the_one_round_form_where_rounds_cost_most():
+    """Agreed scales at 2 ranks: THC's one-round form (gathered scales) is a candidate of
+    the default, and where it steps fastest it is chosen and trains in sync on every rank."""
+    res = run_world(_one_round_worker, 2, timeout=300)
+    for last, choice, in_sync, loss, fp32_loss in res:
+        assert choice == "thc:5:gathered" and last == [choice] * 5 and in_sync, (last, choice)
+        assert abs(loss - fp32_loss) < 0.1, (loss, fp32_loss)  # it trains as plain DDP does

@@ -14,7 +14,7 @@ from ..schedule.dense import cast_allreduce, dense_allreduce
 from ..schedule.topology import TopologyError, node_census
 from ..state import THCState, report
 from .decision import Decision
-from .methods import BF16, PLAIN, candidates, thc_bits, wire_bits
+from .methods import BF16, GATHERED_MAX_RANKS, PLAIN, candidates, scales_of, thc_bits, wire_bits
 from .prober import Prober
 from .widths import release_other_widths, variant
 
@@ -124,14 +124,16 @@ def live_decision(state: THCState) -> Decision:
 def new_decision(state: THCState) -> Decision:
     """The decision of a ``bits="auto"`` state, its candidates sized by the node layout:
     THC from the auto rule's width for the node count (two-level) or the world size
-    (flat) down, bf16, fp32."""
+    (flat) down, bf16, fp32; on a flat layout of at most :data:`GATHERED_MAX_RANKS` ranks
+    with agreed scales, THC's one-round form (gathered scales) at that width too."""
     topo, options = state.node_layout(), state.options
     if topo.two_level and options.error_feedback:
         raise ValueError("hhook: bits='auto' with error_feedback=True on two-level layouts is not supported yet; "
                          "pass an integer bits= (THC always) or error_feedback=False")
     participants = topo.n_nodes if topo.two_level else topo.world_size
     width = auto_bits(participants, topo.ranks_per_node if topo.two_level else 1, rounding=options.rounding)
-    names = candidates(width)
+    gathered = not topo.two_level and participants <= GATHERED_MAX_RANKS and options.scales == "agreed"
+    names = candidates(width, gathered=gathered)
     return Decision(names, wire_bits=wire_bits(names, participants, options.block_size))
 
 
@@ -159,13 +161,13 @@ def reduce_bucket_as_decided(state: THCState, bucket, layout, split=None) -> tor
 
 
 def _reduce_as(method: str, state: THCState, key: int, buffer: torch.Tensor, layout) -> torch.futures.Future:
-    bits = thc_bits(method)
+    bits, mode = thc_bits(method), scales_of(method)
     if buffer.is_sparse:
         return dense_allreduce(state.context(), buffer)
     if method != PLAIN:
-        release_other_widths(state, key, buffer, keep=bits)
+        release_other_widths(state, key, buffer, keep=bits, mode=mode)
     if bits is not None:
-        ctx = variant(state, bits).context()
+        ctx = variant(state, bits).context(mode=mode)
         return ctx.schedule(ctx, buffer, key, layout)
     if method == BF16 and buffer.dtype == torch.float32:
         return cast_allreduce(state.context(), buffer, torch.bfloat16)

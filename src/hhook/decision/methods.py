@@ -11,18 +11,29 @@ MIN_WIDTH = 2
 PLAIN, FP32, BF16 = "plain", "fp32", "bf16"
 #: Bits per coordinate each dense candidate hands to its allreduce (THC's: :func:`wire_bits`).
 DENSE_WIRE_BITS = {BF16: 16.0, FP32: 32.0}
+#: THC's one-round form (gathered scales: one all-gather, :mod:`hhook.scales.gathered`) is
+#: a candidate up to this many participants: there each rank receives at most 1.25x the
+#: bytes of agreed scales' two rounds at the same width (4 ranks, 4 bits); its bytes grow
+#: with the ranks, its rounds do not.
+GATHERED_MAX_RANKS = 4
+GATHERED = "gathered"
 
 
-def candidates(auto_width: int, floor: int = MIN_WIDTH) -> list[str]:
+def candidates(auto_width: int, floor: int = MIN_WIDTH, gathered: bool = False) -> list[str]:
     """The candidates in probing order: THC from ``auto_width`` down to ``floor`` bits
-    (the narrow ones are tried only while narrowing pays), bf16, fp32.
+    (the narrow ones are tried only while narrowing pays), with ``gathered`` THC's
+    one-round form at ``auto_width`` after the first, bf16, fp32.
 
     Example::
         >>> candidates(5)
         ['thc:5', 'thc:4', 'thc:3', 'thc:2', 'bf16', 'fp32']
+        >>> candidates(4, gathered=True)
+        ['thc:4', 'thc:4:gathered', 'thc:3', 'thc:2', 'bf16', 'fp32']
     """
-    widths = range(auto_width, min(floor, auto_width) - 1, -1)
-    return [f"thc:{b}" for b in widths] + [BF16, FP32]
+    widths = [f"thc:{b}" for b in range(auto_width, min(floor, auto_width) - 1, -1)]
+    if gathered:
+        widths.insert(1, f"thc:{auto_width}:{GATHERED}")
+    return widths + [BF16, FP32]
 
 
 def wire_bits(methods: list[str], participants: int, block_size: int = 1024) -> dict[str, float]:
@@ -30,14 +41,29 @@ def wire_bits(methods: list[str], participants: int, block_size: int = 1024) -> 
     (or nodes) sum: THC's :func:`~hhook.codec.error_model.wire_bits_per_coord` (lanes, whose
     headroom grows with them, and the block scales), 16 and 32 for the dense ones.
 
+    THC's one-round form: ``participants`` messages of lanes as wide as the bits (what
+    its all-gather returns, as its stats count it).
+
     Example::
-        >>> wire_bits(["thc:5", "thc:4", "thc:3", "bf16", "fp32"], 2)
-        {'thc:5': 6.431, 'thc:4': 5.365, 'thc:3': 4.031, 'bf16': 16.0, 'fp32': 32.0}
+        >>> wire_bits(["thc:5", "thc:4", "thc:4:gathered", "thc:3", "bf16", "fp32"], 2)
+        {'thc:5': 6.431, 'thc:4': 5.365, 'thc:4:gathered': 8.063, 'thc:3': 4.031, 'bf16': 16.0, 'fp32': 32.0}
     """
-    return {m: DENSE_WIRE_BITS[m] if thc_bits(m) is None
-            else round(wire_bits_per_coord(thc_bits(m), participants, block_size), 3) for m in methods}
+    def bits(m):
+        if thc_bits(m) is None:
+            return DENSE_WIRE_BITS[m]
+        if scales_of(m) == GATHERED:
+            return round(participants * wire_bits_per_coord(thc_bits(m), 1, block_size), 3)
+        return round(wire_bits_per_coord(thc_bits(m), participants, block_size), 3)
+
+    return {m: bits(m) for m in methods}
 
 
 def thc_bits(method: str) -> int | None:
-    """The width of a THC candidate (``"thc:4"`` -> 4), None for a dense one."""
+    """The width of a THC candidate (``"thc:4"``, ``"thc:4:gathered"`` -> 4), None for a dense one."""
     return int(method.split(":")[1]) if method.startswith("thc:") else None
+
+
+def scales_of(method: str) -> str | None:
+    """The scale mode a THC candidate names (``"thc:4:gathered"`` -> ``"gathered"``), else None."""
+    parts = method.split(":")
+    return parts[2] if method.startswith("thc:") and len(parts) > 2 else None

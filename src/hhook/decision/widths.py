@@ -52,17 +52,21 @@ def variant(state: THCState, bits: int) -> THCState:
     return width
 
 
-def release_other_widths(state: THCState, key, tensor: torch.Tensor, keep: int | None) -> None:
-    """Before ``key`` goes through another exchange than the width ``keep``: every other
-    width forgets the key (its predicted scales are stale by its next turn) and adds its
-    error-feedback residual into ``tensor``, so no gradient mass is lost on a switch.
-    Widths that hold no key cost nothing (the usual case once a choice is held)."""
+def release_other_widths(state: THCState, key, tensor: torch.Tensor, keep: int | None, mode: str | None = None) -> None:
+    """Before ``key`` goes through another exchange than the width ``keep`` in scale
+    ``mode`` (None: the state's own): every other width and mode forgets the key (its
+    predicted scales are stale by its next turn) and adds its error-feedback residual into
+    ``tensor``, so no gradient mass is lost on a switch. Widths that hold no key cost
+    nothing (the usual case once a choice is held)."""
+    kept = mode or state.options.scales
     for bits, width in state.variants.items():
-        if bits == keep or not any(policy.keys for policy in width.keys.policies.values()):
+        if not any(policy.keys for name, policy in width.keys.policies.items() if (bits, name) != (keep, kept)):
             continue
         parts = pieces(tensor.numel(), tensor.device, width.options.piece_limit(), width.options.block_size)
         flat = tensor.view(-1)
-        for policy in width.keys.policies.values():
+        for name, policy in width.keys.policies.items():
+            if (bits, name) == (keep, kept):
+                continue
             for i, (start, stop) in enumerate(parts):
                 residual = policy.release(key if len(parts) == 1 else (key, i), stop - start)
                 if residual is not None:
