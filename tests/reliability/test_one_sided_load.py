@@ -20,13 +20,15 @@ import hhook
 from tests.schedule.test_rounds import counted
 from tests.support.distributed import run_outcomes, run_world
 
-MODES = ("agreed", "predicted")
+MODES = ("agreed", "predicted", "gathered")
 PG_TIMEOUT_S = 60.0
 #: Far below the group's timeout, far above the milliseconds it takes (2 shared cores).
 FAST_S = 10.0
 #: The option a checkpoint changes -> its value there, per scale mode of the running state.
 CHANGES = {"bits": lambda scales: 2, "scales": lambda scales: "predicted" if scales == "agreed" else "agreed",
            "block_size": lambda scales: 256}
+#: The running value of each option of CHANGES.
+RUNNING = {"bits": lambda scales: 4, "scales": lambda scales: scales, "block_size": lambda scales: 1024}
 
 
 def _net(buckets: str = "several"):
@@ -78,8 +80,8 @@ def _case_worker(rank, world, scales):
     return {option: _one_sided(rank, 1, scales, option) for option in CHANGES}
 
 
-def _check(said: str, option: str, values: list) -> None:
-    assert "ConfigMismatchError: hhook: the ranks differ in the THC options after load_state_dict" in said, said
+def _check(said: str, option: str, values: list, what: str = "the THC options after load_state_dict") -> None:
+    assert f"ConfigMismatchError: hhook: the ranks differ in {what}" in said, said
     assert f"{option}: " + ", ".join(f"{v!r} on rank {r}" for r, v in values) in said, said
 
 
@@ -90,7 +92,7 @@ def test_a_one_sided_load_raises_on_every_rank_at_the_next_exchange(scales):
     for rank, o in enumerate(outcomes):
         assert o["error"] is None and o["exitcode"] == 0, (rank, o)  # no hang, no process ended by a signal
         for option, (first, seconds, again, recovered, now) in o["value"].items():
-            running, loaded = 4 if option == "bits" else (scales if option == "scales" else 1024), CHANGES[option](scales)
+            running, loaded = RUNNING[option](scales), CHANGES[option](scales)
             for said in (first, again):
                 _check(said, option, [(0, running), (1, loaded)])
                 _check(said, "load_state_dict", [(0, False), (1, True)])
@@ -249,3 +251,77 @@ def test_every_rank_reloading_a_live_state_resumes_bit_for_bit(scales):
     for whole, live, fresh in run_world(_reload_worker, 2, scales, timeout=180):
         assert torch.equal(live, whole)
         assert torch.equal(fresh, whole)
+
+
+#: What a thc_allreduce call's error names.
+CALL = "this thc_allreduce call"
+
+
+def _call_worker(rank, world, scales, key, group=None, loader=1):
+    """A ``thc_allreduce`` state (``key``: a keyed call, verified after its first; None:
+    every call checked): three calls, then ``loader`` alone loads a checkpoint whose
+    option differs; what the next two calls raised, and in how many seconds from the
+    load. Then every rank loads it: the next two calls (rank 1's tensor 10x rank 0's)
+    give the bits of a state that loaded it fresh (the filler drew none of its call
+    numbers)."""
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    me = members.index(rank)
+    out = {}
+    for option in CHANGES:
+        saved = hhook.THCState(**{"bits": 4, "scales": scales, option: CHANGES[option](scales)}).state_dict()
+        state = hhook.THCState(process_group=group, bits=4, scales=scales)
+        tensor = lambda: torch.randn(3000) * (1 + 9 * me)  # noqa: E731
+        for _ in range(3):
+            hhook.thc_allreduce(tensor(), state, key=key)
+        dist.barrier(group)
+        start = time.monotonic()
+        if rank == loader:
+            state.load_state_dict(saved)
+        first = _said(lambda: hhook.thc_allreduce(tensor(), state, key=key))
+        seconds = time.monotonic() - start
+        again = _said(lambda: hhook.thc_allreduce(tensor(), state, key=key))
+        state.load_state_dict(saved)
+        fresh = hhook.THCState(process_group=group)
+        fresh.load_state_dict(saved, announce=False)
+        inputs = [torch.randn(3000) * (1 + 9 * me) for _ in range(2)]
+        means = [hhook.thc_allreduce(x.clone(), state, key=key) for x in inputs]
+        same = all(torch.equal(m, hhook.thc_allreduce(x.clone(), fresh, key=key)) for m, x in zip(means, inputs))
+        out[option] = first, seconds, again, same, state.options.as_dict()[option]
+    return out
+
+
+@pytest.mark.parametrize("scales", MODES)
+@pytest.mark.parametrize("key", ["w", None], ids=["keyed", "unkeyed"])
+def test_a_one_sided_load_of_a_thc_allreduce_state_raises_on_every_rank_at_the_next_call(scales, key):
+    """The loading rank makes the call every rank verified, filler marked in its prefix (a
+    keyed call: the exchange alone; an unkeyed one: the check round, then the exchange).
+    Before, it waited in the handshake while the other waited in its exchange, for the
+    group's whole timeout."""
+    outcomes = run_outcomes(_call_worker, 2, scales, key, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
+    for rank, o in enumerate(outcomes):
+        assert o["error"] is None and o["exitcode"] == 0, (rank, o)
+        for option, (first, seconds, again, same, now) in o["value"].items():
+            for said in (first, again):
+                _check(said, option, [(0, RUNNING[option](scales)), (1, CHANGES[option](scales))], CALL)
+                _check(said, "load_state_dict", [(0, False), (1, True)], CALL)
+            assert seconds < FAST_S, (rank, option, seconds)
+            assert now == CHANGES[option](scales) and same, (rank, option)
+
+
+def _call_subgroup_worker(rank, world):
+    sub = dist.new_group([1, 2])  # every rank, as PyTorch requires
+    said = None if rank == 0 else _call_worker(rank, world, "agreed", "w", sub, loader=2)
+    dist.barrier()  # rank 0, outside the subgroup, holds the store until the others are done
+    return said
+
+
+def test_a_one_sided_load_of_a_thc_allreduce_state_on_a_subgroup_names_the_global_ranks():
+    outcomes = run_outcomes(_call_subgroup_worker, 3, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
+    assert outcomes[0]["value"] is None and outcomes[0]["exitcode"] == 0, outcomes[0]
+    for rank, o in list(enumerate(outcomes))[1:]:
+        assert o["error"] is None and o["exitcode"] == 0, (rank, o)
+        first, seconds, again, same, now = o["value"]["bits"]
+        for said in (first, again):
+            _check(said, "bits", [(1, 4), (2, 2)], CALL)
+            _check(said, "load_state_dict", [(1, False), (2, True)], CALL)
+        assert seconds < FAST_S and now == 2 and same, (rank, seconds)

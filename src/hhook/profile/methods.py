@@ -6,7 +6,8 @@ The kinds and their options::
 
     fp32, fp16, bf16, zlib                              none (train: fp32 and bf16 take ag=)
     powersgd[:RANK]
-    thc[:BITS[:MODE]][:chunk=MB][:topology=T][:rounding=R][:ag=A]   BITS 1..8 or auto, MODE agreed|predicted,
+    thc[:BITS[:MODE]][:chunk=MB][:topology=T][:rounding=R][:ag=A]   BITS 1..8 or auto,
+                                                        MODE agreed|predicted|gathered,
                                                         T flat|auto|K, R correlated|independent
     ag=A (train --parallel fsdp): FSDP2's parameter all-gather, A 2..8 (hhook's compressed
     all-gather at that width) or bf16 (MixedPrecisionPolicy(param_dtype=torch.bfloat16), dense);
@@ -282,7 +283,7 @@ def _diloco(entry: Entry, kind: Kind, defaults: dict) -> Method:
 FP32, FP16, BF16, ZLIB = plain("fp32"), plain("fp16"), plain("bf16"), plain("zlib")
 POWERSGD = Kind("powersgd", positional=("rank",), build=_powersgd, usage="powersgd[:RANK]")
 THC = Kind("thc", positional=("bits", "scales"), keywords=("chunk", "topology", "rounding", "ag", "params"),
-           build=_thc, usage="thc[:BITS|auto[:agreed|predicted]][:chunk=MB][:topology=flat|auto|K]"
+           build=_thc, usage="thc[:BITS|auto[:agreed|predicted|gathered]][:chunk=MB][:topology=flat|auto|K]"
                              "[:rounding=correlated|independent][:ag=BITS|bf16][:params=bf16]", auto=True)
 #: train's fp32 and bf16: ``ag=`` chooses FSDP2's parameter all-gather (--parallel fsdp only)
 FP32_AG, BF16_AG = (Kind(name, keywords=("ag", "params"), build=_plain_ag, usage=f"{name}[:ag=BITS|bf16][:params=bf16]")

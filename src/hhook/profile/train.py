@@ -68,9 +68,9 @@ STARTUP_S = 300.0  # allowance until the first step: imports and rendezvous are 
 
 def parse_methods(text: str, powersgd_rank: int = 2, diloco: int | None = None,
                   fragments: int | None = None) -> list[methods.Method]:
-    r"""``fp32,fp16,bf16,powersgd[:R],thc[:BITS[:agreed|predicted]][:chunk=MB],sbc...,lgc...,diloco...`` ->
-    methods (any of :data:`KINDS`); ValueError naming the bad entry. ``diloco``, ``fragments``: H and P
-    of ``diloco`` entries that do not say (``--diloco H`` without one adds ``diloco:4``)."""
+    r"""``fp32,fp16,bf16,powersgd[:R],thc[:BITS[:MODE]][:chunk=MB],sbc...,lgc...,diloco...`` -> methods
+    (any of :data:`KINDS`); ValueError naming the bad entry. ``diloco``, ``fragments``: H and P of
+    ``diloco`` entries that do not say (``--diloco H`` without one adds ``diloco:4``)."""
     if diloco is not None and not any(m.strip().lower().startswith("diloco") for m in text.split(",")):
         text = f"{text},diloco:4"
     return methods.parse(text, KINDS, powersgd_rank=powersgd_rank, diloco=diloco, fragments=fragments)

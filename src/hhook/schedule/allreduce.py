@@ -8,19 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .call_check import checked_allreduce_async, expanded
+from . import load_check
+from .call_check import check_expanded, checked_allreduce_async
 from .dense import check_dtype
 from .flat import check_tensor, second_group
-
-
-def check_expanded(tensor: torch.Tensor) -> None:
-    """Refuse, on every rank (after the call's check), a tensor whose elements share memory."""
-    if expanded(tensor):
-        raise ValueError(
-            f"hhook averages the tensor in place, but this one is expanded (shape {tuple(tensor.shape)}, strides "
-            f"{tensor.stride()}): several of its elements are one memory location, which cannot hold different "
-            "means. Pass tensor.contiguous() (a copy) and use the result"
-        )
 
 
 def thc_allreduce_async(tensor: torch.Tensor, state, key=None, layout=None) -> torch.futures.Future:
@@ -40,7 +31,9 @@ def thc_allreduce_async(tensor: torch.Tensor, state, key=None, layout=None) -> t
     two-level (:mod:`hhook.schedule.two_level`), with the same guarantees.
 
     Returns at once: no peer is waited for on this thread (the state's first exchange on
-    a group excepted: the options handshake). The ranks' calls are checked in the
+    a group excepted: the options handshake; and a rank's first call after
+    ``state.load_state_dict``, which learns whether every rank loaded,
+    :mod:`hhook.schedule.load_check`). The ranks' calls are checked in the
     exchange (:mod:`hhook.schedule.call_check`): a key whose last exchange verified the
     same length, dtype, layout and options takes no extra round; another call (``key``
     None, a key's first) takes one small check round, launched, not waited for. A rank
@@ -54,6 +47,11 @@ def thc_allreduce_async(tensor: torch.Tensor, state, key=None, layout=None) -> t
     round here.
     """
     check_tensor(tensor)
+    if state.pending_load is not None:  # this rank loaded a checkpoint since the handshake: did every rank?
+        fut = load_check.call(state, tensor, key, layout)
+        if fut is not None:
+            return fut
+        state.pending_load = None  # every rank did: the handshake runs again (state.context())
     ctx = state.context()
     if ctx.world_size > 1:
         fut = checked_allreduce_async(ctx, tensor, key, layout)

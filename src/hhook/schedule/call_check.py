@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ..codec.layout import SUPPORTED_DTYPES
 from ..scales.message import CallChanged
 from .flat import flat_allreduce_async, pieces, second_group
-from .futures import Sequencer, attach, new_future, settle, value_of
+from .futures import Sequencer, attach, new_future, value_of
 from .groups import pair, pair_agrees
 from .handshake import call_number, digest, encode, named
 
@@ -73,17 +73,33 @@ def expanded(tensor: torch.Tensor) -> bool:
     return not tensor.is_sparse and any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape))
 
 
+def check_expanded(tensor: torch.Tensor) -> None:
+    """Refuse, on every rank (after the call's check), a tensor whose elements share memory."""
+    if expanded(tensor):
+        raise ValueError(
+            f"hhook averages the tensor in place, but this one is expanded (shape {tuple(tensor.shape)}, strides "
+            f"{tensor.stride()}): several of its elements are one memory location, which cannot hold different "
+            "means. Pass tensor.contiguous() (a copy) and use the result"
+        )
+
+
 def call_fields(tensor: torch.Tensor) -> tuple:
     """What every rank of a :func:`thc_allreduce_async` call must hand in alike."""
     return (("runs", "thc_allreduce"), ("numel", tensor.numel()), ("dtype", str(tensor.dtype)[6:]),
             ("sparse", tensor.is_sparse), ("expanded", expanded(tensor)))
 
 
-def checked_allreduce_async(ctx, tensor: torch.Tensor, key, layout) -> torch.futures.Future | None:
+def checked_allreduce_async(ctx, tensor: torch.Tensor, key, layout, loaded: tuple | None = None) \
+        -> torch.futures.Future | None:
     """Launch the flat THC exchange of ``tensor`` with its check (the module's three
     cases); returns its future, or None once a call that takes another path has passed
-    its check (waited for here)."""
+    its check (waited for here). ``loaded``: this rank loaded a checkpoint since the
+    options handshake, ``ctx`` is the context every rank verified before
+    (:mod:`hhook.schedule.load_check`), and ``loaded`` the fields of its options now: it
+    takes part in the others' call with filler marked :data:`CHANGED`, and its future
+    raises a :class:`CallChanged` counting the ranks that loaded where all of them did."""
     number, fields = call_number(ctx.group), call_fields(tensor)
+    said = fields_said(ctx, loaded)
     if tensor.numel() == 0 or tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES or expanded(tensor) \
             or ctx.inter is not None:
         done = new_future(tensor)
@@ -95,24 +111,30 @@ def checked_allreduce_async(ctx, tensor: torch.Tensor, key, layout) -> torch.fut
     signature = (tensor.numel(), tensor.dtype, layout, tensor.device.type)
     record = ctx.verified.get(key) if key is not None else None
     sequencer, result = ctx.runtime.sequencer, new_future(tensor)
+    mark = None if loaded is None else CallChanged("hhook: this rank loaded a checkpoint since the options handshake")
     if record is None:
         second, ticket = second_group(ctx, tensor.device), sequencer.ticket()
-        exchange = (key, layout, signature, _calls(ctx, tensor))
+        exchange = (key, layout, signature, _calls(ctx, tensor), mark, said)
         sequencer.launch(ticket, lambda: _run(ctx, tensor, (fields, number), result, second, exchange))
         return result
-    changed = None if record.signature == signature else CallChanged("hhook: this rank's call changed")
+    changed = mark if mark is not None else \
+        (None if record.signature == signature else CallChanged("hhook: this rank's call changed"))
     if changed is None:
         fut = flat_allreduce_async(ctx, tensor, key, layout)
     else:  # filler of the verified size: the sizes meet, the prefix says why
         filler = torch.zeros(record.numel, dtype=record.dtype, device=tensor.device)
         fut = flat_allreduce_async(ctx, filler, key, record.layout, changed)
-        redo = (key, layout, signature, _calls(ctx, tensor))  # should every rank have changed
+        redo = (key, layout, signature, _calls(ctx, tensor), None, said)  # should every rank have changed
     spare = sequencer.ticket()  # after the exchange's own: a redo's turn, should every rank have changed
 
     def done(f: torch.futures.Future) -> None:
         try:
             value = f.value()
         except CallChanged as exc:
+            if mark is not None and exc.count == ctx.world_size:  # every rank loaded: load_check goes on
+                sequencer.launch(spare, None)
+                result.set_exception(exc)
+                return
             if changed is not None and exc.count == ctx.world_size:  # every rank: check and exchange again
                 second = ctx.runtime.second.get(tensor.device.type)
                 if second is not None:
@@ -120,7 +142,7 @@ def checked_allreduce_async(ctx, tensor: torch.Tensor, key, layout) -> torch.fut
                     return
             sequencer.launch(spare, None)
             what, crc = f"{WHAT} (key {key!r}, which its last exchange verified)", zlib.crc32(repr(layout).encode())
-            result.set_exception(named(ctx.group, fields + (("layout_crc32", crc),), number, what))
+            result.set_exception(named(ctx.group, fields + (("layout_crc32", crc),) + said, number, what))
             return
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter as it is
             sequencer.launch(spare, None)
@@ -167,20 +189,43 @@ def _run(ctx, tensor: torch.Tensor, call: tuple, result: torch.futures.Future, s
             sequencer.resume()
             result.set_result(None)
             return
-        key, layout, signature, calls = exchange
+        key, layout, signature, calls, mark, said = exchange
         if key is not None:  # every rank launches this exchange now, whatever its outcome here
             ctx.verified[key] = Verified(signature)
         own = Sequencer()  # the exchange's collectives, in its pieces' order, while the group's holds
         try:
-            fut = flat_allreduce_async(ctx, tensor, key, layout, lane=(second, own, calls))
+            sent = tensor if mark is None else torch.zeros_like(tensor)  # a rank that loaded: filler, marked
+            fut = flat_allreduce_async(ctx, sent, key, layout, mark, lane=(second, own, calls))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
             sequencer.resume()
             result.set_exception(exc)
             return
         own.launch(own.ticket(), sequencer.resume)  # once its collectives are all launched
-        attach(fut, lambda g: settle(result, g.value), ctx.group)
+
+        def exchanged(g: torch.futures.Future) -> None:
+            try:
+                value = g.value()
+            except CallChanged as exc:  # only ever marked by a rank that loaded a checkpoint
+                if mark is not None and exc.count == ctx.world_size:  # every rank did: load_check goes on
+                    result.set_exception(exc)
+                else:
+                    result.set_exception(named(ctx.group, fields + said, number, WHAT))
+                return
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                result.set_exception(exc)
+                return
+            result.set_result(value)
+
+        attach(fut, exchanged, ctx.group)
 
     attach(work.get_future(), checked, ctx.group)
+
+
+def fields_said(ctx, loaded: tuple | None) -> tuple:
+    """What a rank says of its options where an exchange found a call that changed or a
+    checkpoint loaded on some ranks: the options it runs (``loaded``, those of a rank that
+    loaded one; else the verified ones) and whether it loaded."""
+    return (ctx.fields if loaded is None else tuple(loaded)) + (("load_state_dict", loaded is not None),)
 
 
 def _calls(ctx, tensor: torch.Tensor):

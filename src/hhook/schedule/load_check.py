@@ -1,12 +1,12 @@
 r"""A checkpoint of other options loaded on some ranks of a group and not on others,
-found at the DDP hook's next exchange, on every rank, without a collective that the
-ranks that did not load would never enter.
+found at the next exchange (the DDP hook's, a ``thc_allreduce`` call's), on every rank,
+without a collective that the ranks that did not load would never enter.
 
 :meth:`hhook.THCState.load_state_dict` replaces a state's options, so the options
 handshake (:mod:`hhook.schedule.handshake`) must run again, on every rank. A rank cannot
 tell whether the others loaded too; its handshake would wait for them (the group's whole
 timeout), while they go on into their exchange. So where every rank's next exchange is
-known (DDP's, at a fixed width, flat), the loading rank keeps the context every rank last
+known (DDP's or a ``thc_allreduce`` call's, at a fixed width, flat), the loading rank keeps the context every rank last
 verified and the iteration the group is at (:class:`Loaded`) and takes part in that
 exchange as the others do, saying that it loaded:
 
@@ -30,8 +30,13 @@ Every rank reads how many ranks loaded:
   differs and ``load_state_dict`` (whether the rank loaded) with each rank's value,
   through the group's store (:func:`named_error`: no collective, safe in a continuation).
 
-Elsewhere (``bits="auto"``, two-level layouts, FSDP2, ``thc_allreduce``) the handshake
-runs again at the next exchange as before.
+A state that :func:`hhook.thc_allreduce_async` uses does the same at its next call
+(:func:`call`): the loading rank makes the call every rank verified, with its check riding
+in the exchange (:mod:`hhook.schedule.call_check`), filler marked
+:data:`~hhook.scales.message.CHANGED` in place of its tensor.
+
+Elsewhere (``bits="auto"``, two-level layouts, FSDP2) the handshake runs again at the
+next exchange as before.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ from ..errors import ConfigMismatchError
 from ..scales.message import CallChanged
 from ..stats import Counters
 from .context import CallContext
-from .dense import tallied_allreduce
+from .call_check import check_expanded, checked_allreduce_async
+from .dense import check_dtype, tallied_allreduce
 from .flat import flat_allreduce_async
 from .handshake import call_number, named
 
@@ -119,6 +125,35 @@ def exchange(loaded: Loaded, tensor: torch.Tensor, key, layout) -> torch.futures
         pass
     if changed.count == loaded.ctx.world_size:
         return None
+    loaded.some = True
+    return fut
+
+
+def call(state, tensor: torch.Tensor, key, layout) -> torch.futures.Future | None:
+    """The loading rank's :func:`hhook.thc_allreduce_async` call after a load (``state``'s
+    record): the call every rank verified, its check riding in the exchange as the
+    others' does (:func:`~hhook.schedule.call_check.checked_allreduce_async`), its own
+    tensor replaced by filler marked :data:`~hhook.scales.message.CHANGED`. The first one
+    is waited for here: None where every rank loaded (the caller forgets the record, runs
+    the handshake and exchanges ``tensor``), else its future, which raises the
+    :class:`~hhook.errors.ConfigMismatchError` naming each rank's options, as every later
+    one does, not waited for. A call that every rank reduces dense (float64, sparse,
+    empty) goes as it is, unmarked."""
+    loaded = state.pending_load
+    fut = checked_allreduce_async(loaded.ctx, tensor, key, layout, state.options.fields())
+    if fut is None:  # its check passed; another path, unmarked
+        check_dtype(tensor)
+        check_expanded(tensor)
+        return loaded.ctx.schedule(loaded.ctx, tensor, key, layout)
+    if loaded.some:
+        return fut
+    try:
+        fut.wait()
+    except CallChanged as exc:
+        if exc.count == loaded.ctx.world_size:
+            return None
+    except BaseException:  # noqa: BLE001 - the future keeps it for the waiter
+        pass
     loaded.some = True
     return fut
 

@@ -148,15 +148,15 @@ class Checkpointed:
 
 
 def _exchange_known(state) -> bool:
-    """Whether every rank's next DDP exchange, under the options every rank verified, is
-    known to a rank that loads a checkpoint now (:mod:`hhook.schedule.load_check`): not
-    ``bits="auto"``; a plain allreduce (before ``start_iter``), or THC at a fixed width past
-    DDP's first iteration. (A state that only ``thc_allreduce`` uses keeps the record
-    unread: its next call's handshake drops it.)"""
+    """Whether every rank's next exchange, under the options every rank verified, is known
+    to a rank that loads a checkpoint now (:mod:`hhook.schedule.load_check`): at a fixed
+    width (not ``bits="auto"``), a ``thc_allreduce`` call's (a state :func:`hhook.register`
+    did not take), or a DDP hook's plain allreduce (before ``start_iter``) or THC past
+    DDP's first iteration."""
     registration = state.registration
     if state.options.bits == "auto":
         return False
-    return state.iter < state.options.start_iter or registration is None or registration.iterations > 0
+    return registration is None or state.iter < state.options.start_iter or registration.iterations > 0
 
 
 def _load_components(state, saved: dict) -> None:
