@@ -115,6 +115,20 @@ def all_gather_flat(out: torch.Tensor, mine: torch.Tensor, group) -> None:
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine, group=group)
 
 
+def hold_one_model(sites: Sites, digest: int) -> bool:
+    """Whether every rank's ``digest`` (62 bits of what it holds of the model: its shards
+    and the rest, :func:`hhook.diloco.checkpoint.model_digest`) equals that of every rank
+    of its ring: the sites already start from one model (seeded alike, or one checkpoint
+    loaded everywhere), and the common start need not send site 0's over the slowest
+    link. One small all-gather over the default group (any backend), the same answer on
+    every rank."""
+    rows = gather_ints([sites.local_rank, digest], None, "hhook.diloco's check that the sites hold one model")
+    rings: dict = {}
+    for local_rank, held in rows:
+        rings.setdefault(local_rank, set()).add(held)
+    return all(len(held) == 1 for held in rings.values())
+
+
 @contextlib.contextmanager
 def explained(what: str, group):
     """A peer of ``group`` that stalls or dies makes a collective inside raise

@@ -37,7 +37,8 @@ from ..stats import Counters
 from . import checkpoint
 from .checkpoint import STATE_FORMAT
 from .fragments import Fragment, first_difference, partition
-from .sites import Sites, explained, find_sites, finished, gather_ints, gather_site, peers, say_finished
+from .sites import (Sites, explained, find_sites, finished, gather_ints, gather_site, hold_one_model, peers,
+                    say_finished)
 
 logger = logging.getLogger(__name__)
 _MADE = itertools.count()
@@ -382,8 +383,13 @@ def _non_finite(outer: DiLoCo, p: int) -> str:
 
 def _start_together(sites: Sites, fragments: list[Fragment], outer: list[torch.Tensor], others: list) -> None:
     """Every site takes site 0's parameters and buffers (each ring broadcasts its shard
-    of the synchronized ones, and the others whole), and the outer copy is read."""
+    of the synchronized ones, and the others whole; nothing where every site holds them
+    already, :func:`~hhook.diloco.sites.hold_one_model`), and the outer copy is read."""
     source = sites.source()
+    if hold_one_model(sites, checkpoint.model_digest([f.read() for f in fragments] + list(others))):
+        for fragment, mine in zip(fragments, outer):
+            mine.copy_(fragment.read())
+        return
     with explained("hhook.diloco's broadcast of site 0's parameters", sites.ring), torch.no_grad():
         for fragment, mine in zip(fragments, outer):
             shard = fragment.read()
