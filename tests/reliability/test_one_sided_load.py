@@ -27,6 +27,8 @@ FAST_S = 10.0
 #: The option a checkpoint changes -> its value there, per scale mode of the running state.
 CHANGES = {"bits": lambda scales: 2, "scales": lambda scales: "predicted" if scales == "agreed" else "agreed",
            "block_size": lambda scales: 256}
+#: What a thc_allreduce call's error names.
+CALL = "this thc_allreduce call"
 #: The running value of each option of CHANGES.
 RUNNING = {"bits": lambda scales: 4, "scales": lambda scales: scales, "block_size": lambda scales: 1024}
 
@@ -156,25 +158,34 @@ def test_every_rank_loading_right_after_register_trains_on_bit_for_bit(scales):
     assert run_world(_plain_both_load_worker, 2, scales, timeout=180) == [True, True]
 
 
-def _subgroup_worker(rank, world):
+def _subgroup_worker(rank, world, entry):
+    """Ranks 1 and 2 of 3 in a subgroup, rank 2 loading: ``entry`` "ddp" (the hook, in
+    each scale mode, before start_iter and after) or "thc_allreduce" (a keyed call's state)."""
     sub = dist.new_group([1, 2])  # every rank, as PyTorch requires
-    said = None if rank == 0 else {(scales, steps): _one_sided(rank, 2, scales, "bits", sub, steps) for scales in MODES
-                                   for steps in (0, 3)}  # before start_iter (plain) and after (THC)
+    if rank == 0:
+        said = None
+    elif entry == "ddp":
+        said = {(scales, steps): _one_sided(rank, 2, scales, "bits", sub, steps) for scales in MODES
+                for steps in (0, 3)}  # before start_iter (plain) and after (THC)
+    else:
+        said = {("agreed", "keyed"): _call_worker(rank, world, "agreed", "w", sub, loader=2)["bits"]}
     dist.barrier()  # rank 0, outside the subgroup, holds the store until the others are done
     return said
 
 
-def test_a_one_sided_load_on_a_subgroup_beside_world_names_the_global_ranks():
-    outcomes = run_outcomes(_subgroup_worker, 3, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
+@pytest.mark.parametrize("entry", ["ddp", "thc_allreduce"])
+def test_a_one_sided_load_on_a_subgroup_beside_world_names_the_global_ranks(entry):
+    what = CALL if entry == "thc_allreduce" else "the THC options after load_state_dict"
+    outcomes = run_outcomes(_subgroup_worker, 3, entry, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
     assert outcomes[0]["value"] is None and outcomes[0]["exitcode"] == 0, outcomes[0]
     for rank, o in list(enumerate(outcomes))[1:]:
         assert o["error"] is None and o["exitcode"] == 0, (rank, o)
-        for (scales, steps), (first, seconds, again, recovered, now) in o["value"].items():
+        for case, (first, seconds, again, recovered, now) in o["value"].items():
             for said in (first, again):
-                _check(said, "bits", [(1, 4), (2, 2)])
-                _check(said, "load_state_dict", [(1, False), (2, True)])
-            assert seconds < FAST_S, (rank, scales, seconds)
-            assert recovered == "" and now == 2, (rank, scales, recovered)
+                _check(said, "bits", [(1, 4), (2, 2)], what)
+                _check(said, "load_state_dict", [(1, False), (2, True)], what)
+            assert seconds < FAST_S, (rank, case, seconds)
+            assert recovered == "" and now == 2, (rank, case, recovered)
 
 
 def _both_load_worker(rank, world, scales):
@@ -200,7 +211,7 @@ def _both_load_worker(rank, world, scales):
     return rounds, state.options.bits, state.stats()["compressed_calls"] - before, state.pending_load is None, params
 
 
-@pytest.mark.parametrize("scales, steady", [("agreed", 2), ("predicted", 1)])
+@pytest.mark.parametrize("scales, steady", [("agreed", 2), ("predicted", 1), ("gathered", 1)])
 def test_every_rank_loading_the_same_other_options_trains_on_with_no_round_more(scales, steady):
     results = run_world(_both_load_worker, 2, scales, timeout=180)
     for rounds, bits, compressed, settled, params in results:
@@ -253,10 +264,6 @@ def test_every_rank_reloading_a_live_state_resumes_bit_for_bit(scales):
         assert torch.equal(fresh, whole)
 
 
-#: What a thc_allreduce call's error names.
-CALL = "this thc_allreduce call"
-
-
 def _call_worker(rank, world, scales, key, group=None, loader=1):
     """A ``thc_allreduce`` state (``key``: a keyed call, verified after its first; None:
     every call checked): three calls, then ``loader`` alone loads a checkpoint whose
@@ -286,7 +293,8 @@ def _call_worker(rank, world, scales, key, group=None, loader=1):
         inputs = [torch.randn(3000) * (1 + 9 * me) for _ in range(2)]
         means = [hhook.thc_allreduce(x.clone(), state, key=key) for x in inputs]
         same = all(torch.equal(m, hhook.thc_allreduce(x.clone(), fresh, key=key)) for m, x in zip(means, inputs))
-        out[option] = first, seconds, again, same, state.options.as_dict()[option]
+        recovered = "" if same else "the means differ from those of a state that loaded the checkpoint fresh"
+        out[option] = first, seconds, again, recovered, state.options.as_dict()[option]
     return out
 
 
@@ -300,28 +308,9 @@ def test_a_one_sided_load_of_a_thc_allreduce_state_raises_on_every_rank_at_the_n
     outcomes = run_outcomes(_call_worker, 2, scales, key, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
     for rank, o in enumerate(outcomes):
         assert o["error"] is None and o["exitcode"] == 0, (rank, o)
-        for option, (first, seconds, again, same, now) in o["value"].items():
+        for option, (first, seconds, again, recovered, now) in o["value"].items():
             for said in (first, again):
                 _check(said, option, [(0, RUNNING[option](scales)), (1, CHANGES[option](scales))], CALL)
                 _check(said, "load_state_dict", [(0, False), (1, True)], CALL)
             assert seconds < FAST_S, (rank, option, seconds)
-            assert now == CHANGES[option](scales) and same, (rank, option)
-
-
-def _call_subgroup_worker(rank, world):
-    sub = dist.new_group([1, 2])  # every rank, as PyTorch requires
-    said = None if rank == 0 else _call_worker(rank, world, "agreed", "w", sub, loader=2)
-    dist.barrier()  # rank 0, outside the subgroup, holds the store until the others are done
-    return said
-
-
-def test_a_one_sided_load_of_a_thc_allreduce_state_on_a_subgroup_names_the_global_ranks():
-    outcomes = run_outcomes(_call_subgroup_worker, 3, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
-    assert outcomes[0]["value"] is None and outcomes[0]["exitcode"] == 0, outcomes[0]
-    for rank, o in list(enumerate(outcomes))[1:]:
-        assert o["error"] is None and o["exitcode"] == 0, (rank, o)
-        first, seconds, again, same, now = o["value"]["bits"]
-        for said in (first, again):
-            _check(said, "bits", [(1, 4), (2, 2)], CALL)
-            _check(said, "load_state_dict", [(1, False), (2, True)], CALL)
-        assert seconds < FAST_S and now == 2 and same, (rank, seconds)
+            assert recovered == "" and now == CHANGES[option](scales), (rank, option, recovered)
