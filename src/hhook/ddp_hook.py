@@ -69,6 +69,7 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     # its buckets an index may name other parameters, whose residual and scales must
     # start afresh.
     layout = _bucket_layout(state, bucket)
+    said = load_check.said(state)  # now: a continuation runs later, perhaps after a load
     fut = None
     if state.pending_load is not None:  # this rank loaded a checkpoint: did every rank?
         fut = load_check.exchange(state.pending_load, bucket.buffer(), bucket.index(), layout)
@@ -84,7 +85,7 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
         if registration is not None:
             registration.iterations += 1
             _join_weighting(registration)
-    return fut.then(functools.partial(_value_or_raise, state))
+    return fut.then(functools.partial(_value_or_raise, said))
 
 
 def _exchange(state: THCState, bucket: dist.GradBucket, layout: tuple) -> torch.futures.Future:
@@ -137,20 +138,19 @@ def _fixed_width(ctx):
     return lambda key, tensor, layout: ctx.schedule(ctx, tensor, key, layout)
 
 
-def _value_or_raise(state: THCState, fut: torch.futures.Future) -> torch.Tensor:
+def _value_or_raise(said: tuple, fut: torch.futures.Future) -> torch.Tensor:
     """The continuation every future handed to DDP goes through. hhook's futures fail by
     holding their exception (so that its own waiters get :class:`~hhook.errors.PeerLostError`
     and the rest unwrapped), and DDP's C++ reducer reads such a value as an object to cast:
     the user read ``Unable to cast <hhook's message> to Tensor``. Raising here fails the
     future in C++, and DDP raises ``... PeerLostError: <hhook's message>`` instead. A
     bucket's exchange that found a checkpoint loaded on some ranks, not all, raises the
-    :class:`~hhook.errors.ConfigMismatchError` naming each rank's options
-    (:func:`hhook.schedule.load_check.named_error`)."""
+    :class:`~hhook.errors.ConfigMismatchError` naming each rank's options as the hook
+    found them (``said``, :func:`hhook.schedule.load_check.said`)."""
     try:
         return fut.value()
     except CallChanged:  # only ever a load on some ranks: no other DDP exchange is marked
-        raise load_check.named_error(state.process_group, state.options.fields(), state.pending_load is not None) \
-            from None
+        raise load_check.named_error(said) from None
     except BaseException as exc:  # noqa: BLE001 - re-raised without torch's frames
         raise exc.with_traceback(None) from exc.__cause__
 

@@ -171,18 +171,20 @@ def agree(group, fields, counters=None, what: str = "hhook's options handshake",
     raise ConfigMismatchError(_differences(rows.view(-1, WORDS).tolist(), members.ranks, what))
 
 
-def call_number(group) -> int:
-    """The number of this call among the checked calls on ``group`` (the same on every
-    rank: every rank makes them in the same order), for :func:`named`'s keys."""
+def call_number(group, kind: str = "call") -> str:
+    """The number of this call among the ``kind`` calls on ``group`` (``"call"``: checked
+    ``thc_allreduce`` calls; ``"bucket"``: the DDP hook's buckets, drawn in hook order),
+    the same on every rank (every rank makes them in the same order), for :func:`named`'s
+    keys."""
     members = membership.of(group)
-    key = (members.instance, members.name)
+    key = (members.instance, members.name, kind)
     with _lock:
         n = _calls.get(key, 0)
         _calls[key] = n + 1
-    return n
+    return f"{kind}{n}"
 
 
-def named(group, fields, number: int, what: str) -> Exception:
+def named(group, fields, number: str, what: str) -> Exception:
     """The :class:`~hhook.errors.ConfigMismatchError` naming each field of ``fields`` that
     differs between the ranks of ``group``, with each rank's value, for the checked call
     ``number`` (:func:`call_number`), where every rank found that they differ: each rank

@@ -158,8 +158,19 @@ def call(state, tensor: torch.Tensor, key, layout) -> torch.futures.Future | Non
     return fut
 
 
-def named_error(group, fields: tuple, loaded: bool) -> ConfigMismatchError:
-    """The error of an exchange that found a checkpoint loaded on some ranks, not all:
-    ``fields`` (this rank's options, :meth:`hhook.state.Options.fields`) and whether this
-    rank ``loaded`` one, each rank's named (:func:`hhook.schedule.handshake.named`)."""
-    return named(group, tuple(fields) + (("load_state_dict", loaded),), call_number(group), WHAT)
+def said(state) -> tuple:
+    """What a DDP bucket's exchange would say, should it find a checkpoint loaded on some
+    ranks: this rank's options (:meth:`hhook.state.Options.fields`), whether it loaded one,
+    and the bucket's number (:func:`~hhook.schedule.handshake.call_number`), taken when the
+    hook launches it. Read later, in the continuation, a rank whose program went on (DDP
+    raised the first bucket's error while the others' ran) could say what it loaded since,
+    and number the buckets in the order their continuations ran."""
+    fields = tuple(state.options.fields()) + (("load_state_dict", state.pending_load is not None),)
+    return state.process_group, fields, call_number(state.process_group, "bucket")
+
+
+def named_error(said: tuple) -> ConfigMismatchError:
+    """The error of an exchange that found a checkpoint loaded on some ranks, not all, each
+    rank's options named as :func:`said` took them (:func:`hhook.schedule.handshake.named`)."""
+    group, fields, number = said
+    return named(group, fields, number, WHAT)
