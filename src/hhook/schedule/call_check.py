@@ -27,6 +27,10 @@ never waits for a peer to learn it.
 * Calls that take no THC exchange of the flat schedule (float64, sparse, empty or
   expanded tensors, a two-level layout) wait for the same check round on the caller's
   thread, then go on as before.
+* A rank that loaded a checkpoint since the options handshake makes the call as every
+  rank verified it, filler marked :data:`CHANGED` in place of its tensor
+  (:mod:`hhook.schedule.load_check`): some ranks, not all, makes every rank raise, naming
+  the options and ``load_state_dict`` per rank.
 """
 
 from __future__ import annotations
