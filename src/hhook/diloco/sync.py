@@ -385,14 +385,13 @@ def _start_together(sites: Sites, fragments: list[Fragment], outer: list[torch.T
     """Every site takes site 0's parameters and buffers (each ring broadcasts its shard
     of the synchronized ones, and the others whole; nothing where every site holds them
     already, :func:`~hhook.diloco.sites.hold_one_model`), and the outer copy is read."""
-    source = sites.source()
-    if hold_one_model(sites, checkpoint.model_digest([f.read() for f in fragments] + list(others))):
-        for fragment, mine in zip(fragments, outer):
-            mine.copy_(fragment.read())
+    source, shards = sites.source(), [fragment.read() for fragment in fragments]
+    if hold_one_model(sites, checkpoint.model_digest(shards + list(others))):
+        for shard, mine in zip(shards, outer):
+            mine.copy_(shard)
         return
     with explained("hhook.diloco's broadcast of site 0's parameters", sites.ring), torch.no_grad():
-        for fragment, mine in zip(fragments, outer):
-            shard = fragment.read()
+        for fragment, shard, mine in zip(fragments, shards, outer):
             dist.broadcast(shard, source, group=sites.ring)
             fragment.write(shard, sites.site_group)
             mine.copy_(shard)

@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import load_check
-from .call_check import check_expanded, checked_allreduce_async
-from .dense import check_dtype
+from .call_check import checked_allreduce_async, exchange_checked
 from .flat import check_tensor, second_group
 
 
@@ -57,9 +56,7 @@ def thc_allreduce_async(tensor: torch.Tensor, state, key=None, layout=None) -> t
         fut = checked_allreduce_async(ctx, tensor, key, layout)
         if fut is not None:
             return fut
-    check_dtype(tensor)
-    check_expanded(tensor)
-    return ctx.schedule(ctx, tensor, key, layout)
+    return exchange_checked(ctx, tensor, key, layout)
 
 
 def connect(state, device) -> None:

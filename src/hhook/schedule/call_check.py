@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ..codec.layout import SUPPORTED_DTYPES
 from ..scales.message import CallChanged
+from .dense import check_dtype
 from .flat import flat_allreduce_async, pieces, second_group
 from .futures import Sequencer, attach, new_future, value_of
 from .groups import pair, pair_agrees
@@ -77,14 +78,19 @@ def expanded(tensor: torch.Tensor) -> bool:
     return not tensor.is_sparse and any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape))
 
 
-def check_expanded(tensor: torch.Tensor) -> None:
-    """Refuse, on every rank (after the call's check), a tensor whose elements share memory."""
+def exchange_checked(ctx, tensor: torch.Tensor, key, layout) -> torch.futures.Future:
+    """The exchange of a call that passed its check on another path than the flat THC one
+    (float64, sparse, empty or expanded tensors, a two-level layout), or needs none (one
+    rank): a dtype hhook refuses (:func:`~hhook.schedule.dense.check_dtype`) or a tensor
+    whose elements share memory raises here, on every rank alike; else ``ctx``'s schedule."""
+    check_dtype(tensor)
     if expanded(tensor):
         raise ValueError(
             f"hhook averages the tensor in place, but this one is expanded (shape {tuple(tensor.shape)}, strides "
             f"{tensor.stride()}): several of its elements are one memory location, which cannot hold different "
             "means. Pass tensor.contiguous() (a copy) and use the result"
         )
+    return ctx.schedule(ctx, tensor, key, layout)
 
 
 def call_fields(tensor: torch.Tensor) -> tuple:
@@ -103,7 +109,7 @@ def checked_allreduce_async(ctx, tensor: torch.Tensor, key, layout, loaded: tupl
     takes part in the others' call with filler marked :data:`CHANGED`, and its future
     raises a :class:`CallChanged` counting the ranks that loaded where all of them did."""
     number, fields = call_number(ctx.group), call_fields(tensor)
-    said = fields_said(ctx, loaded)
+    said = options_said(ctx.fields if loaded is None else loaded, loaded is not None)
     if tensor.numel() == 0 or tensor.is_sparse or tensor.dtype not in SUPPORTED_DTYPES or expanded(tensor) \
             or ctx.inter is not None:
         done = new_future(tensor)
@@ -225,11 +231,11 @@ def _run(ctx, tensor: torch.Tensor, call: tuple, result: torch.futures.Future, s
     attach(work.get_future(), checked, ctx.group)
 
 
-def fields_said(ctx, loaded: tuple | None) -> tuple:
+def options_said(fields, loaded: bool) -> tuple:
     """What a rank says of its options where an exchange found a call that changed or a
-    checkpoint loaded on some ranks: the options it runs (``loaded``, those of a rank that
-    loaded one; else the verified ones) and whether it loaded."""
-    return (ctx.fields if loaded is None else tuple(loaded)) + (("load_state_dict", loaded is not None),)
+    checkpoint loaded on some ranks: the options it runs (``fields``, :meth:`hhook.state.
+    Options.fields`) and whether it loaded a checkpoint since the handshake."""
+    return tuple(fields) + (("load_state_dict", loaded),)
 
 
 def _calls(ctx, tensor: torch.Tensor):

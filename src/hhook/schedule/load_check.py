@@ -50,8 +50,8 @@ from ..errors import ConfigMismatchError
 from ..scales.message import CallChanged
 from ..stats import Counters
 from .context import CallContext
-from .call_check import check_expanded, checked_allreduce_async
-from .dense import check_dtype, tallied_allreduce
+from .call_check import checked_allreduce_async, exchange_checked, options_said
+from .dense import tallied_allreduce
 from .flat import flat_allreduce_async
 from .handshake import call_number, named
 
@@ -142,9 +142,7 @@ def call(state, tensor: torch.Tensor, key, layout) -> torch.futures.Future | Non
     loaded = state.pending_load
     fut = checked_allreduce_async(loaded.ctx, tensor, key, layout, state.options.fields())
     if fut is None:  # its check passed; another path, unmarked
-        check_dtype(tensor)
-        check_expanded(tensor)
-        return loaded.ctx.schedule(loaded.ctx, tensor, key, layout)
+        return exchange_checked(loaded.ctx, tensor, key, layout)
     if loaded.some:
         return fut
     try:
@@ -165,7 +163,7 @@ def said(state) -> tuple:
     hook launches it. Read later, in the continuation, a rank whose program went on (DDP
     raised the first bucket's error while the others' ran) could say what it loaded since,
     and number the buckets in the order their continuations ran."""
-    fields = tuple(state.options.fields()) + (("load_state_dict", state.pending_load is not None),)
+    fields = options_said(state.options.fields(), state.pending_load is not None)
     return state.process_group, fields, call_number(state.process_group, "bucket")
 
 
