@@ -15,7 +15,9 @@ import torch
 
 from hhook.codec import rng
 from hhook.codec.kernels import cpu as cpu_kernels
+from hhook.codec.kernels import threads as kernel_threads
 from hhook.codec import HEADER, Prepared, THCCodec
+from hhook.scales import ScalePolicy
 from hhook.simulation import heavy_tailed, simulate_allreduce, vnmse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,7 +195,41 @@ def _pipeline(codec, inputs, out_dtype) -> list[torch.Tensor]:
     residual = torch.randn(len(inputs), *prepared[0].blocks.shape, generator=torch.Generator().manual_seed(1)) * 1e-3
     words = [codec.quantize(p, agreed, codec.stream(r, 4), residual[r]) for r, p in enumerate(prepared)]
     out = codec.decode(prepared[0], agreed, sum(words), torch.empty(inputs[0].shape, dtype=out_dtype))
-    return [agreed, *words, residual.view(torch.int32), out.view(torch.int16 if out.element_size() == 2 else torch.int32)]
+    gathered = _gathered_mean(codec, inputs, out_dtype)
+    return [agreed, *words, residual.view(torch.int32), *(_bits(o) for o in (out, gathered))]
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+def _gathered_mean(codec, inputs, out_dtype, out=None) -> torch.Tensor:
+    """The mean of ``inputs`` (one a rank) over gathered scales: every rank's message, end to end, decoded."""
+    policy = ScalePolicy(bits=codec.bits, block_size=codec.block_size, seed=codec.seed, gather=True)
+    n = len(inputs)
+    plans = [policy.begin(x, None, r, n, 9) for r, x in enumerate(inputs)]
+    messages = torch.cat([policy.finish(p) for p in plans])
+    out = torch.empty(inputs[0].shape, dtype=out_dtype) if out is None else out
+    return policy.decode(messages, plans[0], out)[0]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("block,numel", [(1, 5), (16, 1000), (1024, 70001), (65536, 70001)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_decode_matches_the_reference(n, block, numel, dtype, reference):
+    """Gathered scales' decode (the sum of every rank's message in rank order, divided by
+    the count, rotated back once) gives the reference's bits, into a strided output too."""
+    g = torch.Generator().manual_seed(n * 7 + block)
+    inputs = [(torch.randn(numel, generator=g) * (r + 1) ** 2).to(dtype) for r in range(n)]
+    inputs[-1][: numel // 3] = 0  # a block of zeros on one rank
+    codec = THCCodec(4, block, 3, n)
+    fused = _gathered_mean(codec, inputs, dtype)
+    with reference():
+        expected = _gathered_mean(codec, inputs, dtype)
+    assert torch.equal(_bits(fused), _bits(expected))
+    strided = torch.empty(numel, 2, dtype=dtype)[:, 0]
+    assert torch.equal(_bits(_gathered_mean(codec, inputs, dtype, strided).contiguous()), _bits(expected))
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 instruction-set levels")
@@ -292,7 +328,7 @@ def test_encode_and_decode_from_two_threads_while_the_pool_is_replaced(monkeypat
     """The hook's thread encodes while a process group's thread decodes, both through the
     one thread pool. The pool is replaced when a call needs more threads than it has;
     forcing that before every call makes the replacement race each other's submissions."""
-    monkeypatch.setattr(cpu_kernels, "_MIN_PER_THREAD", 1)  # small tensors still split
+    monkeypatch.setattr(kernel_threads, "MIN_PER_THREAD", 1)  # small tensors still split
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
@@ -311,7 +347,7 @@ def test_encode_and_decode_from_two_threads_while_the_pool_is_replaced(monkeypat
         def encode():
             start.wait()
             for _ in range(rounds):
-                cpu_kernels._executor_threads = 0  # the next call replaces the pool
+                kernel_threads._executor_threads = 0  # the next call replaces the pool
                 prepared = codec.prepare(x)
                 assert torch.equal(codec.quantize(prepared, agreed_x, 7), words_x)
 
@@ -319,7 +355,7 @@ def test_encode_and_decode_from_two_threads_while_the_pool_is_replaced(monkeypat
             start.wait()
             out = torch.empty_like(y)
             for _ in range(rounds):
-                cpu_kernels._executor_threads = 0
+                kernel_threads._executor_threads = 0
                 assert torch.equal(codec.decode(q, agreed_y, words_y, out), mean_y)
 
         def run(fn):

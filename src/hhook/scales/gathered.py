@@ -5,8 +5,9 @@ A rank's message is ``[PREFIX | its block maxima (float32 bits) | its codes]``, 
 packed in lanes as wide as the bits (the one-rank codec's: nothing is summed in a lane).
 Every rank receives every message end to end in rank order, checks the sum of their
 prefixes as a summed message's (:func:`hhook.scales.message.check_prefix`), dequantizes
-each message on its own maxima, adds them in rank order and rotates the sum back once:
-every rank derives the same bits.
+each message on its own maxima, adds them in rank order from zero, divides by the count
+and rotates the sum back once: every rank derives the same bits (the fused CPU kernel,
+:func:`hhook.codec.kernels.cpu.decode_gathered`, performs these operations in this order).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..codec import THCCodec, lanes, quantization, rotation
+from ..codec.codec import fused_backend
+from ..codec.kernels import cpu as cpu_kernels
 from ..codec.layout import HEADER, wrap
 from . import message
 from .message import PREFIX
@@ -59,6 +62,9 @@ def decode(gathered: torch.Tensor, solo: THCCodec, world_size: int, fps: tuple, 
         return False
     n_blocks, block = solo.n_blocks(numel), solo.block_for(numel)
     meta = maxima_words(solo, numel)
+    if fused_backend(out, block) is cpu_kernels:  # the same bits in one pass a block
+        cpu_kernels.decode_gathered(solo, rows, PREFIX, meta, numel, out)
+        return None
     total = torch.zeros(n_blocks, block, dtype=torch.float32, device=out.device)
     for row in rows:
         maxima = row[PREFIX : PREFIX + meta].view(torch.float32)[:n_blocks]

@@ -11,7 +11,8 @@ thread); each stage here is one pass per block, from ``csrc/thc_cpu.c``:
    :mod:`hhook.codec.rng` (independent or correlated thresholds, :class:`hhook.codec.rng.Stream`), written straight into the lane words of :mod:`hhook.codec.lanes`, and the
    new residual. Given the same rotated blocks and scales the words equal the
    reference's bit for bit (same float32 operations in the same order, no contraction).
-3. ``decode``: unpack, dequantize, inverse rotation, crop, store in the output's dtype.
+3. ``decode``: unpack, dequantize, inverse rotation, crop, store in the output's dtype;
+   ``decode_gathered`` the same over gathered scales' one-rank messages, summed in rank order.
 
 The butterflies run in the order :mod:`hhook.codec.rotation` specifies, so every stage's
 output (rotated blocks, maxima, words, residuals, the decoded mean) is the reference's, bit
@@ -30,14 +31,13 @@ plant code there, so the library is then built in a private temporary folder, wi
 log line. Without a working
 compiler the codec logs one line and uses the reference. ``HHOOK_CPU_MARCH`` builds for
 another ``-march`` than ``native`` (the same bits, another speed). ctypes releases the GIL, so
-the blocks are split over ``torch.get_num_threads()`` Python threads.
+the blocks are split over ``torch.get_num_threads()`` Python threads (:mod:`.threads`).
 ``HHOOK_FORCE_REFERENCE=1`` forces the reference.
 """
 
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import contextlib
 import ctypes
 import functools
@@ -50,13 +50,12 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from . import backend, trust
+from . import backend, threads, trust
 from .. import layout as spec
 from .. import rng, rotation
 from .backend import FORCE_REFERENCE_ENV  # noqa: F401 - named here by hhook.profile.codec_bench
@@ -72,8 +71,6 @@ MARCH_ENV = "HHOOK_CPU_MARCH"
 SOURCE_NAME = "thc_cpu.c"
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-std=c11", "-fPIC", "-shared")
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_MIN_PER_THREAD = 1 << 16  # coordinates: below this a second thread costs more than it saves
-_POOL_SIZE = 8  # rotated-block workspaces kept for reuse
 
 #: How the library was obtained in this process: ``path``, ``compiled`` (False: loaded
 #: from the cache), ``seconds`` (compile or load time); empty until first use.
@@ -87,6 +84,8 @@ _SIGNATURES = {
                     _c_i64, _c_int, _c_int, _c_int, _c_i64, _c_i64, _c_ptr),
     "hh_decode": (_c_ptr, _c_int, _c_i64, _c_int, _c_ptr, _c_int, _c_int, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
                   _c_ptr, _c_int, _c_ptr),
+    "hh_decode_gathered": (_c_ptr, _c_int, _c_i64, _c_i64, _c_int, _c_ptr, _c_i64, _c_int, _c_int, _c_i64, _c_i64,
+                           _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_ptr),
 }
 
 
@@ -259,56 +258,6 @@ def supports(block: int) -> bool:
     return 1 <= block <= 1 << 16 and block & (block - 1) == 0
 
 
-# -- threads and workspaces --------------------------------------------------------
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
-_executor_threads = 0
-_executor_lock = threading.Lock()
-
-
-def _parallel(fn, total: int, coords_per_item: int) -> list:
-    """Run ``fn(first, last)`` over ``[0, total)`` split across torch's thread count.
-
-    Called from several threads at once (the hook encodes while the transport's threads
-    decode). The pool grows by replacement; submitting under the lock that replaces it
-    means no call submits to a pool already shut down (whose queued work still runs).
-    """
-    global _executor, _executor_threads
-    parts = min(torch.get_num_threads(), max(1, total * coords_per_item // _MIN_PER_THREAD), max(total, 1))
-    if parts <= 1:
-        return [fn(0, total)]
-    bounds = [total * i // parts for i in range(parts + 1)]
-    with _executor_lock:
-        if _executor is None or _executor_threads < parts:
-            if _executor is not None:
-                _executor.shutdown(wait=False)
-            _executor = concurrent.futures.ThreadPoolExecutor(parts, thread_name_prefix="hhook-cpu")
-            _executor_threads = parts
-        futures = [_executor.submit(fn, bounds[i], bounds[i + 1]) for i in range(parts)]
-    return [f.result() for f in futures]
-
-
-_pool: list[torch.Tensor] = []
-_pool_lock = threading.Lock()
-
-
-def _take_workspace(numel: int) -> torch.Tensor:
-    """A float32 buffer of ``numel``: fresh pages cost page faults on every call."""
-    with _pool_lock:
-        fits = [i for i, b in enumerate(_pool) if b.numel() >= numel]
-        if fits:
-            best = _pool.pop(min(fits, key=lambda i: _pool[i].numel()))
-            return best[:numel]
-    return torch.empty(numel, dtype=torch.float32)
-
-
-def _give_workspace(buffer: torch.Tensor) -> None:
-    with _pool_lock:
-        base = buffer._base if buffer._base is not None else buffer
-        _pool.append(base)
-        if len(_pool) > _POOL_SIZE:
-            _pool.pop(min(range(len(_pool)), key=lambda i: _pool[i].numel()))
-
-
 @functools.lru_cache(maxsize=64)
 def scaled_signs(seed: int, block: int) -> torch.Tensor:
     """``D`` times ``rotation.norm(B)``: decode's last multiply, ``(H y * norm) * D`` in one
@@ -326,7 +275,7 @@ def rotate(codec, source: torch.Tensor, residual: torch.Tensor | None = None):
     block = codec.block_for(numel)
     n_blocks = codec.n_blocks(numel)
     src = source.contiguous()
-    blocks = _take_workspace(n_blocks * block).view(n_blocks, block)
+    blocks = threads.take_workspace(n_blocks * block).view(n_blocks, block)
     maxima = torch.empty(n_blocks, dtype=torch.float32)
     signs = rotation.signs(codec.seed, block, torch.device("cpu"))
     norm = rotation.norm(block)
@@ -342,7 +291,7 @@ def rotate(codec, source: torch.Tensor, residual: torch.Tensor | None = None):
                        ctypes.byref(digest), ctypes.byref(nonfinite))
         return digest.value, nonfinite.value
 
-    parts = _parallel(run, n_blocks, block)
+    parts = threads.parallel(run, n_blocks, block)
     digest = sum(d for d, _ in parts) & ((1 << 48) - 1)
     nonfinite = any(f for _, f in parts)
     return blocks, maxima, digest, nonfinite
@@ -396,7 +345,7 @@ def quantize(codec, prepared, agreed, key, residual=None, residual_out=None, out
                         stream.row, stream.strata_bits, stream.offset, n_words, layout.lanes,
                         layout.width, layout.word_bits, first, last, words.data_ptr())
 
-    _parallel(run, n_words, layout.lanes)
+    threads.parallel(run, n_words, layout.lanes)
     if residual_out is not None and not direct:
         residual_out.copy_(r_out.view(residual_out.shape))
     return words
@@ -414,7 +363,7 @@ def decode(codec, prepared, agreed, words: torch.Tensor, out: torch.Tensor) -> t
     backend.check(out, numel, "out", device_type="cpu")
     nonfinite, mismatch, identical = _verdicts(agreed)
     if prepared.blocks is not None:
-        _give_workspace(prepared.blocks)
+        threads.give_workspace(prepared.blocks)
         prepared.blocks = None
     if nonfinite or mismatch:
         return out.fill_(float("nan"))
@@ -434,7 +383,38 @@ def decode(codec, prepared, agreed, words: torch.Tensor, out: torch.Tensor) -> t
                       codec.world_size, numel, block, signs.data_ptr(), first, last, target.data_ptr(), dtype,
                       work.data_ptr())
 
-    _parallel(run, n_blocks, block)
+    threads.parallel(run, n_blocks, block)
+    if not direct:
+        out.copy_(target.view(out.shape))
+    return out
+
+
+def decode_gathered(solo, rows: torch.Tensor, start: int, meta: int, numel: int, out: torch.Tensor) -> torch.Tensor:
+    """The mean of gathered scales' one-rank messages (:func:`hhook.scales.gathered.decode`'s
+    specification, bit for bit): ``rows`` holds one message a row, its block maxima (float32
+    bits) in words ``[start, start + meta)`` and its codes in ``solo``'s lanes after them;
+    the sum in rank order, divided by the count, rotated back once, into ``out``."""
+    lib = _library()
+    block, n_blocks, layout = solo.block_for(numel), solo.n_blocks(numel), solo.layout
+    n_words = layout.n_words(n_blocks * block)
+    messages, row_words = rows.shape
+    if rows.dtype != layout.word_dtype or row_words != start + meta + n_words or not rows.is_contiguous():
+        raise ValueError(f"hhook: gathered messages of {row_words} {rows.dtype} words; this tensor's take "
+                         f"{start + meta + n_words} {layout.word_dtype}")
+    backend.check(out, numel, "out", device_type="cpu")
+    direct = out.is_contiguous() and out.dtype in _DTYPE_CODE
+    target = out if direct else torch.empty(numel, dtype=torch.float32)
+    word_bytes = rows.element_size()
+    signs, dtype = scaled_signs(solo.seed, block), _DTYPE_CODE[target.dtype]
+
+    def run(first, last):
+        work = torch.empty(block, dtype=torch.float32)
+        lib.hh_decode_gathered(rows.data_ptr() + (start + meta) * word_bytes, layout.word_bits, n_words, row_words,
+                               layout.width, rows.data_ptr() + start * word_bytes, row_words * word_bytes // 4,
+                               solo.levels, messages, numel, block, signs.data_ptr(), first, last, target.data_ptr(),
+                               dtype, work.data_ptr())
+
+    threads.parallel(run, n_blocks, block * messages)
     if not direct:
         out.copy_(target.view(out.shape))
     return out

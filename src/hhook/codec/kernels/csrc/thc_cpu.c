@@ -104,6 +104,10 @@ static void fwht(float *x, int64_t n) {
             }
 }
 
+/* Streaming pays once a stage's output exceeds the last-level cache; below, the next stage
+ * finds it in cache. */
+#define HH_STREAM_BYTES ((int64_t)4 << 20)
+
 #ifdef __AVX2__
 #define HH_INLINE static inline __attribute__((always_inline))
 #define HH_GROUP 32 /* coordinates of the first pass's register group */
@@ -222,9 +226,6 @@ HH_INLINE void wht_rest(float *x, float *out, int64_t n, const float *mul, float
         wht_rest_to(x, out, n, mul, scale, top, 0);
 }
 
-/* Streaming pays once a stage's output exceeds the last-level cache; below, the next stage
- * finds it in cache. */
-#define HH_STREAM_BYTES ((int64_t)4 << 20)
 #define HH_SCRATCH 4096 /* floats: blocks up to this size go through an L1 scratch */
 
 static inline int aligned32(const void *p) { return ((uintptr_t)p & 31) == 0; }
@@ -491,80 +492,128 @@ void hh_quantize(const float *blocks, const float *residual, float *residual_out
 }
 
 /* -- stage 5 ---------------------------------------------------------------------- */
-/* Blocks [first_block, last_block): lane sums S -> S * (step / n) - M -> D H y / sqrt(B)
- * (signs holds D / sqrt(B)) -> out[:numel] in its dtype. work: B floats. */
+/* Block b of one message's lane values c -> c * scale - m, into work[0, B) (accumulate:
+ * added to what work holds, elementwise). */
+static void dequantize_block(const void *words, int word_bits, int64_t n_words, int width, int64_t b,
+                             int64_t block, float scale, float m, float *work, int accumulate) {
+    const uint64_t mask = ((uint64_t)1 << width) - 1;
+    int64_t p = b * block, p_end = p + block;
+    while (p < p_end) {
+        int64_t lane = p / n_words;
+        int64_t i0 = p - lane * n_words;
+        int64_t len = n_words - i0 < p_end - p ? n_words - i0 : p_end - p;
+        int shift = (int)lane * width;
+        float *dst = work + (p - b * block);
+        int64_t i = 0;
+#ifdef __AVX2__
+        const __m256 scale8 = _mm256_set1_ps(scale), m8 = _mm256_set1_ps(m);
+        const __m128i count = _mm_cvtsi32_si128(shift);
+        if (word_bits == 32) {
+            const __m256i mk = _mm256_set1_epi32((int)mask);
+            for (; i + 8 <= len; i += 8) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)((const uint32_t *)words + i0 + i));
+                __m256i c = _mm256_and_si256(_mm256_srl_epi32(w, count), mk);
+                __m256 v = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), scale8), m8);
+                _mm256_storeu_ps(dst + i, accumulate ? _mm256_add_ps(_mm256_loadu_ps(dst + i), v) : v);
+            }
+        } else {
+            const __m256i mk = _mm256_set1_epi64x((int64_t)mask);
+            const __m256i evens = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+            for (; i + 8 <= len; i += 8) {
+                const uint64_t *w = (const uint64_t *)words + i0 + i;
+                __m256i c0 = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256((const __m256i *)w), count), mk);
+                __m256i c1 = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256((const __m256i *)(w + 4)), count), mk);
+                /* codes < 2^31: their low halves, in order */
+                __m128i l0 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(c0, evens));
+                __m128i l1 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(c1, evens));
+                __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(l0), l1, 1);
+                __m256 v = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), scale8), m8);
+                _mm256_storeu_ps(dst + i, accumulate ? _mm256_add_ps(_mm256_loadu_ps(dst + i), v) : v);
+            }
+        }
+#endif
+        if (word_bits == 32) {
+            const uint32_t *w = (const uint32_t *)words + i0;
+            uint32_t mk = (uint32_t)mask;
+            for (; i < len; i++) {
+                float v = (float)(int32_t)((w[i] >> shift) & mk) * scale - m;
+                dst[i] = accumulate ? dst[i] + v : v;
+            }
+        } else {
+            const uint64_t *w = (const uint64_t *)words + i0;
+            for (; i < len; i++) {
+                float v = (float)(int64_t)((w[i] >> shift) & mask) * scale - m;
+                dst[i] = accumulate ? dst[i] + v : v;
+            }
+        }
+        p += len;
+    }
+}
+
+/* Block b's rotated mean in work -> D H work / sqrt(B) (signs holds D / sqrt(B)) ->
+ * out[b * B, ...) cropped to numel, in its dtype (big: stream whole fp32 blocks past the cache). */
+static void unrotate_block(float *work, int64_t b, int64_t block, int64_t numel, const float *signs, void *out,
+                           int out_dtype, int big) {
+    int64_t start = b * block;
+    int64_t count = numel - start < block ? numel - start : block;
+#ifdef __AVX2__
+    if (block >= HH_GROUP) {
+        /* the sign diagonal and, for whole fp32 blocks, the store ride on the last pass */
+        int direct = out_dtype == HH_F32 && count == block;
+        float *dst = direct ? (float *)out + start : work;
+        wht_first_pass(work, work, block, 0, 0, 0, 0, 0);
+        wht_rest(work, dst, block, signs, 0.0f, 0, direct && big && aligned32(dst));
+        if (!direct) store_from_f32(out, out_dtype, start, count, work);
+        return;
+    }
+#else
+    (void)big;
+#endif
+    fwht(work, block);
+    for (int64_t i = 0; i < block; i++) work[i] *= signs[i];
+    store_from_f32(out, out_dtype, start, count, work);
+}
+
+/* Blocks [first_block, last_block) of one summed message: lane sums S -> S * (step / n) - M
+ * -> the inverse rotation -> out[:numel] in its dtype. work: B floats. */
 void hh_decode(const void *words, int word_bits, int64_t n_words, int width,
                const float *maxima, int levels, int world_size, int64_t numel, int64_t block,
                const float *signs, int64_t first_block, int64_t last_block, void *out, int out_dtype,
                float *work) {
-    const uint64_t mask = ((uint64_t)1 << width) - 1;
     const float top = (float)(levels - 1);
     const float n = (float)world_size;
-#ifdef __AVX2__
     const int big = (last_block - first_block) * block * 4 >= HH_STREAM_BYTES;
-#endif
     for (int64_t b = first_block; b < last_block; b++) {
         float m = maxima[b];
-        float scale = ((m * 2.0f) / top) / n;
-        int64_t p = b * block, p_end = p + block;
-        while (p < p_end) {
-            int64_t lane = p / n_words;
-            int64_t i0 = p - lane * n_words;
-            int64_t len = n_words - i0 < p_end - p ? n_words - i0 : p_end - p;
-            int shift = (int)lane * width;
-            float *dst = work + (p - b * block);
-            int64_t i = 0;
+        dequantize_block(words, word_bits, n_words, width, b, block, ((m * 2.0f) / top) / n, m, work, 0);
+        unrotate_block(work, b, block, numel, signs, out, out_dtype, big);
+    }
 #ifdef __AVX2__
-            const __m256 scale8 = _mm256_set1_ps(scale), m8 = _mm256_set1_ps(m);
-            const __m128i count = _mm_cvtsi32_si128(shift);
-            if (word_bits == 32) {
-                const __m256i mk = _mm256_set1_epi32((int)mask);
-                for (; i + 8 <= len; i += 8) {
-                    __m256i w = _mm256_loadu_si256((const __m256i *)((const uint32_t *)words + i0 + i));
-                    __m256i c = _mm256_and_si256(_mm256_srl_epi32(w, count), mk);
-                    _mm256_storeu_ps(dst + i, _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), scale8), m8));
-                }
-            } else {
-                const __m256i mk = _mm256_set1_epi64x((int64_t)mask);
-                const __m256i evens = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-                for (; i + 8 <= len; i += 8) {
-                    const uint64_t *w = (const uint64_t *)words + i0 + i;
-                    __m256i c0 = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256((const __m256i *)w), count), mk);
-                    __m256i c1 = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256((const __m256i *)(w + 4)), count), mk);
-                    /* codes < 2^31: their low halves, in order */
-                    __m128i l0 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(c0, evens));
-                    __m128i l1 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(c1, evens));
-                    __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(l0), l1, 1);
-                    _mm256_storeu_ps(dst + i, _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), scale8), m8));
-                }
-            }
+    _mm_sfence(); /* the streamed stores are visible before the caller reads */
 #endif
-            if (word_bits == 32) {
-                const uint32_t *w = (const uint32_t *)words + i0;
-                uint32_t mk = (uint32_t)mask;
-                for (; i < len; i++) dst[i] = (float)(int32_t)((w[i] >> shift) & mk) * scale - m;
-            } else {
-                const uint64_t *w = (const uint64_t *)words + i0;
-                for (; i < len; i++) dst[i] = (float)(int64_t)((w[i] >> shift) & mask) * scale - m;
-            }
-            p += len;
+}
+
+/* Blocks [first_block, last_block) of `messages` one-rank messages (gathered scales),
+ * message r's words at words + r * stride_words (words), its maxima at maxima + r *
+ * stride_floats: sum over r in rank order, from 0, of c * step_r - M_r, divided by the
+ * count, then the inverse rotation -> out[:numel] in its dtype. work: B floats. */
+void hh_decode_gathered(const void *words, int word_bits, int64_t n_words, int64_t stride_words, int width,
+                        const float *maxima, int64_t stride_floats, int levels, int messages, int64_t numel,
+                        int64_t block, const float *signs, int64_t first_block, int64_t last_block, void *out,
+                        int out_dtype, float *work) {
+    const float top = (float)(levels - 1);
+    const float n = (float)messages;
+    const int64_t word_bytes = word_bits / 8;
+    const int big = (last_block - first_block) * block * 4 >= HH_STREAM_BYTES;
+    for (int64_t b = first_block; b < last_block; b++) {
+        for (int64_t i = 0; i < block; i++) work[i] = 0.0f;
+        for (int r = 0; r < messages; r++) {
+            float m = maxima[r * stride_floats + b];
+            const char *own = (const char *)words + r * stride_words * word_bytes;
+            dequantize_block(own, word_bits, n_words, width, b, block, ((m * 2.0f) / top) / 1.0f, m, work, 1);
         }
-        int64_t start = b * block;
-        int64_t count = numel - start < block ? numel - start : block;
-#ifdef __AVX2__
-        if (block >= HH_GROUP) {
-            /* the sign diagonal and, for whole fp32 blocks, the store ride on the last pass */
-            int direct = out_dtype == HH_F32 && count == block;
-            float *dst = direct ? (float *)out + start : work;
-            wht_first_pass(work, work, block, 0, 0, 0, 0, 0);
-            wht_rest(work, dst, block, signs, 0.0f, 0, direct && big && aligned32(dst));
-            if (!direct) store_from_f32(out, out_dtype, start, count, work);
-            continue;
-        }
-#endif
-        fwht(work, block);
-        for (int64_t i = 0; i < block; i++) work[i] *= signs[i];
-        store_from_f32(out, out_dtype, start, count, work);
+        for (int64_t i = 0; i < block; i++) work[i] = work[i] / n;
+        unrotate_block(work, b, block, numel, signs, out, out_dtype, big);
     }
 #ifdef __AVX2__
     _mm_sfence(); /* the streamed stores are visible before the caller reads */
