@@ -95,7 +95,7 @@ def _exchange(state: THCState, bucket: dist.GradBucket, layout: tuple) -> torch.
     # anything else, the options handshake (hhook.register ran it already), so that ranks
     # with different options (start_iter above all: its plain iterations would pair one
     # rank's SUM with another's MAX) fail on every rank rather than mis-pair collectives.
-    ctx = state.contexts.get((None, None)) or state.context()
+    ctx = state.contexts.get((None, None)) or state.context(device=buffer.device)
     # This DDP's first iteration: its buckets are not rebuilt yet (a resumed run's keys are)
     registration = state.registration
     first = registration is not None and registration.iterations == 0 and not buffer.is_sparse
@@ -250,7 +250,7 @@ def _per_parameter(state: THCState, grad: torch.Tensor, param: torch.Tensor) -> 
     # Keyed per parameter (no buckets to rebuild, so no plain iterations are needed).
     with torch.no_grad():
         layout = (tuple(param.shape), str(grad.dtype))
-        ctx = state.context()
+        ctx = state.context(device=grad.device)
         ctx.schedule(ctx, grad, ("param", id(param)), layout).wait()
     state.check_deferred(wait=True)
     return completed(grad)
@@ -258,7 +258,7 @@ def _per_parameter(state: THCState, grad: torch.Tensor, param: torch.Tensor) -> 
 
 def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCState | None = None, *,
              process_group: "dist.ProcessGroup | None" = None, bits: int | str = "auto", block_size: int = 1024,
-             seed: int = 0, error_feedback: bool = False, start_iter: int = 2, scales: str = "agreed",
+             seed: int = 0, error_feedback: bool = False, start_iter: int = 2, scales: str = "auto",
              chunk_mb: float | str = "auto", topology: str | int = "flat", rounding: str = "correlated") -> THCState:
     r"""Register :func:`thc_hook` on ``ddp_model``; the options (each documented at
     :class:`THCState`, defaults alike but ``bits``) build its state, or pass ``state`` (e.g.
@@ -317,7 +317,7 @@ def register(ddp_model: "torch.nn.parallel.DistributedDataParallel", state: THCS
         # On every rank, here, before anything else is exchanged: the options handshake (a
         # rank without hhook, or with other options, raises here on every rank that runs
         # it), then the node layout (a layout that cannot hold raises now).
-        ctx = state.context()
+        ctx = state.context(device=next(module.parameters(), torch.empty(0)).device)
         if state.options.bits == "auto" and ctx.world_size > 1:
             reason = one_host(state, ddp_model)
             if reason is not None:  # nothing to measure: DDP's own allreduce, no Python hook

@@ -55,18 +55,22 @@ def world_options(world: str) -> dict:
 
 def _count_stages(device_type: str) -> collections.Counter:
     """Count, in this process, the calls of the fused backend's three stages for
-    ``device_type``: the codec dispatches to them through the module's attributes."""
+    ``device_type``: the codec dispatches to them through the module's attributes (on the
+    CPU, gathered scales' decode, the default's there, counts as the decode)."""
     from hhook.codec.kernels import cpu as cpu_kernels
 
     kernels = cuda_kernels if device_type == "cuda" else cpu_kernels
     ran = collections.Counter()
-    for stage in ("prepare", "quantize", "decode"):
+    stages = {"prepare": "prepare", "quantize": "quantize", "decode": "decode"}
+    if device_type != "cuda":
+        stages["decode_gathered"] = "decode"
+    for name, stage in stages.items():
 
-        def counted(*args, _stage=stage, _run=getattr(kernels, stage), **kwargs):
+        def counted(*args, _stage=stage, _run=getattr(kernels, name), **kwargs):
             ran[_stage] += 1
             return _run(*args, **kwargs)
 
-        setattr(kernels, stage, counted)
+        setattr(kernels, name, counted)
     return ran
 
 

@@ -312,11 +312,12 @@ def _switch_worker(rank, world):
 
     width = variant(state, 3)
     hhook.thc_allreduce(torch.randn(5000, generator=torch.Generator().manual_seed(rank)), width, key=0)
-    residual = width.keys.policies["agreed"].keys[0].residual.clone()
+    policy = width.keys.policies[width.options.scale_mode(world, torch.device("cpu"))]
+    residual = policy.keys[0].residual.clone()
     target = torch.zeros(5000)
     release_other_widths(state, 0, target, keep=None)  # the next exchange of key 0 is another method
     expected = rotation.unrotate(residual, width.options.seed).reshape(-1)[:5000]
-    return target, expected, 0 in width.keys.policies["agreed"].keys
+    return target, expected, 0 in policy.keys
 
 
 def test_switching_flushes_error_feedback_residuals():

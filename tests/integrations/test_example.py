@@ -32,7 +32,9 @@ def test_thc_matches_fp32_accuracy_with_fewer_bytes(tmp_path):
     assert fp32["test_accuracy"] > 0.9
     assert thc["test_accuracy"] > fp32["test_accuracy"] - 0.03
     assert thc["wire_bytes"] == thc["thc_stats"]["wire_bytes"]
-    assert thc["ratio"] > 4.5  # 2 ranks at 4 bits: 5-bit lanes, 6 per int32, minus 2 dense steps
+    # 2 ranks at 4 bits, the default's gathered scales: the all-gather's output is counted, two
+    # messages of 4-bit lanes (8.06 bits a coordinate, of which a ring sends one), minus 2 dense steps
+    assert thc["ratio"] > 3.5
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed (ci/setup.sh --full)")

@@ -235,7 +235,8 @@ def test_two_ranks_time_every_method_and_survive_a_hang(tmp_path):
     assert rows["fp32"]["bytes_per_step"] == 4 * params
     assert rows["fp16"]["bytes_per_step"] == 2 * params  # every gradient, as float16, once per step
     thc = rows["thc:4"]
-    assert thc["bytes_per_step"] < rows["fp16"]["bytes_per_step"] / 2
+    # the default's gathered scales at 2 ranks: the all-gather's output, two messages of 4-bit lanes
+    assert thc["bytes_per_step"] < 0.55 * rows["fp16"]["bytes_per_step"]
     assert thc["bytes_mismatch"] is None and thc["thc_stats"][0]["wire_bytes"] > 0
     for name in ("fp32", "fp16", "thc:4"):
         r = rows[name]
@@ -437,8 +438,9 @@ def test_diloco_method_names_and_defaults():
 
 def test_diloco_rows_report_bytes_between_sites_and_steps_in_flight(tmp_path):
     """2 ranks as 2 sites: the outer synchronization beside DDP's exchange; THC's outer
-    exchange sends about 6x fewer bytes than fp32's, and an inner step of a diloco method
-    hands the ring 1/H of an outer step's bytes."""
+    exchange (gathered scales between 2 sites: its all-gather's output counted, two messages
+    of 4-bit lanes) hands the collectives about 4x fewer bytes than fp32's, and an inner step
+    of a diloco method hands the ring 1/H of an outer step's bytes."""
     out = tmp_path / "train.json"
     proc = _torchrun("--model", "mlp", "--methods", "fp32,diloco:4,diloco:fp32,diloco:4:p=2:overlap=2", "--diloco", "8",
                      "--ranks-per-node", "1", "--steps", "24", "--warmup", "2", "--eval-every", "8",
@@ -449,8 +451,8 @@ def test_diloco_rows_report_bytes_between_sites_and_steps_in_flight(tmp_path):
     assert all(r["status"] == "ok" for r in rows.values()), rows
     assert thc["diloco_stats"][0]["outer_steps"] == fp32["diloco_stats"][0]["outer_steps"] == 3
     assert fp32["outer_bytes_per_outer_step"] == 4 * thc["params"]
-    assert fp32["outer_bytes_per_outer_step"] / thc["outer_bytes_per_outer_step"] > 5.5
-    assert thc["outer_bytes_per_step"] < 4 * thc["params"] / 8 / 5
+    assert fp32["outer_bytes_per_outer_step"] / thc["outer_bytes_per_outer_step"] > 3.8
+    assert thc["outer_bytes_per_step"] < 4 * thc["params"] / 8 / 3.8
     assert streamed["in_flight_steps"] + streamed["sync_steps"] + streamed["quiet_steps"] == 22
     assert streamed["in_flight_steps"] > 0 and streamed["in_flight_vs_quiet"] > 0
     assert any(ln.startswith("# diloco:4:h=8: 2 sites x 1 rank(s), 3 outer steps") for ln in proc.stdout.splitlines())

@@ -212,11 +212,16 @@ def test_bad_options_fail_at_construction(option, value):
         hhook.THCState(**{option: value})
 
 
-def test_agreed_scales_are_the_default_everywhere():
-    state = hhook.THCState()
-    assert state.options.scales == "agreed"
-    assert hhook.THCState(scales="auto").options.scales == "agreed"  # the former default's name
-    assert hhook.THCState(scales="predicted").options.scales == "predicted"
+def test_the_default_scales_are_gathered_on_small_cpu_groups_and_agreed_elsewhere():
+    options = hhook.THCState().options
+    assert options.scales == "auto"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert [options.scale_mode(n, cpu) for n in (1, 2, 3, 4, 5, 8)] == ["agreed"] + ["gathered"] * 3 + ["agreed"] * 2
+    assert options.scale_mode(2, cuda) == options.scale_mode(2, None) == "agreed"  # GPUs; a device not known
+    assert options.scale_mode(2, cpu, two_level=True) == "agreed"  # between the nodes of a two-level layout
+    for mode in ("agreed", "predicted", "gathered"):  # a mode given is the mode run, everywhere
+        given = hhook.THCState(scales=mode).options
+        assert {given.scale_mode(n, d, t) for n in (2, 8) for d in (cpu, cuda) for t in (False, True)} == {mode}
 
 
 def test_tensors_hhook_cannot_average_in_place_are_refused_plainly():

@@ -98,17 +98,17 @@ def _ddp_worker(rank, world, scales):
     return per_step
 
 
-@pytest.mark.parametrize("scales", ["predicted", "agreed", "gathered"])
+@pytest.mark.parametrize("scales", ["predicted", "agreed", "gathered", "auto"])
 def test_the_ddp_hook_takes_its_rounds_and_no_more(scales):
     """Per bucket: one plain allreduce before start_iter (the count of ranks that loaded a
     checkpoint rides in it, no round more), then agreed scales' MAX and SUM; predicted
     scales' one SUM once a bucket has history (its first compressed step takes the agreed
-    round); gathered scales' one all-gather from the first. Counted on every rank, rank 1's
-    gradient about 10x rank 0's."""
+    round); gathered scales' one all-gather from the first, as the default's (CPU tensors,
+    2 ranks). Counted on every rank, rank 1's gradient about 10x rank 0's."""
     for per_step in run_world(_ddp_worker, 2, scales):
         buckets = per_step[1]  # the plain step after DDP rebuilt its buckets
         assert buckets >= 2, per_step
-        if scales == "gathered":  # no MAX, and no second communicator to set up
+        if scales in ("gathered", "auto"):  # no MAX, and no second communicator to set up
             assert per_step[2:] == [buckets] * 4, per_step
             continue
         steady = buckets if scales == "predicted" else 2 * buckets
@@ -133,11 +133,11 @@ def _diloco_worker(rank, world):
     return per_sync
 
 
-def test_a_diloco_fragment_exchange_takes_no_check_round():
-    """Agreed scales (DiLoCo's THC state): the MAX and the SUM, nothing else, once the
-    fragment's first exchange verified its call."""
+def test_a_diloco_fragment_exchange_takes_one_round():
+    """DiLoCo's THC state at its default scales (gathered between 2 sites on CPUs): one
+    all-gather, nothing else, once the fragment's first exchange verified its call."""
     for per_sync in run_world(_diloco_worker, 2):
-        assert len(per_sync) == 4 and per_sync[1:] == [2, 2, 2], per_sync
+        assert len(per_sync) == 4 and per_sync[1:] == [1, 1, 1], per_sync
 
 
 def _late_worker(rank, world, keyed):

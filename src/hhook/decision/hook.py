@@ -14,7 +14,7 @@ from ..schedule.dense import cast_allreduce, dense_allreduce
 from ..schedule.topology import TopologyError, node_census
 from ..state import THCState, report
 from .decision import Decision
-from .methods import BF16, GATHERED_MAX_RANKS, PLAIN, candidates, scales_of, thc_bits, wire_bits
+from .methods import BF16, GATHERED_MAX_RANKS, PLAIN, candidates, mode_of, thc_bits, wire_bits
 from .prober import Prober
 from .widths import release_other_widths, variant
 
@@ -132,7 +132,7 @@ def new_decision(state: THCState) -> Decision:
                          "pass an integer bits= (THC always) or error_feedback=False")
     participants = topo.n_nodes if topo.two_level else topo.world_size
     width = auto_bits(participants, topo.ranks_per_node if topo.two_level else 1, rounding=options.rounding)
-    gathered = not topo.two_level and participants <= GATHERED_MAX_RANKS and options.scales == "agreed"
+    gathered = not topo.two_level and participants <= GATHERED_MAX_RANKS and options.scales in ("agreed", "auto")
     names = candidates(width, gathered=gathered)
     return Decision(names, wire_bits=wire_bits(names, participants, options.block_size))
 
@@ -161,7 +161,7 @@ def reduce_bucket_as_decided(state: THCState, bucket, layout, split=None) -> tor
 
 
 def _reduce_as(method: str, state: THCState, key: int, buffer: torch.Tensor, layout) -> torch.futures.Future:
-    bits, mode = thc_bits(method), scales_of(method)
+    bits, mode = thc_bits(method), mode_of(method, state.options.scales)
     if buffer.is_sparse:
         return dense_allreduce(state.context(), buffer)
     if method != PLAIN:

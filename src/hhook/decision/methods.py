@@ -4,6 +4,7 @@ order, and the bits per coordinate each puts on the wire."""
 from __future__ import annotations
 
 from ..codec.error_model import wire_bits_per_coord
+from ..scales.gathered import MAX_RANKS
 
 #: The narrowest THC width tried (fewer bytes, more rounding error).
 MIN_WIDTH = 2
@@ -12,10 +13,8 @@ PLAIN, FP32, BF16 = "plain", "fp32", "bf16"
 #: Bits per coordinate each dense candidate hands to its allreduce (THC's: :func:`wire_bits`).
 DENSE_WIRE_BITS = {BF16: 16.0, FP32: 32.0}
 #: THC's one-round form (gathered scales: one all-gather, :mod:`hhook.scales.gathered`) is
-#: a candidate up to this many participants: there each rank receives at most 1.25x the
-#: bytes of agreed scales' two rounds at the same width (4 ranks, 4 bits); its bytes grow
-#: with the ranks, its rounds do not.
-GATHERED_MAX_RANKS = 4
+#: a candidate up to this many participants (:data:`hhook.scales.gathered.MAX_RANKS`).
+GATHERED_MAX_RANKS = MAX_RANKS
 GATHERED = "gathered"
 
 
@@ -67,3 +66,10 @@ def scales_of(method: str) -> str | None:
     """The scale mode a THC candidate names (``"thc:4:gathered"`` -> ``"gathered"``), else None."""
     parts = method.split(":")
     return parts[2] if method.startswith("thc:") and len(parts) > 2 else None
+
+
+def mode_of(method: str, scales: str) -> str | None:
+    """The scale mode ``method`` runs under a state's ``scales`` option: the one it names,
+    else the state's (None), but agreed for ``scales="auto"``: there the one-round form is
+    a candidate of its own (``"thc:4:gathered"``), measured beside ``"thc:4"``."""
+    return scales_of(method) or ("agreed" if scales == "auto" else None)

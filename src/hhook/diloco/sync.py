@@ -2,8 +2,9 @@ r"""DiLoCo's outer synchronization through THC on the stock allreduce (DESIGN.md
 
 Every site trains ``every`` (H) inner steps on its own; then the sites average the
 pseudo-gradient (the outer parameters minus the local ones) with one THC allreduce per
-ring (:func:`hhook.thc_allreduce_async`: rotation, agreed scales, correlated rounding,
-lanes sized for the number of sites, a stock SUM), an outer optimizer (SGD, Nesterov, lr
+ring (:func:`hhook.thc_allreduce_async`: rotation, correlated rounding, the state's
+default scales: gathered over 2-4 sites on CPUs, one all-gather, else agreed, lanes sized
+for the number of sites, a stock SUM), an outer optimizer (SGD, Nesterov, lr
 0.7, momentum 0.9) steps the outer copy with that mean, and every site continues from it.
 
 Streaming (``fragments=P``): the parameters in ``P`` strided fragments

@@ -24,12 +24,12 @@ SCALES_REFUSED = {
         "without an extra round. A chunk's next scales come from the summed thermometer counts of its "
         "message, but after the reduce-scatter only rank j holds chunk j's sums, while every rank encodes "
         "chunk j at the next step (broadcasting them would be the round predicted scales exist to save). "
-        "Use scales='agreed' (the default)."
+        "Use scales='agreed' or 'auto' (the default: agreed scales there)."
     ),
     "gathered": (
         "hhook.fsdp supports scales='agreed' only: gathered scales hand every rank every rank's whole "
         "message, where a reduce-scatter hands each rank its own shard (n times the bytes). Use "
-        "scales='agreed' (the default)."
+        "scales='agreed' or 'auto' (the default: agreed scales there)."
     ),
 }
 
@@ -55,7 +55,7 @@ class THCReduceScatter(ReduceScatter):
 
     def __init__(self, state: THCState, name: str, factor: float | None, returns_sum: bool | None = None,
                  switch=None):
-        if state.options.scales != "agreed":
+        if state.options.scales not in ("agreed", "auto"):
             raise ValueError(SCALES_REFUSED[state.options.scales])
         self.state = state
         self.name = name

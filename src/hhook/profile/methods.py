@@ -7,7 +7,7 @@ The kinds and their options::
     fp32, fp16, bf16, zlib                              none (train: fp32 and bf16 take ag=)
     powersgd[:RANK]
     thc[:BITS[:MODE]][:chunk=MB][:topology=T][:rounding=R][:ag=A]   BITS 1..8 or auto,
-                                                        MODE agreed|predicted|gathered,
+                                                        MODE agreed|predicted|gathered|auto,
                                                         T flat|auto|K, R correlated|independent
     ag=A (train --parallel fsdp): FSDP2's parameter all-gather, A 2..8 (hhook's compressed
     all-gather at that width) or bf16 (MixedPrecisionPolicy(param_dtype=torch.bfloat16), dense);
@@ -192,7 +192,7 @@ def _thc(entry: Entry, kind: Kind, defaults: dict) -> Method:
     """THC's options, checked by :class:`hhook.THCState` before any communication. A bare
     ``thc`` takes the subcommand's ``bits=`` default and is then named ``thc``; otherwise
     the name spells the bits (``thc:4``) and every option given."""
-    from ..state import SCALE_MODES, THCState
+    from ..state import SCALES, THCState
 
     given = entry.given
     if "bits" in given and not (given["bits"].isdigit() or (given["bits"] == "auto" and kind.auto)):
@@ -200,8 +200,8 @@ def _thc(entry: Entry, kind: Kind, defaults: dict) -> Method:
     bits = given["bits"] if given.get("bits") == "auto" else int(given["bits"]) if "bits" in given \
         else defaults.get("bits", 4)
     scales = given.get("scales")
-    if scales is not None and scales not in SCALE_MODES:
-        raise entry.error(f"unknown scale mode {scales!r} (known: {', '.join(SCALE_MODES)})")
+    if scales is not None and scales not in SCALES:
+        raise entry.error(f"unknown scale mode {scales!r} (known: {', '.join(SCALES)})")
     chunk = None
     if "chunk" in given:
         try:
@@ -283,7 +283,7 @@ def _diloco(entry: Entry, kind: Kind, defaults: dict) -> Method:
 FP32, FP16, BF16, ZLIB = plain("fp32"), plain("fp16"), plain("bf16"), plain("zlib")
 POWERSGD = Kind("powersgd", positional=("rank",), build=_powersgd, usage="powersgd[:RANK]")
 THC = Kind("thc", positional=("bits", "scales"), keywords=("chunk", "topology", "rounding", "ag", "params"),
-           build=_thc, usage="thc[:BITS|auto[:agreed|predicted|gathered]][:chunk=MB][:topology=flat|auto|K]"
+           build=_thc, usage="thc[:BITS|auto[:agreed|predicted|gathered|auto]][:chunk=MB][:topology=flat|auto|K]"
                              "[:rounding=correlated|independent][:ag=BITS|bf16][:params=bf16]", auto=True)
 #: train's fp32 and bf16: ``ag=`` chooses FSDP2's parameter all-gather (--parallel fsdp only)
 FP32_AG, BF16_AG = (Kind(name, keywords=("ag", "params"), build=_plain_ag, usage=f"{name}[:ag=BITS|bf16][:params=bf16]")

@@ -94,6 +94,9 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+_KEPT: list = []  # each method's model and states, never freed (worker)
+
+
 def worker(spec: dict) -> dict:
     r"""Train one method on one rank; the result dict the parent reads.
 
@@ -249,6 +252,11 @@ def worker(spec: dict) -> dict:
         result["step_in_flight"], result["step_sync"] = flight["in_flight"], flight["sync"]
         result["step_outer_bytes"] = flight["inter"]  # handed to collectives between sites
     dist.barrier()  # destroying the group under a peer still talking aborts Gloo at random
+    # Kept until this process's os._exit: the DDP reducer (or FSDP module) holds the group, and
+    # freeing it from Python would run Gloo's destructor with the GIL held, joining its worker
+    # threads while one may still be releasing a finished work's Python thread-local state
+    # (which needs the GIL): a deadlock seen in the GPU check's dry run (2026-12-03, plain fp32 DDP).
+    _KEPT.extend((ddp, state, outer))
     dist.destroy_process_group()
     return result
 

@@ -21,6 +21,12 @@ from ..codec.layout import HEADER, wrap
 from . import message
 from .message import PREFIX
 
+#: Most ranks that gathered scales suit: there each rank receives at most 1.25x the bytes
+#: of agreed scales' two rounds at the same width (4 ranks, 4 bits; fewer up to 3 ranks);
+#: its bytes grow with the ranks, its rounds do not. ``scales="auto"`` and ``bits="auto"``'s
+#: candidates read it.
+MAX_RANKS = 4
+
 
 def maxima_words(solo: THCCodec, numel: int) -> int:
     """Words of the block maxima in a message of a tensor of ``numel``."""
@@ -42,12 +48,16 @@ def write_maxima(words: torch.Tensor, scales: torch.Tensor) -> None:
     maxima[:n_blocks] = scales[HEADER:]
 
 
-def decode(gathered: torch.Tensor, solo: THCCodec, world_size: int, fps: tuple, what: str, source: torch.Tensor,
+def decode(gathered: torch.Tensor, solo: THCCodec, world_size: int, fps: tuple, what: str, prepared,
            out: torch.Tensor) -> bool | None:
     """Write the mean of the ``world_size`` messages of ``gathered`` into ``out``; returns
     True when a rank was non-finite (``out`` is then NaN), False when every rank sent the
-    same tensor (``source``, copied exactly), None otherwise. Raises what a summed prefix
-    raises (:func:`hhook.scales.message.check_prefix`)."""
+    same tensor (``prepared.source``, copied exactly), None otherwise. Raises what a summed
+    prefix raises (:func:`hhook.scales.message.check_prefix`). This rank's message was
+    written from ``prepared``: its rotated blocks go back to the fused stages' workspaces."""
+    if prepared.backend is cpu_kernels:
+        cpu_kernels.release(prepared)
+    source = prepared.source
     n, numel = world_size, source.numel()
     rows = gathered.view(n, -1)
     count, status, fp_a, fp_b, *chunks = rows[:, :PREFIX].to(torch.int64).sum(dim=0).tolist()

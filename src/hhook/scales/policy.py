@@ -330,8 +330,8 @@ class ScalePolicy:
         if plan.error is not None:
             raise plan.error
         if plan.kind == GATHERED:
-            verdict = gathered.decode(sums, plan.packer, plan.world_size, plan.fps, plan.describe(),
-                                      plan.prepared.source, out)
+            verdict = gathered.decode(sums, plan.packer, plan.world_size, plan.fps, plan.describe(), plan.prepared,
+                                      out)
             if verdict is None and plan.new_residual is not None:  # nothing of its own sent otherwise
                 plan.state.residual = plan.new_residual
             return out, verdict is True

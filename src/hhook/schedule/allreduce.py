@@ -51,7 +51,7 @@ def thc_allreduce_async(tensor: torch.Tensor, state, key=None, layout=None) -> t
         if fut is not None:
             return fut
         state.pending_load = None  # every rank did: the handshake runs again (state.context())
-    ctx = state.context()
+    ctx = state.context(device=tensor.device)
     if ctx.world_size > 1:
         fut = checked_allreduce_async(ctx, tensor, key, layout)
         if fut is not None:
@@ -64,7 +64,7 @@ def connect(state, device) -> None:
     every rank of its group: the options handshake, the node layout and the second
     communicator. After it every :func:`thc_allreduce_async` on a flat layout returns at
     once (:mod:`hhook.diloco` calls it at its common start)."""
-    ctx = state.context()
+    ctx = state.context(device=torch.device(device))
     if ctx.world_size > 1 and ctx.inter is None:
         second_group(ctx, torch.device(device))
 

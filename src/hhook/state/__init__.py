@@ -6,8 +6,8 @@ and its parts: options (:mod:`~hhook.state.options`), per-key state
 schedule's runtime of a state's group lives in :mod:`hhook.schedule.context`."""
 
 from .checkpoint import STATE_FORMAT
-from .options import DEFAULT_CHUNK_MB, SCALE_MODES, TOPOLOGIES, Options
+from .options import DEFAULT_CHUNK_MB, SCALE_MODES, SCALES, TOPOLOGIES, Options
 from .thc_state import THCState
 
 # Pickles of every hhook name ``hhook.state.THCState`` (tests/state/test_fixtures.py).
-__all__ = ["DEFAULT_CHUNK_MB", "Options", "SCALE_MODES", "STATE_FORMAT", "THCState", "TOPOLOGIES"]
+__all__ = ["DEFAULT_CHUNK_MB", "Options", "SCALE_MODES", "SCALES", "STATE_FORMAT", "THCState", "TOPOLOGIES"]

@@ -14,13 +14,15 @@ import math
 
 from ..codec import CODEC_VERSION, THCCodec, rng
 from ..codec.error_model import auto_bits
+from ..scales import gathered
 
 #: The scale policies (:mod:`hhook.scales`): agree on each step's maxima (two
-#: collectives; never clips; the default), predict them from the previous step (one
-#: collective once a key has history; clips blocks that grew), or let each rank keep its
-#: own and gather every rank's codes (one all-gather; never clips; bytes grow with the
-#: ranks). ``"auto"`` is accepted and means ``"agreed"``.
+#: collectives; never clips), predict them from the previous step (one collective once a
+#: key has history; clips blocks that grew), or let each rank keep its own and gather
+#: every rank's codes (one all-gather; never clips; bytes grow with the ranks).
 SCALE_MODES = ("agreed", "predicted", "gathered")
+#: ``scales=``: a mode, or ``"auto"`` (the default, :meth:`Options.scale_mode`).
+SCALES = SCALE_MODES + ("auto",)
 #: Piece size of ``chunk_mb="auto"`` on CPUs: a 21 MB bucket goes in 2 pieces, DDP's
 #: default 25 MB bucket in 3 (docs/train.md: 4 MB pieces cost more than they hide).
 DEFAULT_CHUNK_MB = 12
@@ -40,7 +42,7 @@ class Options:
     seed: int = 0
     error_feedback: bool = False
     start_iter: int = 2
-    scales: str = "agreed"
+    scales: str = "auto"
     chunk_mb: float | str = "auto"
     topology: str | int = "flat"
     rounding: str = "correlated"
@@ -52,10 +54,8 @@ class Options:
             raise ValueError(f"start_iter must be a non-negative integer, got {start_iter!r}")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
-        if self.scales == "auto":
-            object.__setattr__(self, "scales", "agreed")
-        if self.scales not in SCALE_MODES:
-            raise ValueError(f"scales must be one of {SCALE_MODES}, got {self.scales!r}")
+        if self.scales not in SCALES:
+            raise ValueError(f"scales must be one of {SCALES}, got {self.scales!r}")
         if chunk_mb != "auto" and (
             isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float)) or not 0 <= chunk_mb < math.inf
         ):
@@ -85,6 +85,18 @@ class Options:
             return self.bits
         return auto_bits(world_size, rounding=self.rounding)
 
+    def scale_mode(self, world_size: int, device, two_level: bool = False) -> str:
+        """The scale mode of exchanges over ``world_size`` ranks of tensors on ``device``
+        (its type; None: not known): ``scales``, or for ``"auto"`` gathered scales on the
+        CPU over a flat layout of 2 to :data:`~hhook.scales.gathered.MAX_RANKS` ranks (one
+        round, and at most agreed scales' bytes up to 3 ranks, 1.25x at 4), agreed scales
+        elsewhere: on GPUs (whose fused kernels check an agreed message without a host
+        read), between the nodes of a two-level layout, over more ranks."""
+        if self.scales != "auto":
+            return self.scales
+        on_cpu = getattr(device, "type", device) == "cpu"
+        return "gathered" if on_cpu and not two_level and 1 < world_size <= gathered.MAX_RANKS else "agreed"
+
     def piece_limit(self) -> tuple[int, int]:
         """The most elements of a piece that travels on its own (a tensor above it goes in
         equal pieces of whole blocks, :func:`hhook.schedule.context.pieces`), on the CPU and
@@ -106,7 +118,7 @@ class Options:
         chunk = -1 if self.chunk_mb == "auto" else int(round(self.chunk_mb * 1024))
         topology = {"flat": 0, "auto": 1}.get(self.topology, 2 + (self.topology if isinstance(self.topology, int) else 0))
         auto = 0 if self.bits != "auto" else 1
-        for value in (SCALE_MODES.index(self.scales), chunk & rng.MASK32, self.start_iter, int(self.error_feedback),
+        for value in (SCALES.index(self.scales), chunk & rng.MASK32, self.start_iter, int(self.error_feedback),
                       topology & rng.MASK32, auto & rng.MASK32):
             h = rng.mix32(h ^ value)
         return h

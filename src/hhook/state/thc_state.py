@@ -46,10 +46,13 @@ class THCState(Checkpointed, report.Reporting):
             copy of every compressed tensor); needs ``start_iter >= 2``.
         start_iter: the DDP hook runs a plain allreduce for the iterations before this
             one (DDP rebuilds its buckets after the first).
-        scales: ``"agreed"`` (default): a MAX allreduce of this step's block maxima, then
-            the SUM; never clips. ``"predicted"``: one SUM once a key has history, with
-            scales from the previous step's maxima (:mod:`hhook.scales`); clips blocks that grew.
-            ``"gathered"``: one all-gather of every rank's codes on its own maxima (bytes grow with ranks).
+        scales: ``"agreed"``: a MAX allreduce of this step's block maxima, then the SUM;
+            never clips. ``"predicted"``: one SUM once a key has history, with scales from
+            the previous step's maxima (:mod:`hhook.scales`); clips blocks that grew.
+            ``"gathered"``: one all-gather of every rank's codes on its own maxima; never
+            clips; bytes grow with the ranks. ``"auto"`` (default): gathered for CPU
+            tensors over a flat group of 2 to 4 ranks, agreed elsewhere
+            (:meth:`hhook.state.Options.scale_mode`).
         chunk_mb: split a tensor above this many MB of float32 into pieces, each reduced
             on its own, so one is on the wire while the next is encoded. ``"auto"``
             (default): 12 MB for CPU tensors, whole tensors on GPUs; ``0``: never split.
@@ -87,7 +90,7 @@ class THCState(Checkpointed, report.Reporting):
                  "__weakref__")
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, bits: int | str = 4, block_size: int = 1024,
-                 seed: int = 0, error_feedback: bool = False, start_iter: int = 2, scales: str = "agreed",
+                 seed: int = 0, error_feedback: bool = False, start_iter: int = 2, scales: str = "auto",
                  chunk_mb: float | str = "auto", topology: str | int = "flat", rounding: str = "correlated"):
         self.options = Options(bits, block_size, seed, error_feedback, start_iter, scales, chunk_mb, topology, rounding)
         _check_group(process_group)
@@ -127,7 +130,7 @@ class THCState(Checkpointed, report.Reporting):
         return self.options.codec_bits(world_size)
 
     def policy(self, mode: str, world_size: int | None = None):
-        """The scale policy of ``mode`` ("agreed" or "predicted"), with its per-key state,
+        """The scale policy of ``mode`` (one of :data:`~hhook.state.SCALE_MODES`), with its per-key state,
         for messages summed over ``world_size`` ranks (default: this state's group; FSDP's
         reduce-scatter passes its own group's, which ``bits="auto"`` sizes for)."""
         return self.keys.policy(self.options, mode, self.codec_bits(world_size), self.codec_bits())
@@ -149,9 +152,10 @@ class THCState(Checkpointed, report.Reporting):
         if group is None:
             self.pending_load = None  # every rank handshook: what they verified before is past
 
-    def context(self, group=None, mode: str | None = None) -> CallContext:
+    def context(self, group=None, mode: str | None = None, device=None) -> CallContext:
         """What a schedule may use of this state for its calls on ``group`` (default: its
-        own, with its node layout) in scale ``mode`` (default: ``scales``): a
+        own, with its node layout) in scale ``mode`` (default: ``scales``, resolved for
+        the group and ``device``, the exchanged tensors': :meth:`Options.scale_mode`): a
         :class:`~hhook.schedule.context.CallContext` of plain data, made once per group,
         mode and configuration (after the options handshake and the node layout, on every
         rank, at the first exchange) and kept in :attr:`contexts` until a checkpoint is
@@ -161,18 +165,23 @@ class THCState(Checkpointed, report.Reporting):
             self.agree(group)
             if group is None:
                 self.node_layout()
-            ctx = self.contexts[(group, mode)] = self._made(group, mode)
+            ctx = self.contexts[(group, mode)] = _made(self, group, mode, device)
         return ctx
 
-    def _made(self, group, mode: str | None) -> CallContext:
-        pg = self.process_group if group is None else group
-        members, options = membership.of(pg), self.options
-        world = members.size
-        topo = self.runtime.topo if group is None else None
-        two_level = topo is not None and topo.two_level
-        return CallContext(
-            pg, members.rank, world, self.runtime if group is None else self.runtimes[group], self.counters,
-            None if two_level else self.policy(options.scales if mode is None else mode, None if group is None else world),
-            options.piece_limit(), options.block_size, options.config_id(), options.fields(),
-            report.deferred_sources(self), two_level_allreduce_async if two_level else flat_allreduce_async,
-            self.intra_counters, topo, self.inter._made(None, None) if two_level else None)
+
+def _made(state: THCState, group, mode: str | None, device=None) -> CallContext:
+    """:meth:`THCState.context`'s new context (a two-level one holds its shards' inter-node one)."""
+    pg = state.process_group if group is None else group
+    members, options = membership.of(pg), state.options
+    world = members.size
+    topo = state.runtime.topo if group is None else None
+    two_level = topo is not None and topo.two_level
+    inter = state.inter
+    if two_level:
+        inter = _made(inter, None, inter.options.scale_mode(topo.n_nodes, device, two_level=True), device)
+    policy = None if two_level else state.policy(mode or options.scale_mode(world, device), None if group is None else world)
+    return CallContext(
+        pg, members.rank, world, state.runtime if group is None else state.runtimes[group], state.counters,
+        policy, options.piece_limit(), options.block_size, options.config_id(), options.fields(),
+        report.deferred_sources(state), two_level_allreduce_async if two_level else flat_allreduce_async,
+        state.intra_counters, topo, inter if two_level else None)

@@ -351,6 +351,14 @@ def quantize(codec, prepared, agreed, key, residual=None, residual_out=None, out
     return words
 
 
+def release(prepared) -> None:
+    """Hand ``prepared``'s rotated blocks back to the workspaces once its words are written
+    (a decode needs only the words): the next prepare reuses them, without page faults."""
+    if prepared.blocks is not None:
+        threads.give_workspace(prepared.blocks)
+        prepared.blocks = None
+
+
 def decode(codec, prepared, agreed, words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     lib = _library()
     numel = prepared.numel
@@ -362,9 +370,7 @@ def decode(codec, prepared, agreed, words: torch.Tensor, out: torch.Tensor) -> t
     backend.check(words, n_words, "words", layout.word_dtype, device_type="cpu")
     backend.check(out, numel, "out", device_type="cpu")
     nonfinite, mismatch, identical = _verdicts(agreed)
-    if prepared.blocks is not None:
-        threads.give_workspace(prepared.blocks)
-        prepared.blocks = None
+    release(prepared)
     if nonfinite or mismatch:
         return out.fill_(float("nan"))
     if identical:

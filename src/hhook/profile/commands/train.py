@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
                     help="; ".join(f"{t.name}: {t.summary}" for t in TASKS.values()) + " (default wide-cnn)")
     tr.add_argument("--methods", default=train.DEFAULT_METHODS,
                     help="comma-separated: fp32 (DDP without a hook), fp16, bf16 (compression hooks), "
-                    "powersgd[:RANK], thc[:BITS[:agreed|predicted|gathered]][:chunk=MB][:topology=flat|auto|K] "
+                    "powersgd[:RANK], thc[:BITS[:agreed|predicted|gathered|auto]][:chunk=MB][:topology=flat|auto|K] "
                     "(passed to hhook "
                     "as scales=, chunk_mb= and topology=; K ranks per node), "
                     "baselines sbc[:p=P][:delay=H] and lgc[:k=K][:dense=N][:topk=N][:ae=N] (hhook/baselines; LGC is "
