@@ -132,7 +132,7 @@ def new_decision(state: THCState) -> Decision:
                          "pass an integer bits= (THC always) or error_feedback=False")
     participants = topo.n_nodes if topo.two_level else topo.world_size
     width = auto_bits(participants, topo.ranks_per_node if topo.two_level else 1, rounding=options.rounding)
-    gathered = not topo.two_level and participants <= GATHERED_MAX_RANKS and options.scales in ("agreed", "auto")
+    gathered = not topo.two_level and participants <= GATHERED_MAX_RANKS and options.agreed_unless_gathered()
     names = candidates(width, gathered=gathered)
     return Decision(names, wire_bits=wire_bits(names, participants, options.block_size))
 

@@ -55,7 +55,7 @@ class THCReduceScatter(ReduceScatter):
 
     def __init__(self, state: THCState, name: str, factor: float | None, returns_sum: bool | None = None,
                  switch=None):
-        if state.options.scales not in ("agreed", "auto"):
+        if not state.options.agreed_unless_gathered():
             raise ValueError(SCALES_REFUSED[state.options.scales])
         self.state = state
         self.name = name

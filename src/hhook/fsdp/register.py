@@ -103,7 +103,7 @@ def _register(module, state: THCState, all_gather, decide_over=None, candidates=
     decision (default: the shard group), between ``candidates`` (less ``rs+ag`` where
     ``all_gather`` is False)."""
     options = state.options
-    if options.scales not in ("agreed", "auto"):
+    if not options.agreed_unless_gathered():
         raise ValueError(SCALES_REFUSED[options.scales])
     if options.error_feedback:
         raise ValueError("hhook.fsdp.register does not support error_feedback (agreed scales are unbiased "

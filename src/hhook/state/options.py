@@ -97,6 +97,12 @@ class Options:
         on_cpu = getattr(device, "type", device) == "cpu"
         return "gathered" if on_cpu and not two_level and 1 < world_size <= gathered.MAX_RANKS else "agreed"
 
+    def agreed_unless_gathered(self) -> bool:
+        """Whether an exchange that runs no gathered scales (FSDP2's reduce-scatter,
+        ``bits="auto"``'s ``thc:A`` beside its own gathered candidate) runs agreed scales
+        under these options: ``scales`` is ``"agreed"``, or ``"auto"``."""
+        return self.scales in ("agreed", "auto")
+
     def piece_limit(self) -> tuple[int, int]:
         """The most elements of a piece that travels on its own (a tensor above it goes in
         equal pieces of whole blocks, :func:`hhook.schedule.context.pieces`), on the CPU and

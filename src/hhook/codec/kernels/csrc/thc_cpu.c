@@ -610,7 +610,7 @@ void hh_decode_gathered(const void *words, int word_bits, int64_t n_words, int64
         for (int r = 0; r < messages; r++) {
             float m = maxima[r * stride_floats + b];
             const char *own = (const char *)words + r * stride_words * word_bytes;
-            dequantize_block(own, word_bits, n_words, width, b, block, ((m * 2.0f) / top) / 1.0f, m, work, 1);
+            dequantize_block(own, word_bits, n_words, width, b, block, (m * 2.0f) / top, m, work, 1);
         }
         for (int64_t i = 0; i < block; i++) work[i] = work[i] / n;
         unrotate_block(work, b, block, numel, signs, out, out_dtype, big);
