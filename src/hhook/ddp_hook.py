@@ -72,7 +72,7 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     said = load_check.said(state)  # now: a continuation runs later, perhaps after a load
     fut = None
     if state.pending_load is not None:  # this rank loaded a checkpoint: did every rank?
-        fut = load_check.exchange(state.pending_load, bucket.buffer(), bucket.index(), layout)
+        fut = load_check.exchange(state.pending_load, functools.partial(_marked, state.pending_load, bucket, layout))
         if fut is None:  # every rank did: the handshake runs again (state.context())
             state.pending_load = None
     if fut is None:
@@ -107,6 +107,18 @@ def _exchange(state: THCState, bucket: dist.GradBucket, layout: tuple) -> torch.
         return load_check.plain(ctx, buffer)
     fut = _before_rebuild(state, bucket, layout, _fixed_width(ctx)) if first else None
     return fut if fut is not None else ctx.schedule(ctx, buffer, bucket.index(), layout)
+
+
+def _marked(loaded: load_check.Loaded, bucket: dist.GradBucket, layout: tuple, changed) -> torch.futures.Future:
+    """A loading rank's exchange of ``bucket``, as every rank verified it, marked with
+    ``changed`` (:func:`hhook.schedule.load_check.exchange`): at a fixed width the
+    verified context's; under ``bits="auto"`` the decision's, run on the state as it was
+    (``loaded.shadow``) at the group's iteration."""
+    if loaded.shadow is None:
+        return load_check.marked(loaded, bucket.buffer(), bucket.index(), layout, changed)
+    loaded.shadow.iter = loaded.iter
+    live_decision(loaded.shadow)
+    return reduce_bucket_as_decided(loaded.shadow, bucket, layout, changed=changed)
 
 
 def _join_weighting(registration: Registration) -> None:

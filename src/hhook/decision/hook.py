@@ -3,6 +3,7 @@ method the decision gives its iteration, timed by the state's :class:`~hhook.dec
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -10,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from ..codec.error_model import auto_bits
+from ..schedule import load_check
 from ..schedule.dense import cast_allreduce, dense_allreduce
+from ..schedule.flat import flat_allreduce_async
 from ..schedule.topology import TopologyError, node_census
 from ..state import THCState, report
 from .decision import Decision
@@ -137,11 +140,14 @@ def new_decision(state: THCState) -> Decision:
     return Decision(names, wire_bits=wire_bits(names, participants, options.block_size))
 
 
-def reduce_bucket_as_decided(state: THCState, bucket, layout, split=None) -> torch.futures.Future:
+def reduce_bucket_as_decided(state: THCState, bucket, layout, split=None, changed=None) -> torch.futures.Future:
     """The DDP hook's ``bits="auto"`` path: the method of this iteration, timed and decided
     by :class:`Decision`, for one bucket. ``split(reduce)``: a resumed run's first
     iteration reduces the bucket as the saved keys it holds (``reduce(key, tensor,
-    layout)`` is this iteration's exchange), or returns None for the usual path."""
+    layout)`` is this iteration's exchange), or returns None for the usual path.
+    ``changed``: ``state`` is the shadow of a state that loaded a checkpoint
+    (:func:`hhook.state.checkpoint.shadow_of`), and the exchange says so
+    (:func:`_reduce_as`), or returns None where it cannot, nothing launched."""
     buffer = bucket.buffer()
     prober = state.prober
     if prober is None:
@@ -151,24 +157,48 @@ def reduce_bucket_as_decided(state: THCState, bucket, layout, split=None) -> tor
     if prober.first:
         prober.method = prober.begin(state, state.decision, state.iter, plain=state.iter < state.options.start_iter)
     prober.first = bucket.is_last()
-    method = prober.method
-    fut = split(lambda key, tensor, lay: _reduce_as(method, state, key, tensor, lay)) if split is not None else None
+    reduce = functools.partial(_reduce_as, prober.method, state, changed=changed)
+    fut = split(reduce) if split is not None else None
     if fut is None:
-        fut = _reduce_as(method, state, bucket.index(), buffer, layout)
+        fut = reduce(bucket.index(), buffer, layout)
+        if fut is None:  # a mark this exchange cannot carry
+            return None
     if bucket.is_last():
         prober.launch(state, state.decision, state.iter, buffer.device)
     return fut
 
 
-def _reduce_as(method: str, state: THCState, key: int, buffer: torch.Tensor, layout) -> torch.futures.Future:
+def _on_host(buffer: torch.Tensor) -> bool:
+    """Whether a dense exchange of ``buffer`` carries the count of ranks that loaded a
+    checkpoint (:func:`_reduce_as`): where the host reads it without waiting for a device."""
+    return buffer.device.type == "cpu"
+
+
+def _reduce_as(method: str, state: THCState, key: int, buffer: torch.Tensor, layout,
+               changed=None) -> torch.futures.Future:
+    """``buffer`` through ``method``. A rank that loaded a checkpoint since the handshake
+    says so where every rank reads it (:mod:`hhook.schedule.load_check`): THC's exchange
+    carries a mark (``changed``: filler marked :data:`~hhook.scales.message.CHANGED`), a
+    dense one on the host the count of ranks that loaded
+    (:func:`~hhook.schedule.dense.tallied_allreduce`: in its last element, no copy; a
+    loading rank sends zeros). On a GPU a dense exchange carries none (its count would be
+    read on the host, waiting for the device): with ``changed``, None, nothing launched."""
     bits, mode = thc_bits(method), mode_of(method, state.options.scales)
     if buffer.is_sparse:
         return dense_allreduce(state.context(), buffer)
-    if method != PLAIN:
+    if changed is None and method != PLAIN:
         release_other_widths(state, key, buffer, keep=bits, mode=mode)
     if bits is not None:
         ctx = variant(state, bits).context(mode=mode)
-        return ctx.schedule(ctx, buffer, key, layout)
-    if method == BF16 and buffer.dtype == torch.float32:
-        return cast_allreduce(state.context(), buffer, torch.bfloat16)
-    return dense_allreduce(state.context(), buffer)
+        if changed is None:
+            return ctx.schedule(ctx, buffer, key, layout)
+        filler = torch.zeros(buffer.numel(), dtype=buffer.dtype, device=buffer.device)
+        return flat_allreduce_async(ctx, filler, key, layout, changed)
+    ctx = state.context()
+    # bf16 holds the count of up to 256 marks exactly; beyond, the marked exchange is fp32's
+    cast = torch.bfloat16 if method == BF16 and buffer.dtype == torch.float32 else None
+    if _on_host(buffer):
+        return load_check.plain(ctx, buffer, changed, cast if ctx.world_size <= 256 else None)
+    if changed is not None:  # no mark on a device: the caller runs the handshake again, as without the check
+        return None
+    return cast_allreduce(ctx, buffer, cast) if cast is not None else dense_allreduce(ctx, buffer)

@@ -8,6 +8,7 @@ iterations tally in theirs how many ranks loaded a checkpoint (:func:`tallied_al
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import torch
@@ -92,29 +93,54 @@ def dense_allreduce(ctx, tensor: torch.Tensor) -> torch.futures.Future:
     return plain_allreduce(tensor, ctx.group, ctx.world_size)
 
 
-def tallied_allreduce(ctx, tensor: torch.Tensor, mark: int, check) -> torch.futures.Future:
-    """:func:`dense_allreduce` of ``tensor`` with one more element, the sum of every rank's
-    ``mark`` (0 or 1; 1: this rank sends zeros for ``tensor``), handed to ``check`` (which
-    may raise: the future then raises, ``tensor`` untouched) before the mean is written
-    back. The same bits as :func:`plain_allreduce`. Sparse tensors and a world of one take
-    :func:`dense_allreduce` (no tally)."""
+#: What a rank that loaded a checkpoint sends in the last element of a tallied exchange
+#: (:func:`tallied_allreduce`), zeros elsewhere: far above any gradient's sum, and k times
+#: it is exact in float32, float64 (k below 2**24) and bfloat16 (below 2**8).
+MARK = 2.0 ** 100
+
+
+def marks(value: float) -> int:
+    """How many :data:`MARK` a tallied exchange's last element holds: a finite sum at least
+    half a mark (no gradient's); a non-finite one (a rank's inf or NaN) holds none."""
+    return int(round(value / MARK)) if math.isfinite(value) and abs(value) >= MARK / 2 else 0
+
+
+def tallied_allreduce(ctx, tensor: torch.Tensor, mark: int, check,
+                      dtype: torch.dtype | None = None) -> torch.futures.Future:
+    """:func:`plain_allreduce` of ``tensor`` (with ``dtype``, bf16: :func:`cast_allreduce`,
+    the same bits) that also counts the ranks whose ``mark`` is 1: each of them sends zeros
+    and :data:`MARK` in the last element instead of its tensor (``tensor`` untouched). The
+    count (:func:`marks` of the sum's last element) goes to ``check``, which may raise (the
+    future then raises); else the mean is ``tensor``'s. The other ranks' exchange is the
+    plain one, in place: no copy, no element more. A dtype with no room for the mark
+    (float16) carries the count in one element more; sparse tensors and a world of one take
+    :func:`dense_allreduce` (no count)."""
     if tensor.is_sparse or ctx.world_size == 1:
         return dense_allreduce(ctx, tensor)
     uncompressed(tensor)  # said once where it is for its dtype (float64)
-    words = torch.empty(tensor.numel() + 1, dtype=tensor.dtype, device=tensor.device)
-    if mark:
-        words[:-1].zero_()
-    else:
-        torch.div(tensor.reshape(-1), ctx.world_size, out=words[:-1])
-    words[-1] = mark
+    wire = dtype or tensor.dtype
+    extra = int(torch.finfo(wire).max < 2 ** 8 * MARK)  # no room for the mark in the values
+    if mark or extra:
+        words = torch.zeros(tensor.numel() + extra, dtype=wire, device=tensor.device)
+        if not mark:
+            words[:-1].copy_(tensor.reshape(-1)).div_(ctx.world_size)
+        words[-1] = mark if extra else mark * MARK
+    elif dtype is not None:  # cast, then divide the half-size copy (as cast_allreduce)
+        words = tensor.to(dtype).div_(ctx.world_size)
+    else:  # in place (as plain_allreduce)
+        words = tensor.div_(ctx.world_size)
     count(ctx.counters, tensor, words)
     fut = membership.of(ctx.group).all_reduce(words, dist.ReduceOp.SUM).get_future()
 
     def done(value) -> torch.Tensor:
-        check(int(words[-1].item()))
-        return tensor.copy_(words[:-1].view_as(tensor))
+        last = float(words.reshape(-1)[-1].item())
+        check(int(round(last)) if extra else marks(last))
+        if words is not tensor:
+            tensor.copy_(words.reshape(-1)[:tensor.numel()].view_as(tensor))
+        return tensor
 
-    return then(fut, done, tensor, f"the plain allreduce of {tensor.numel()} elements", ctx.group)
+    what = f"the {'plain' if dtype is None else dtype} allreduce of {tensor.numel()} elements"
+    return then(fut, done, tensor, what, ctx.group)
 
 
 def cast_allreduce(ctx, tensor: torch.Tensor, dtype: torch.dtype) -> torch.futures.Future:

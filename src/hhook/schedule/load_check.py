@@ -6,15 +6,18 @@ without a collective that the ranks that did not load would never enter.
 handshake (:mod:`hhook.schedule.handshake`) must run again, on every rank. A rank cannot
 tell whether the others loaded too; its handshake would wait for them (the group's whole
 timeout), while they go on into their exchange. So where every rank's next exchange is
-known (DDP's or a ``thc_allreduce`` call's, at a fixed width, flat), the loading rank keeps the context every rank last
-verified and the iteration the group is at (:class:`Loaded`) and takes part in that
-exchange as the others do, saying that it loaded:
+known (DDP's or a ``thc_allreduce`` call's on a flat layout), the loading rank keeps the
+context every rank last verified and the iteration the group is at (:class:`Loaded`;
+under ``bits="auto"`` the state as every rank verified it, its decision included) and
+takes part in that exchange as the others do, saying that it loaded:
 
-* **before** ``start_iter`` (DDP's plain iterations, its first one included: a load
-  right after :func:`hhook.register` is the common case), every rank's plain allreduce
-  carries one more element (:func:`plain`): 0 from a rank that did not load, 1 from one
-  that did (it sends zeros for its bucket);
-* **from** ``start_iter`` on, in THC's exchange, filler of the verified size marked
+* in a dense exchange (DDP's plain iterations before ``start_iter``, its first one
+  included: a load right after :func:`hhook.register` is the common case; under
+  ``bits="auto"`` also the fp32 and bf16 candidates, on the host), the count of ranks
+  that loaded rides in the exchange (:func:`plain`): a rank that loaded sends zeros and
+  :data:`~hhook.schedule.dense.MARK` in the last element, the others their bucket, in
+  place, as without the check;
+* in THC's exchange, filler of the verified size marked
   :data:`~hhook.scales.message.CHANGED`, as a ``thc_allreduce`` call that changed does
   (:mod:`hhook.schedule.call_check`), in whichever scale mode, since the mark rides in
   the SUM of the verified collectives.
@@ -35,8 +38,9 @@ A state that :func:`hhook.thc_allreduce_async` uses does the same at its next ca
 in the exchange (:mod:`hhook.schedule.call_check`), filler marked
 :data:`~hhook.scales.message.CHANGED` in place of its tensor.
 
-Elsewhere (``bits="auto"``, two-level layouts, FSDP2) the handshake runs again at the
-next exchange as before.
+Elsewhere (two-level layouts, FSDP2, DDP's first iteration where it exchanges THC) the handshake
+runs again at the next exchange as before; so does a one-sided load on GPUs whose next
+exchange is ``bits="auto"``'s dense candidate (its count would be read on the host).
 """
 
 from __future__ import annotations
@@ -64,11 +68,15 @@ class Loaded:
     every rank loaded: ``ctx``, the context every rank verified (its counters this
     record's own); ``iter``, the DDP iteration the group is at (this rank's before the
     load, counted on by the hook): before the verified ``start_iter`` the others' next
-    exchange is a plain allreduce; ``some``: an exchange found that some ranks, not all,
-    loaded."""
+    exchange is a plain allreduce; ``shadow``: under ``bits="auto"``, the state as every
+    rank verified it (its decision, clock and widths; :func:`hhook.state.checkpoint.shadow_of`),
+    which the DDP hook runs on, marked, to make the exchanges the others make
+    (:func:`hhook.decision.hook.reduce_bucket_as_decided`); ``some``: an exchange found
+    that some ranks, not all, loaded."""
 
     ctx: CallContext
     iter: int
+    shadow: object = None
     some: bool = False
 
     @property
@@ -76,20 +84,22 @@ class Loaded:
         return self.iter < dict(self.ctx.fields)["start_iter"]
 
 
-def kept(ctx: CallContext | None, iteration: int) -> Loaded | None:
-    """The record of ``ctx`` (the hook's verified context) at DDP iteration ``iteration``,
-    where its exchanges are those of the flat schedule over several ranks; else None (the
-    handshake runs again)."""
+def kept(ctx: CallContext | None, iteration: int, shadow=None) -> Loaded | None:
+    """The record of ``ctx`` (the hook's verified context) at DDP iteration ``iteration``
+    (``shadow``: as :class:`Loaded`'s), where its exchanges are those of the flat schedule
+    over several ranks; else None (the handshake runs again)."""
     if ctx is None or ctx.world_size == 1 or ctx.inter is not None:
         return None
-    return Loaded(dataclasses.replace(ctx, counters=Counters()), iteration)
+    return Loaded(dataclasses.replace(ctx, counters=Counters()), iteration, shadow)
 
 
-def plain(ctx: CallContext, tensor: torch.Tensor, changed: CallChanged | None = None) -> torch.futures.Future:
-    """DDP's plain allreduce of ``tensor`` (the iterations before ``start_iter``) tallying
-    the ranks that loaded a checkpoint since the handshake (``changed``: this rank did, and
-    sends zeros; :func:`~hhook.schedule.dense.tallied_allreduce`). Where some did, the
-    future raises :class:`~hhook.scales.message.CallChanged` counting them."""
+def plain(ctx: CallContext, tensor: torch.Tensor, changed: CallChanged | None = None,
+          dtype: torch.dtype | None = None) -> torch.futures.Future:
+    """DDP's plain allreduce of ``tensor`` (the iterations before ``start_iter``; in
+    ``dtype``, bf16: ``bits="auto"``'s bf16 candidate) tallying the ranks that loaded a
+    checkpoint since the handshake (``changed``: this rank did, and sends zeros;
+    :func:`~hhook.schedule.dense.tallied_allreduce`). Where some did, the future raises
+    :class:`~hhook.scales.message.CallChanged` counting them."""
 
     def check(loaded: int) -> None:
         if loaded:
@@ -97,36 +107,48 @@ def plain(ctx: CallContext, tensor: torch.Tensor, changed: CallChanged | None = 
             err.count = loaded
             raise err
 
-    return tallied_allreduce(ctx, tensor, 0 if changed is None else 1, check)
+    return tallied_allreduce(ctx, tensor, 0 if changed is None else 1, check, dtype)
 
 
-def exchange(loaded: Loaded, tensor: torch.Tensor, key, layout) -> torch.futures.Future | None:
-    """The loading rank's exchange of ``tensor`` (``key``, ``layout``) after a load: filler
-    of the verified size, marked. The first one is waited for here: None where every rank
-    loaded (the caller forgets ``loaded``, runs the handshake and exchanges ``tensor``),
-    else its future, which raises :class:`~hhook.scales.message.CallChanged`
-    (:func:`named_error` names it), as every later one does, not waited for. Before
-    ``start_iter`` the others' plain allreduce (:func:`plain`), marked; after it, a tensor
-    that every rank exchanges dense (sparse, float64, empty) goes as it is, unmarked (so
-    does a sparse one before)."""
-    if tensor.is_sparse or (not loaded.plain and (tensor.dtype not in SUPPORTED_DTYPES or tensor.numel() == 0)):
-        return flat_allreduce_async(loaded.ctx, tensor, key, layout)  # dense (or nothing) on every rank: no mark
+def exchange(loaded: Loaded, launch) -> torch.futures.Future | None:
+    """The loading rank's exchange after a load: ``launch(changed)``, its future, makes the
+    exchange every rank verified, marked with ``changed`` (a
+    :class:`~hhook.scales.message.CallChanged`) where it can carry the mark (:func:`marked`;
+    ``bits="auto"``: :func:`hhook.decision.hook.reduce_bucket_as_decided`). The first
+    marked one is waited for here: None where every rank loaded (the caller forgets
+    ``loaded``, runs the handshake and exchanges its tensor), else its future, which
+    raises ``changed`` (:func:`named_error` names it), as every later marked one does,
+    not waited for. An unmarked one (``changed.count`` stays 0: no mark rode in it) is
+    returned as it is. ``launch`` returns None where the exchange cannot carry the mark,
+    nothing launched: so does this (the handshake runs again, as without the check)."""
     changed = CallChanged("hhook: this rank loaded a checkpoint since the group's options handshake")
-    if loaded.plain:  # the others' plain allreduce, this rank's bucket as zeros, marked
-        fut = plain(loaded.ctx, tensor, changed)
-    else:
-        filler = torch.zeros(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        fut = flat_allreduce_async(loaded.ctx, filler, key, layout, changed)
-    if loaded.some:
+    fut = launch(changed)
+    if fut is None or loaded.some:
         return fut
     try:
         fut.wait()
     except BaseException:  # noqa: BLE001 - read below; the future keeps it for the waiter
         pass
+    if changed.count == 0:  # unmarked: the next exchange tells
+        return fut
     if changed.count == loaded.ctx.world_size:
         return None
     loaded.some = True
     return fut
+
+
+def marked(loaded: Loaded, tensor: torch.Tensor, key, layout, changed: CallChanged) -> torch.futures.Future:
+    """At a fixed width, the exchange every rank verified of ``tensor`` (``key``,
+    ``layout``), marked with ``changed``: before ``start_iter`` the others' plain allreduce
+    (:func:`plain`), this rank's bucket as zeros; after it, filler of the verified size.
+    A tensor that every rank exchanges dense (sparse; after ``start_iter`` float64, empty)
+    goes as it is, unmarked."""
+    if tensor.is_sparse or (not loaded.plain and (tensor.dtype not in SUPPORTED_DTYPES or tensor.numel() == 0)):
+        return flat_allreduce_async(loaded.ctx, tensor, key, layout)  # dense (or nothing) on every rank: no mark
+    if loaded.plain:  # the others' plain allreduce, this rank's bucket as zeros, marked
+        return plain(loaded.ctx, tensor, changed)
+    filler = torch.zeros(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    return flat_allreduce_async(loaded.ctx, filler, key, layout, changed)
 
 
 def call(state, tensor: torch.Tensor, key, layout) -> torch.futures.Future | None:

@@ -11,6 +11,8 @@ hhooks load (tests/state/test_fixtures.py).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 
 import torch.distributed as dist
@@ -74,8 +76,8 @@ class Checkpointed:
         :func:`hhook.register` gave it stay. The next exchange runs the options handshake
         again (:mod:`hhook.schedule.handshake`): ranks that loaded checkpoints of other
         options raise :class:`~hhook.errors.ConfigMismatchError` there, on every rank.
-        Where one rank's DDP hook state loads and another's does not (at a fixed width,
-        flat: before ``start_iter`` as after it), every rank raises it at that next
+        Where one rank's DDP hook state loads and another's does not (flat, at a fixed
+        width or ``bits="auto"``, before ``start_iter`` as after it), every rank raises it at that next
         exchange, naming each rank's options, instead of waiting in the handshake
         (:mod:`hhook.schedule.load_check`). Per-key state that
         cannot describe this run starts afresh with one log line: a checkpoint of another
@@ -94,7 +96,8 @@ class Checkpointed:
         if self.pending_load is not None:  # loaded again: the next exchange asks again whether every rank did
             self.pending_load.some = False
         elif self.runtime.agreed and _exchange_known(self):  # a load on some ranks only is found there
-            self.pending_load = load_check.kept(self.contexts.get((None, None)), self.iter)
+            shadow = shadow_of(self) if self.options.bits == "auto" else None  # the decision every rank runs
+            self.pending_load = load_check.kept(self.contexts.get((None, None)), self.iter, shadow)
         self.reset_runtime()
         self.restored = (saved.get("layout"), saved.get("origin"))
         self.options = options
@@ -149,14 +152,42 @@ class Checkpointed:
 
 def _exchange_known(state) -> bool:
     """Whether every rank's next exchange, under the options every rank verified, is known
-    to a rank that loads a checkpoint now (:mod:`hhook.schedule.load_check`): at a fixed
-    width (not ``bits="auto"``), a ``thc_allreduce`` call's (a state :func:`hhook.register`
-    did not take), or a DDP hook's plain allreduce (before ``start_iter``) or THC past
-    DDP's first iteration."""
+    to a rank that loads a checkpoint now (:mod:`hhook.schedule.load_check`): a
+    ``thc_allreduce`` call's at a fixed width (a state :func:`hhook.register` did not
+    take), a DDP hook's plain allreduce (before ``start_iter``) or THC past DDP's first
+    iteration; under ``bits="auto"``, the DDP hook's decision (run on :func:`shadow_of`)
+    past DDP's first iteration or at a fresh run's first (no saved bucket to split)."""
     registration = state.registration
     if state.options.bits == "auto":
-        return False
+        return registration is not None and (registration.iterations > 0 or state.iter == 0)
     return registration is None or state.iter < state.options.start_iter or registration.iterations > 0
+
+
+def shadow_of(state):
+    """``state`` as every rank verified it, for a ``bits="auto"`` DDP hook state that loads
+    a checkpoint (:class:`~hhook.schedule.load_check.Loaded`'s ``shadow``): its options,
+    group runtime, decision (a copy: a live one continues in place on load) and clock
+    (:class:`hhook.decision.Prober`, its reductions in flight), and copies of its widths.
+    Its exchanges count, and draw call numbers, in counters of its own, so the state that
+    loaded trains on as if they had not run (a resume stays bit for bit)."""
+    shadow = _slot_copy(state)
+    shadow.counters, shadow.intra_counters, shadow.pending_load = Counters(), Counters(), None
+    shadow.contexts = {k: dataclasses.replace(ctx, counters=shadow.counters) for k, ctx in state.contexts.items()}
+    shadow.decision = copy.deepcopy(state.decision)
+    shadow.variants = {}
+    for bits, width in state.variants.items():  # made again on the shadow's counters (hhook.decision.widths.variant)
+        shadow.variants[bits] = _slot_copy(width)
+        shadow.variants[bits].runtime = None
+    return shadow
+
+
+def _slot_copy(state):
+    """A shallow copy of a THCState's slots (``copy.copy`` would go through its checkpoint)."""
+    other = object.__new__(type(state))
+    for slot in type(state).__slots__:
+        if slot != "__weakref__":
+            setattr(other, slot, getattr(state, slot))
+    return other
 
 
 def _load_components(state, saved: dict) -> None:
