@@ -2,8 +2,9 @@
 (hhook.schedule.dense.tallied_allreduce, read by hhook.schedule.load_check): a marking rank
 sends zeros and MARK in the last element; the others' exchange is the plain one, in place.
 The count is exact whatever the others' gradients (heterogeneous, zero), an unmarked
-exchange gives the plain exchange's bits, and a rank's inf or NaN reads as no mark (the
-loading rank then asks again at the next exchange), never as a wrong count."""
+exchange gives the plain exchange's bits, and a rank's inf or NaN, or a sum worth more
+marks than there are ranks, reads as no mark (the loading rank then asks again at the
+next exchange), never as a wrong count."""
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ def _worker(rank, world, dtype, cast):
     state = THCState(bits=4)
     ctx = state.context(device=torch.device("cpu"))
     out = []
-    for special in (None, float("inf"), float("nan")):
+    for special in (None, float("inf"), float("nan"), 1e32):  # 1e32 / 3 ranks: 26 marks, more than the ranks
         for marking in MARKING:
             x = _tensor(rank, dtype, special)
             kept = x.clone()
@@ -66,8 +67,8 @@ def test_the_count_rides_in_the_exchange_exactly_and_a_non_finite_sum_counts_non
                 assert item[2], item
                 continue
             special, marking, seen, raised = item
-            # rank 0's inf or NaN, sent in the element that carries the marks (not fp16's,
-            # which has an element of its own): no mark is read
+            # rank 0's inf, NaN or huge value, sent in the element that carries the marks (not
+            # fp16's, which has an element of its own): no mark is read
             sent = special is not None and 0 not in marking and dtype != torch.float16
             want = 0 if sent else len(marking)
             assert seen == [want] and raised == bool(want), (dtype, cast, special, marking, seen)

@@ -134,7 +134,8 @@ def tallied_allreduce(ctx, tensor: torch.Tensor, mark: int, check,
 
     def done(value) -> torch.Tensor:
         last = float(words.reshape(-1)[-1].item())
-        check(int(round(last)) if extra else marks(last))
+        tally = int(round(last)) if extra else marks(last)
+        check(tally if tally <= ctx.world_size else 0)  # more marks than ranks: a gradient's sum, not marks
         if words is not tensor:
             tensor.copy_(words.reshape(-1)[:tensor.numel()].view_as(tensor))
         return tensor
