@@ -66,16 +66,23 @@ def _one_sided(rank, loader, scales, option, group=None, steps=3):
     state = hhook.register(ddp, bits=4, scales=scales)
     for _ in range(steps):
         _step(ddp, rank)
+    return loaded_on_one(rank, loader, ddp, state, saved, group) + (state.options.as_dict()[option],)
+
+
+def loaded_on_one(rank, loader, model, state, saved, group=None) -> tuple:
+    """``loader`` alone loads ``saved`` into ``state``: what the next two steps of ``model``
+    raised, and in how many seconds from the load the first did; then every rank loads it:
+    what the next two steps raised (nothing: training goes on)."""
     dist.barrier(group)
     start = time.monotonic()
     if rank == loader:
         state.load_state_dict(saved)
-    first = _said(lambda: _step(ddp, rank))
+    first = _said(lambda: _step(model, rank))
     seconds = time.monotonic() - start
-    again = _said(lambda: _step(ddp, rank))  # the next exchange raises again, paired
+    again = _said(lambda: _step(model, rank))  # the next exchange raises again, paired
     state.load_state_dict(saved)
-    recovered = _said(lambda: _step(ddp, rank)) + _said(lambda: _step(ddp, rank))
-    return first, seconds, again, recovered, state.options.as_dict()[option]
+    recovered = _said(lambda: _step(model, rank)) + _said(lambda: _step(model, rank))
+    return first, seconds, again, recovered
 
 
 def _case_worker(rank, world, scales):
@@ -233,14 +240,7 @@ def _reload_worker(rank, world, scales):
     state = hhook.register(ddp, bits=3, scales=scales, error_feedback=True)
 
     def train(ddp, first):
-        for step in range(first, first + 3):
-            torch.manual_seed(100 + step)
-            ddp.zero_grad()
-            _step(ddp, rank)
-            with torch.no_grad():
-                for p in ddp.parameters():
-                    p -= 0.05 * p.grad
-        return torch.cat([p.detach().flatten() for p in ddp.parameters()])
+        return trained(ddp, rank, first)
 
     train(ddp, 0)
     train(ddp, 3)  # 6 steps: iter 6
@@ -253,6 +253,19 @@ def _reload_worker(rank, world, scales):
     fresh.module.load_state_dict(model)
     hhook.register(fresh, state=saved)
     return whole, live, train(fresh, 6)
+
+
+def trained(ddp, rank, first, n=3):
+    """``n`` SGD steps of ``ddp`` from step ``first`` (each step's data seeded by it and the
+    rank): the parameters after, flat."""
+    for step in range(first, first + n):
+        torch.manual_seed(100 * rank + step)
+        ddp.zero_grad()
+        _step(ddp, rank)
+        with torch.no_grad():
+            for p in ddp.parameters():
+                p -= 0.05 * p.grad
+    return torch.cat([p.detach().flatten() for p in ddp.parameters()])
 
 
 @pytest.mark.parametrize("scales", MODES)

@@ -9,8 +9,6 @@ exchange for the group's whole timeout, and each named a wrong cause ("a peer st
 "rank 0 runs no hhook here").
 """
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hhook
 from hhook.decision import Decision, hook
-from tests.reliability.test_one_sided_load import FAST_S, PG_TIMEOUT_S, _check, _net, _said, _step
+from tests.reliability.test_one_sided_load import FAST_S, PG_TIMEOUT_S, _check, _net, _step, loaded_on_one, trained
 from tests.support.distributed import run_outcomes, run_world
 
 #: None: the decision as it runs (plain iterations at steps 0 and 1, its first THC turn at
@@ -30,9 +28,8 @@ CHANGES = {"bits": ("auto", 2), "block_size": (1024, 256)}
 
 
 def _one_sided(rank, loader, scales, method, steps, option, group=None, compiled=False):
-    """``steps`` steps, then ``loader`` alone loads a checkpoint whose ``option`` differs:
-    what the next two steps raised and how long the first took; then every rank loads it:
-    what the next two raised (nothing)."""
+    """``steps`` steps, then ``loader`` alone loads a checkpoint whose ``option`` differs
+    (:func:`loaded_on_one`)."""
     saved = hhook.THCState(**{"bits": "auto", "scales": scales, option: CHANGES[option][1]}).state_dict()
     # several buckets, one error each, paired (compiled: DDP's optimizer wants the first bucket the smallest)
     ddp = DDP(_net(), process_group=group, bucket_cap_mb=1 if compiled else 0.01)
@@ -42,16 +39,7 @@ def _one_sided(rank, loader, scales, method, steps, option, group=None, compiled
     model = torch.compile(ddp) if compiled else ddp
     for _ in range(steps):
         _step(model, rank)
-    dist.barrier(group)
-    start = time.monotonic()
-    if rank == loader:
-        state.load_state_dict(saved)
-    first = _said(lambda: _step(model, rank))
-    seconds = time.monotonic() - start
-    again = _said(lambda: _step(model, rank))
-    state.load_state_dict(saved)
-    recovered = _said(lambda: _step(model, rank)) + _said(lambda: _step(model, rank))
-    return first, seconds, again, recovered, state.options.as_dict()[option]
+    return loaded_on_one(rank, loader, model, state, saved, group) + (state.options.as_dict()[option],)
 
 
 def _cases_worker(rank, world, scales):
@@ -111,15 +99,9 @@ def _reload_worker(rank, world, method, device=False):
     ``device``: dense exchanges carry no count, as on a GPU (the handshake runs again)."""
     if device:
         hook._on_host = lambda buffer: False
+
     def train(ddp, first, n=3):
-        for step in range(first, first + n):
-            torch.manual_seed(100 * rank + step)
-            ddp.zero_grad()
-            _step(ddp, rank)
-            with torch.no_grad():
-                for p in ddp.parameters():
-                    p -= 0.05 * p.grad
-        return torch.cat([p.detach().flatten() for p in ddp.parameters()])
+        return trained(ddp, rank, first, n)
 
     def registered(saved=None, load_after=False):
         torch.manual_seed(0)
