@@ -116,11 +116,13 @@ def test_the_ddp_hook_takes_its_rounds_and_no_more(scales):
         assert per_step[2] == 2 * buckets + 1 and per_step[3:] == [steady] * 3, per_step
 
 
-def _diloco_worker(rank, world):
+def _diloco_worker(rank, world, scales):
     torch.manual_seed(0)
     model = torch.nn.Linear(20, 10)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = hhook.diloco.DiLoCo(model, opt, sites=1, every=2, bits=4)
+    if scales is not None:  # another scale mode than its default (GPUs: agreed), before the common start
+        outer.thc = hhook.THCState(outer.sites.ring, bits=4, scales=scales)
     per_sync = []
     for step in range(8):
         model(torch.randn(4, 20)).square().mean().backward()
@@ -130,14 +132,18 @@ def _diloco_worker(rank, world):
             outer.step()
         if seen:
             per_sync.append(len(seen))
-    return per_sync
+    return per_sync, sorted(outer.thc.runtime.second)
 
 
-def test_a_diloco_fragment_exchange_takes_one_round():
+@pytest.mark.parametrize("scales, rounds, second", [(None, 1, []), ("agreed", 2, ["cpu"])],
+                         ids=["default (gathered)", "agreed"])
+def test_a_diloco_fragment_exchange_takes_one_round(scales, rounds, second):
     """DiLoCo's THC state at its default scales (gathered between 2 sites on CPUs): one
-    all-gather, nothing else, once the fragment's first exchange verified its call."""
-    for per_sync in run_world(_diloco_worker, 2):
-        assert len(per_sync) == 4 and per_sync[1:] == [1, 1, 1], per_sync
+    all-gather a sync, nothing else, from the first (its options check covered the
+    fragments: no check round), and no second communicator is made; agreed scales (a
+    GPU's default) take their MAX and SUM, the SUM on the second communicator."""
+    for per_sync, made in run_world(_diloco_worker, 2, scales):
+        assert per_sync == [rounds] * 4 and made == second, (per_sync, made)
 
 
 def _late_worker(rank, world, keyed):

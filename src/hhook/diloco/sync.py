@@ -199,7 +199,7 @@ class DiLoCo:
     def _exchange(self, p: int, delta: torch.Tensor) -> torch.futures.Future:
         """Start averaging ``delta`` over this rank's ring; a future of the mean."""
         if self.thc is not None:
-            return thc_allreduce_async(delta, self.thc, key=f"diloco.fragment{p}")
+            return thc_allreduce_async(delta, self.thc, key=_key(p))
         count(self.counters, delta)  # the schedule's one dense fallback and its byte count
         with explained(f"hhook.diloco's fp32 exchange of fragment {p}", self.sites.ring):
             return plain_allreduce(delta, self.sites.ring, self.sites.n_sites)
@@ -265,8 +265,9 @@ class DiLoCo:
                                  "forward or the first outer.step()")
             if not resumed:
                 _start_together(self.sites, self.fragments, self.outer, self._others)
-            if self.thc is not None:  # here, so that no launch waits for another site
-                connect(self.thc, self.outer[0].device)
+            if self.thc is not None:  # here, so that no launch waits for another site; the options check
+                # above covered the fragments' lengths (float32): their first exchanges take no check round
+                connect(self.thc, self.outer[0].device, {_key(p): shard for p, shard in enumerate(self.outer)})
         self.started = True
 
     # -- checkpoints and statistics ---------------------------------------------------------
@@ -336,6 +337,11 @@ def _site_error(sites: Sites, p: int, launched_at: int, exc: BaseException, tag:
     where = "".join(f"; rank {r} is in site {sites.site_of(r)}" for r in named if sites.site_of(r) is not None)
     return type(err)(f"hhook.diloco: the outer exchange of fragment {p} (after inner step {launched_at}) between "
                      f"sites failed ({sites.describe()}{where}): {err}")
+
+
+def _key(p: int) -> str:
+    """The THC key of fragment ``p``'s exchange."""
+    return f"diloco.fragment{p}"
 
 
 def _synchronized(model: torch.nn.Module, inner_optimizer) -> list[tuple[str, torch.Tensor]]:
