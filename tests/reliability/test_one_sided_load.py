@@ -56,14 +56,14 @@ def _said(fn) -> str:
     return ""
 
 
-def _one_sided(rank, loader, scales, option, group=None, steps=3):
+def _one_sided(rank, loader, scales, option, group=None, steps=3, start_iter=2):
     """Train ``steps`` steps (3: past start_iter, THC; 0 or 1: DDP's plain iterations),
     then ``loader`` alone loads a checkpoint whose ``option`` differs; two more steps: what
     each raised, and in how many seconds from the load. Then every rank loads that
     checkpoint: what the next two steps raised (nothing: training goes on)."""
     saved = hhook.THCState(**{"bits": 4, "scales": scales, option: CHANGES[option](scales)}).state_dict()
     ddp = DDP(_net(), process_group=group, bucket_cap_mb=0.01)  # several buckets: one error each, paired
-    state = hhook.register(ddp, bits=4, scales=scales)
+    state = hhook.register(ddp, bits=4, scales=scales, start_iter=start_iter)
     for _ in range(steps):
         _step(ddp, rank)
     return loaded_on_one(rank, loader, ddp, state, saved, group) + (state.options.as_dict()[option],)
@@ -110,8 +110,12 @@ def test_a_one_sided_load_raises_on_every_rank_at_the_next_exchange(scales):
 
 
 def _plain_case_worker(rank, world, scales):
-    return {(steps, option): _one_sided(rank, 1, scales, option, steps=steps) for steps in (0, 1)
-            for option in ("bits", "scales")}
+    cases = {(steps, option): _one_sided(rank, 1, scales, option, steps=steps) for steps in (0, 1)
+             for option in ("bits", "scales")}
+    # start_iter=0: THC from DDP's first iteration, whose buckets are not rebuilt yet (a fresh run's: none to split)
+    cases.update({("start_iter=0", option): _one_sided(rank, 1, scales, option, steps=0, start_iter=0)
+                  for option in ("bits", "scales")})
+    return cases
 
 
 @pytest.mark.parametrize("scales", MODES)
@@ -119,7 +123,8 @@ def test_a_one_sided_load_before_start_iter_raises_on_every_rank_at_the_next_exc
     """The common case: hhook.register, then one rank loads (steps 0), or a load inside
     DDP's plain iterations (steps 1): the plain allreduce carries the count of ranks that
     loaded. Before, the loading rank waited in the handshake while the other ran its plain
-    allreduce (the group's timeout)."""
+    allreduce (the group's timeout). With start_iter=0, right after hhook.register: THC's
+    marked filler at DDP's first iteration."""
     outcomes = run_outcomes(_plain_case_worker, 2, scales, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
     for rank, o in enumerate(outcomes):
         assert o["error"] is None and o["exitcode"] == 0, (rank, o)

@@ -38,7 +38,7 @@ A state that :func:`hhook.thc_allreduce_async` uses does the same at its next ca
 in the exchange (:mod:`hhook.schedule.call_check`), filler marked
 :data:`~hhook.scales.message.CHANGED` in place of its tensor.
 
-Elsewhere (two-level layouts, FSDP2, DDP's first iteration where it exchanges THC) the handshake
+Elsewhere (two-level layouts, FSDP2, a resumed run's first DDP iteration) the handshake
 runs again at the next exchange as before; so does a one-sided load on GPUs whose next
 exchange is ``bits="auto"``'s dense candidate (its count would be read on the host).
 """

@@ -154,13 +154,16 @@ def _exchange_known(state) -> bool:
     """Whether every rank's next exchange, under the options every rank verified, is known
     to a rank that loads a checkpoint now (:mod:`hhook.schedule.load_check`): a
     ``thc_allreduce`` call's at a fixed width (a state :func:`hhook.register` did not
-    take), a DDP hook's plain allreduce (before ``start_iter``) or THC past DDP's first
-    iteration; under ``bits="auto"``, the DDP hook's decision (run on :func:`shadow_of`)
-    past DDP's first iteration or at a fresh run's first (no saved bucket to split)."""
+    take); a DDP hook's past DDP's first iteration, or at a fresh run's first (no saved
+    bucket to split: :func:`hhook.ddp_hook._before_rebuild`), at a fixed width also its
+    plain allreduce (before ``start_iter``); under ``bits="auto"`` the decision's, run on
+    :func:`shadow_of`."""
     registration = state.registration
-    if state.options.bits == "auto":
-        return registration is not None and (registration.iterations > 0 or state.iter == 0)
-    return registration is None or state.iter < state.options.start_iter or registration.iterations > 0
+    if registration is None:
+        return state.options.bits != "auto"
+    if registration.iterations > 0 or state.iter == 0:
+        return True
+    return state.options.bits != "auto" and state.iter < state.options.start_iter
 
 
 def shadow_of(state):
