@@ -13,7 +13,6 @@ import torch.distributed as dist
 from ..codec.error_model import auto_bits
 from ..schedule import load_check
 from ..schedule.dense import cast_allreduce, dense_allreduce
-from ..schedule.flat import flat_allreduce_async
 from ..schedule.topology import TopologyError, node_census
 from ..state import THCState, report
 from .decision import Decision
@@ -192,8 +191,7 @@ def _reduce_as(method: str, state: THCState, key: int, buffer: torch.Tensor, lay
         ctx = variant(state, bits).context(mode=mode)
         if changed is None:
             return ctx.schedule(ctx, buffer, key, layout)
-        filler = torch.zeros(buffer.numel(), dtype=buffer.dtype, device=buffer.device)
-        return flat_allreduce_async(ctx, filler, key, layout, changed)
+        return load_check.filler(ctx, buffer, key, layout, changed)
     ctx = state.context()
     # bf16 holds the count of up to 256 marks exactly; beyond, the marked exchange is fp32's
     cast = torch.bfloat16 if method == BF16 and buffer.dtype == torch.float32 else None

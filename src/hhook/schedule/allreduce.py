@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import load_check
-from .call_check import Verified, checked_allreduce_async, exchange_checked
+from .call_check import Verified, checked_allreduce_async, exchange_checked, signature_of
 from .flat import check_tensor, second_group
 
 
@@ -72,8 +72,7 @@ def connect(state, device, verified: dict | None = None) -> None:
     (on a delay link of 50 ms each way its making took 0.91 s of the common start)."""
     ctx = state.context(device=torch.device(device))
     for key, tensor in (verified or {}).items():
-        layout = (tuple(tensor.shape), str(tensor.dtype))
-        ctx.verified[key] = Verified((tensor.numel(), tensor.dtype, layout, tensor.device.type))
+        ctx.verified[key] = Verified(signature_of(tensor))
     if ctx.world_size > 1 and ctx.inter is None and not (verified and ctx.policy.gather):
         second_group(ctx, torch.device(device))
 

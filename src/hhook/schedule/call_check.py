@@ -73,6 +73,13 @@ class Verified:
         return self.signature[2]
 
 
+def signature_of(tensor: torch.Tensor, layout=None) -> tuple:
+    """The :class:`Verified` signature of a call of ``tensor`` (``layout`` None: its shape
+    and dtype, as :func:`hhook.thc_allreduce_async` takes it)."""
+    layout = (tuple(tensor.shape), str(tensor.dtype)) if layout is None else layout
+    return tensor.numel(), tensor.dtype, layout, tensor.device.type
+
+
 def expanded(tensor: torch.Tensor) -> bool:
     """Whether elements share memory (a stride 0, as ``expand`` makes): no in-place mean."""
     return not tensor.is_sparse and any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape))
@@ -116,9 +123,8 @@ def checked_allreduce_async(ctx, tensor: torch.Tensor, key, layout, loaded: tupl
         _run(ctx, tensor, (fields, number), done, second_group(ctx, tensor.device), None)
         done.wait()
         return None
-    if layout is None:
-        layout = (tuple(tensor.shape), str(tensor.dtype))
-    signature = (tensor.numel(), tensor.dtype, layout, tensor.device.type)
+    signature = signature_of(tensor, layout)
+    layout = signature[2]
     record = ctx.verified.get(key) if key is not None else None
     sequencer, result = ctx.runtime.sequencer, new_future(tensor)
     mark = None if loaded is None else CallChanged("hhook: this rank loaded a checkpoint since the options handshake")

@@ -147,8 +147,14 @@ def marked(loaded: Loaded, tensor: torch.Tensor, key, layout, changed: CallChang
         return flat_allreduce_async(loaded.ctx, tensor, key, layout)  # dense (or nothing) on every rank: no mark
     if loaded.plain:  # the others' plain allreduce, this rank's bucket as zeros, marked
         return plain(loaded.ctx, tensor, changed)
-    filler = torch.zeros(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    return flat_allreduce_async(loaded.ctx, filler, key, layout, changed)
+    return filler(loaded.ctx, tensor, key, layout, changed)
+
+
+def filler(ctx: CallContext, tensor: torch.Tensor, key, layout, changed: CallChanged) -> torch.futures.Future:
+    """THC's exchange over ``ctx`` of zeros the size of ``tensor`` (``key``, ``layout``),
+    marked with ``changed``: a loading rank's part in the others' THC exchange."""
+    zeros = torch.zeros(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    return flat_allreduce_async(ctx, zeros, key, layout, changed)
 
 
 def call(state, tensor: torch.Tensor, key, layout) -> torch.futures.Future | None:
