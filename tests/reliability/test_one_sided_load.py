@@ -70,12 +70,12 @@ def _one_sided(rank, loader, scales, option, group=None, steps=3, start_iter=2):
 
 
 def loaded_on_one(rank, loader, model, state, saved, group=None) -> tuple:
-    """``loader`` alone loads ``saved`` into ``state``: what the next two steps of ``model``
-    raised, and in how many seconds from the load the first did; then every rank loads it:
-    what the next two steps raised (nothing: training goes on)."""
+    """``loader`` alone (a rank, or a tuple of ranks) loads ``saved`` into ``state``: what
+    the next two steps of ``model`` raised, and in how many seconds from the load the first
+    did; then every rank loads it: what the next two steps raised (nothing: training goes on)."""
     dist.barrier(group)
     start = time.monotonic()
-    if rank == loader:
+    if rank in (loader if isinstance(loader, tuple) else (loader,)):
         state.load_state_dict(saved)
     first = _said(lambda: _step(model, rank))
     seconds = time.monotonic() - start

@@ -6,8 +6,8 @@ without a collective that the ranks that did not load would never enter.
 handshake (:mod:`hhook.schedule.handshake`) must run again, on every rank. A rank cannot
 tell whether the others loaded too; its handshake would wait for them (the group's whole
 timeout), while they go on into their exchange. So where every rank's next exchange is
-known (DDP's or a ``thc_allreduce`` call's on a flat layout), the loading rank keeps the
-context every rank last verified and the iteration the group is at (:class:`Loaded`;
+known (DDP's, flat or two-level, or a ``thc_allreduce`` call's on a flat layout), the
+loading rank keeps the context every rank last verified and the iteration the group is at (:class:`Loaded`;
 under ``bits="auto"`` the state as every rank verified it, its decision included) and
 takes part in that exchange as the others do, saying that it loaded:
 
@@ -38,9 +38,14 @@ A state that :func:`hhook.thc_allreduce_async` uses does the same at its next ca
 in the exchange (:mod:`hhook.schedule.call_check`), filler marked
 :data:`~hhook.scales.message.CHANGED` in place of its tensor.
 
-Elsewhere (two-level layouts, FSDP2, a resumed run's first DDP iteration) the handshake
-runs again at the next exchange as before; so does a one-sided load on GPUs whose next
-exchange is ``bits="auto"``'s dense candidate (its count would be read on the host).
+On a two-level layout the loading rank's shard goes between nodes as that filler, and its
+ring's count travels with the shard through the node's gather
+(:mod:`hhook.schedule.two_level`): every rank of every node reads the total.
+
+Elsewhere (two-level layouts under ``bits="auto"``, FSDP2, a resumed run's first DDP
+iteration) the handshake runs again at the next exchange as before; so does a one-sided
+load on GPUs whose next exchange is ``bits="auto"``'s dense candidate (its count would be
+read on the host).
 """
 
 from __future__ import annotations
@@ -56,7 +61,6 @@ from ..stats import Counters
 from .context import CallContext
 from .call_check import checked_allreduce_async, exchange_checked, options_said
 from .dense import tallied_allreduce
-from .flat import flat_allreduce_async
 from .handshake import call_number, named
 
 WHAT = "the THC options after load_state_dict on some ranks"
@@ -86,11 +90,21 @@ class Loaded:
 
 def kept(ctx: CallContext | None, iteration: int, shadow=None) -> Loaded | None:
     """The record of ``ctx`` (the hook's verified context) at DDP iteration ``iteration``
-    (``shadow``: as :class:`Loaded`'s), where its exchanges are those of the flat schedule
-    over several ranks; else None (the handshake runs again)."""
-    if ctx is None or ctx.world_size == 1 or ctx.inter is not None:
+    (``shadow``: as :class:`Loaded`'s), where its exchanges are known: over several ranks,
+    flat, or two-level at a fixed width; else None (the handshake runs again)."""
+    if ctx is None or ctx.world_size == 1 or (ctx.inter is not None and shadow is not None):
         return None
-    return Loaded(dataclasses.replace(ctx, counters=Counters()), iteration, shadow)
+    return Loaded(own_counters(ctx), iteration, shadow)
+
+
+def own_counters(ctx: CallContext, counters: Counters | None = None) -> CallContext:
+    """``ctx`` counting (and drawing call numbers) in ``counters`` (default: new ones), and,
+    two-level, in new counters of its own inside nodes and between them: the exchanges of
+    a rank that loaded leave the loaded state's counters as they were (a resume stays bit
+    for bit)."""
+    inter = None if ctx.inter is None else dataclasses.replace(ctx.inter, counters=Counters())
+    intra = None if ctx.intra_counters is None else Counters()
+    return dataclasses.replace(ctx, counters=counters or Counters(), intra_counters=intra, inter=inter)
 
 
 def plain(ctx: CallContext, tensor: torch.Tensor, changed: CallChanged | None = None,
@@ -144,17 +158,18 @@ def marked(loaded: Loaded, tensor: torch.Tensor, key, layout, changed: CallChang
     A tensor that every rank exchanges dense (sparse; after ``start_iter`` float64, empty)
     goes as it is, unmarked."""
     if tensor.is_sparse or (not loaded.plain and (tensor.dtype not in SUPPORTED_DTYPES or tensor.numel() == 0)):
-        return flat_allreduce_async(loaded.ctx, tensor, key, layout)  # dense (or nothing) on every rank: no mark
+        return loaded.ctx.schedule(loaded.ctx, tensor, key, layout)  # dense (or nothing) on every rank: no mark
     if loaded.plain:  # the others' plain allreduce, this rank's bucket as zeros, marked
         return plain(loaded.ctx, tensor, changed)
     return filler(loaded.ctx, tensor, key, layout, changed)
 
 
 def filler(ctx: CallContext, tensor: torch.Tensor, key, layout, changed: CallChanged) -> torch.futures.Future:
-    """THC's exchange over ``ctx`` of zeros the size of ``tensor`` (``key``, ``layout``),
-    marked with ``changed``: a loading rank's part in the others' THC exchange."""
+    """THC's exchange over ``ctx`` (its schedule: flat, or two-level, whose shard goes
+    between nodes marked) of zeros the size of ``tensor`` (``key``, ``layout``), marked
+    with ``changed``: a loading rank's part in the others' THC exchange."""
     zeros = torch.zeros(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    return flat_allreduce_async(ctx, zeros, key, layout, changed)
+    return ctx.schedule(ctx, zeros, key, layout, changed)
 
 
 def call(state, tensor: torch.Tensor, key, layout) -> torch.futures.Future | None:

@@ -149,7 +149,8 @@ def _all_gather(out: torch.Tensor, piece: torch.Tensor, group, k: int):
     return dist.all_to_all_single(out, piece.repeat(k), group=group, async_op=True)
 
 
-def two_level_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, layout=None) -> torch.futures.Future:
+def two_level_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, layout=None,
+                              changed: message.CallChanged | None = None) -> torch.futures.Future:
     r"""Start averaging ``tensor`` in place over ``ctx``'s group, two-level (``ctx.topo``
     found several nodes; ``ctx.inter`` is the context of this rank's ring between nodes,
     whose codec, scales, error feedback and counters apply to this rank's shard).
@@ -159,7 +160,11 @@ def two_level_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, 
     shard travels under the same key, and ``layout`` says what the key holds, as there).
     Call it in the same order on every rank, and wait for a key's future before reducing
     that key again. The first call readies the ring on the caller's thread
-    (:func:`ensure_ring`).
+    (:func:`ensure_ring`). ``changed`` (a :class:`~hhook.scales.message.CallChanged`):
+    this rank's shard goes between nodes as filler marked with it
+    (:mod:`hhook.schedule.load_check`: a rank that loaded a checkpoint since the
+    handshake); its ``count`` is then set to the number of ranks of the group that sent
+    such filler, and the future raises, as every rank's does where one did.
     """
     inter = ctx.inter
     if any(runtime.pending for runtime, _ in ctx.deferred):
@@ -172,7 +177,7 @@ def two_level_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, 
     ensure_ring(inter, tensor.device, ctx.topo.sequencer("inter"))
     if layout is None:  # what the key holds is the whole tensor, not the shard (whose length may not change)
         layout = (tuple(tensor.shape), str(tensor.dtype))
-    call = _TwoLevelCall(ctx, tensor, key, layout)
+    call = _TwoLevelCall(ctx, tensor, key, layout, changed)
     call.scatter()
     return call.result
 
@@ -183,9 +188,10 @@ class _TwoLevelCall:
     :meth:`gather` inside the node (stage 3) and :meth:`finish`. Each stage is launched
     from the previous one's continuation; a failure anywhere raises on every rank of the
     node (``failure``: this rank's first exception, set on the result once the gather is
-    done)."""
+    done; ``loaded``: how many ranks of this rank's ring sent filler marked CHANGED,
+    :meth:`finish` sums it over the node's shards)."""
 
-    def __init__(self, ctx: CallContext, tensor: torch.Tensor, key, layout):
+    def __init__(self, ctx: CallContext, tensor: torch.Tensor, key, layout, changed=None):
         topo = ctx.topo
         self.tensor, self.topo, self.inter, self.key, self.intra_counters, self.layout = \
             tensor, topo, ctx.inter, key, ctx.intra_counters, layout
@@ -201,6 +207,7 @@ class _TwoLevelCall:
         self.inter_seq, self.gather_seq = topo.sequencer("inter"), topo.sequencer("gather")
         self.result = new_future(tensor)
         self.failure: list = []
+        self.changed, self.loaded = changed, 0
         self.new_file = None
 
     def _buffers(self):
@@ -288,7 +295,7 @@ class _TwoLevelCall:
     def reduce_between_nodes(self, shard: torch.Tensor) -> None:
         """Stage 2: THC of this rank's shard over the nodes' ring, then the gather."""
         try:
-            failed = self.failure[0] if self.failure else None
+            failed = self.failure[0] if self.failure else self.changed
             fut = flat_allreduce_async(self.inter, shard, self.key, self.layout, failed)
         except BaseException as exc:  # noqa: BLE001
             self.failure.append(exc)
@@ -300,6 +307,9 @@ class _TwoLevelCall:
     def after_inter(self, g: torch.futures.Future, shard: torch.Tensor) -> None:
         try:
             g.value()
+        except message.CallChanged as exc:  # ranks of the ring sent marked filler: the gather tells the node
+            self.loaded = exc.count
+            shard.fill_(float("nan"))
         except BaseException as exc:  # noqa: BLE001 - e.g. a mismatch between nodes: raised after the gather
             self.failure.append(exc)
             shard.fill_(float("nan"))
@@ -307,8 +317,10 @@ class _TwoLevelCall:
 
     def gather(self, mean_shard: torch.Tensor) -> None:
         """Stage 3, in ticket order: every local rank launches it whatever happened before,
-        with its status word (:func:`hhook.scales.message.status_word`: whether it failed),
-        so that a failure anywhere in the node raises on every rank of it."""
+        with its status word (:func:`hhook.scales.message.status_word`: whether it failed)
+        and its ring's count of marked filler (``loaded``), so that a failure anywhere in
+        the node raises on every rank of it, and every rank learns how many ranks of the
+        group sent marked filler (the sum over the node's rings)."""
         k, s, j, dtype, device = self.k, self.s, self.j, self.dtype, self.tensor.device
         piece = mean_shard.to(dtype)
         bad = _nonfinite(piece)  # THC writes NaN over whole pieces; make sure of whole shards
@@ -319,18 +331,18 @@ class _TwoLevelCall:
         failed = message.status_word(False, bool(self.failure))
         if self.shm:
             self.shared_result[j * s:(j + 1) * s].copy_(piece)
-            out, send = self.shared_result, torch.tensor([failed], dtype=torch.int64)
-        else:
-            send = torch.empty(s + 1, dtype=dtype, device=device)
+            out, send = self.shared_result, torch.tensor([failed, self.loaded], dtype=torch.int64)
+        else:  # (a count up to 256 is exact in every float dtype of a shard)
+            send = torch.empty(s + 2, dtype=dtype, device=device)
             send[:s].copy_(piece)
-            send[s] = failed
-            out = torch.empty(k * (s + 1), dtype=dtype, device=device)
+            send[s], send[s + 1] = failed, self.loaded
+            out = torch.empty(k * (s + 2), dtype=dtype, device=device)
 
         def launch() -> None:
             try:
                 if self.shm:  # a barrier (every rank of the node has written its shard) and the statuses
                     work = dist.all_reduce(send, group=self.topo.gather_group, async_op=True)
-                    attach(work.get_future(), lambda h: self.finish(h, out, send[0]), self.topo.gather_group)
+                    attach(work.get_future(), lambda h: self.finish(h, out, send), self.topo.gather_group)
                 else:
                     work = _all_gather(out, send, self.topo.gather_group, k)
                     attach(work.get_future(), lambda h: self.finish(h, out, None), self.topo.gather_group)
@@ -341,20 +353,25 @@ class _TwoLevelCall:
         self.gather_seq.launch(self.gather_ticket, launch, stream_of(send))
 
     def finish(self, h: torch.futures.Future | None, out: torch.Tensor, status: torch.Tensor | None) -> None:
-        """``out``: the gathered shards (``k s``, or ``k`` rows of ``s + 1`` whose last
-        entry is the shard owner's status word); ``status``: the node's summed status
-        (shared memory). Where it says a rank of the node failed, every rank of it raises
-        (that rank its own exception)."""
+        """``out``: the gathered shards (``k s``, or ``k`` rows of ``s + 2`` whose last
+        entries are the shard owner's status word and its ring's count of marked filler);
+        ``status``: the node's summed status word and count (shared memory). Where it says
+        a rank of the node failed, every rank of it raises (that rank its own exception);
+        where ranks sent marked filler, every rank raises
+        :class:`~hhook.scales.message.CallChanged` with their number (read on the host,
+        on GPUs too where this rank sent one: ``changed.count``)."""
         tensor, s, d = self.tensor, self.s, self.d
         try:
             if h is not None:
                 value_of(h, f"the node's all-gather of a two-level tensor of {d} elements", self.topo.gather_group)
             if self.failure:
                 raise self.failure[0]
-            if status is None:  # statuses travelled with the shards
-                rows = out.view(self.k, s + 1)
-                status, out = rows[:, s].sum(), rows[:, :s]
-            failed_peer = message.any_failed(status)
+            if out.numel() != s * self.k:  # statuses travelled with the shards
+                rows = out.view(self.k, s + 2)
+                status, out = rows[:, s:].to(torch.float64).sum(dim=0), rows[:, :s]
+            failed_peer, loaded = message.any_failed(status[0]), status[1]
+            if self.changed is not None or not out.is_cuda:
+                self._tell_loaded(int(loaded))
             # A non-finite shard travels as all NaN (see gather), so its first element
             # tells: k reads, the same on every rank of every node.
             bad = out[:, 0].isnan().any() if out.dim() == 2 else out[::s].isnan().any()
@@ -375,6 +392,15 @@ class _TwoLevelCall:
             self.result.set_result(tensor)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
             self.result.set_exception(exc)
+
+    def _tell_loaded(self, loaded: int) -> None:
+        """Raise where ``loaded`` ranks of the group sent marked filler (this rank's
+        ``changed`` learns their number)."""
+        if self.changed is not None:
+            self.changed.count = loaded
+        if loaded:
+            raise message.CallChanged(f"hhook: {loaded} rank(s) exchanged filler of what the group verified (a "
+                                      "checkpoint loaded since the options handshake)", loaded)
 
     def _write_back(self, out: torch.Tensor) -> None:
         """The gathered mean into the tensor: row by row (one pass), or the node's shared

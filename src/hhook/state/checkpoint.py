@@ -77,7 +77,8 @@ class Checkpointed:
         again (:mod:`hhook.schedule.handshake`): ranks that loaded checkpoints of other
         options raise :class:`~hhook.errors.ConfigMismatchError` there, on every rank.
         Where one rank's DDP hook state loads and another's does not (flat, at a fixed
-        width or ``bits="auto"``, before ``start_iter`` as after it), every rank raises it at that next
+        width or ``bits="auto"``; two-level at a fixed width; before ``start_iter`` as
+        after it), every rank raises it at that next
         exchange, naming each rank's options, instead of waiting in the handshake
         (:mod:`hhook.schedule.load_check`). Per-key state that
         cannot describe this run starts afresh with one log line: a checkpoint of another
@@ -175,7 +176,7 @@ def shadow_of(state):
     loaded trains on as if they had not run (a resume stays bit for bit)."""
     shadow = _slot_copy(state)
     shadow.counters, shadow.intra_counters, shadow.pending_load = Counters(), Counters(), None
-    shadow.contexts = {k: dataclasses.replace(ctx, counters=shadow.counters) for k, ctx in state.contexts.items()}
+    shadow.contexts = {k: load_check.own_counters(ctx, shadow.counters) for k, ctx in state.contexts.items()}
     shadow.decision = copy.deepcopy(state.decision)
     shadow.variants = {}
     for bits, width in state.variants.items():  # made again on the shadow's counters (hhook.decision.widths.variant)
