@@ -19,6 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hhook
+from hhook.decision import Decision
 from tests.reliability.test_one_sided_load import FAST_S, PG_TIMEOUT_S, _net, _step, loaded_on_one, trained
 from tests.support.distributed import run_outcomes, run_world
 
@@ -89,24 +90,70 @@ def _check_grouped(said: str, option: str, values: list) -> None:
     assert f"{option}: {text}" in said, said
 
 
-def _reload_worker(rank, world, scales, memory):
+def _reload_worker(rank, world, scales, memory, method=None):
     """Train 6 steps, save, train 3 more: the uninterrupted run. Then every rank loads the
     save into the live state (the marked filler finds every rank loaded) and trains the 3
-    steps again: the same parameters, bit for bit."""
+    steps again: the same parameters, bit for bit, and the same calls counted in ``stats()``
+    (the filler counted nowhere). ``method``: ``bits="auto"`` held on it."""
     _memory(memory)
     ddp = DDP(_net())
-    state = hhook.register(ddp, bits=3, scales=scales, topology=2, error_feedback=True)
+    if method is None:
+        state = hhook.register(ddp, bits=3, scales=scales, topology=2, error_feedback=True)
+    else:  # (bits="auto" on two levels takes no error feedback)
+        state = hhook.register(ddp, scales=scales, topology=2)
+        state.decision = Decision([method])
     assert state.node_layout().two_level
     trained(ddp, rank, 0, 6)
     model, saved = {k: v.clone() for k, v in ddp.module.state_dict().items()}, state.state_dict()
     whole = trained(ddp, rank, 6)
+    calls = ("compressed_calls", "dense_calls", "inter_calls", "iter")  # (bytes: the handshake runs again)
+    counted = {k: state.stats()[k] for k in calls}
     ddp.module.load_state_dict(model)
     state.load_state_dict(saved)
     live = trained(ddp, rank, 6)
-    return torch.equal(live, whole), state.pending_load is None
+    return torch.equal(live, whole), {k: state.stats()[k] for k in calls} == counted, state.pending_load is None
 
 
 @pytest.mark.parametrize("scales, memory", SETUPS)
 def test_every_rank_reloading_a_live_two_level_state_resumes_bit_for_bit(scales, memory):
-    assert run_world(_reload_worker, 4, scales, memory, timeout=300) == [(True, True)] * 4
+    assert run_world(_reload_worker, 4, scales, memory, timeout=300) == [(True, True, True)] * 4
 
+
+@pytest.mark.parametrize("method", ["thc:3", "fp32"])
+def test_every_rank_reloading_a_live_two_level_state_under_bits_auto_resumes_bit_for_bit(method):
+    assert run_world(_reload_worker, 4, "auto", "shm", method, timeout=300) == [(True, True, True)] * 4
+
+
+#: bits="auto": None, the decision as it runs (DDP's plain iterations at step 0, its first
+#: THC turn at 3); else one candidate, its turn (step 3) and held (step 12).
+AUTO_CASES = [(None, 0), (None, 3), ("fp32", 3), ("bf16", 3), ("thc:4", 3), ("thc:4", 12)]
+
+
+def _auto_worker(rank, world, scales):
+    out = {}
+    for method, steps in AUTO_CASES:
+        saved = hhook.THCState(bits="auto", scales=scales, topology=2, block_size=256).state_dict()
+        ddp = DDP(_net(), bucket_cap_mb=0.01)
+        state = hhook.register(ddp, scales=scales, topology=2)  # bits="auto"
+        assert state.node_layout().two_level
+        if method is not None:
+            state.decision = Decision([method])  # one candidate: the method of every iteration is known
+        for _ in range(steps):
+            _step(ddp, rank)
+        out[(method, steps)] = loaded_on_one(rank, (1,), ddp, state, saved) + (state.options.block_size,)
+    return out
+
+
+@pytest.mark.parametrize("scales", ["auto", "predicted"])
+def test_a_two_level_one_sided_load_under_bits_auto_raises_on_every_rank_at_the_next_exchange(scales):
+    """Whichever method runs between nodes: DDP's plain iterations, each dense candidate,
+    THC in its turn and held; the checkpoint's block size differs."""
+    outcomes = run_outcomes(_auto_worker, 4, scales, pg_timeout_s=PG_TIMEOUT_S, timeout=600)
+    for rank, o in enumerate(outcomes):
+        assert o["error"] is None and o["exitcode"] == 0, (rank, o)
+        for case, (first, seconds, again, recovered, now) in o["value"].items():
+            for said in (first, again):
+                _check_grouped(said, "block_size", [([0, 2, 3], 1024), (1, 256)])
+                _check_grouped(said, "load_state_dict", [([0, 2, 3], False), (1, True)])
+            assert seconds < FAST_S, (rank, case, seconds)
+            assert recovered == "" and now == 256, (rank, case, recovered)

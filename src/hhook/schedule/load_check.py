@@ -42,10 +42,9 @@ On a two-level layout the loading rank's shard goes between nodes as that filler
 ring's count travels with the shard through the node's gather
 (:mod:`hhook.schedule.two_level`): every rank of every node reads the total.
 
-Elsewhere (two-level layouts under ``bits="auto"``, FSDP2, a resumed run's first DDP
-iteration) the handshake runs again at the next exchange as before; so does a one-sided
-load on GPUs whose next exchange is ``bits="auto"``'s dense candidate (its count would be
-read on the host).
+Elsewhere (FSDP2, a resumed run's first DDP iteration) the handshake runs again at the
+next exchange as before; so does a one-sided load on GPUs whose next exchange is
+``bits="auto"``'s dense candidate (its count would be read on the host).
 """
 
 from __future__ import annotations
@@ -91,8 +90,8 @@ class Loaded:
 def kept(ctx: CallContext | None, iteration: int, shadow=None) -> Loaded | None:
     """The record of ``ctx`` (the hook's verified context) at DDP iteration ``iteration``
     (``shadow``: as :class:`Loaded`'s), where its exchanges are known: over several ranks,
-    flat, or two-level at a fixed width; else None (the handshake runs again)."""
-    if ctx is None or ctx.world_size == 1 or (ctx.inter is not None and shadow is not None):
+    flat or two-level; else None (the handshake runs again)."""
+    if ctx is None or ctx.world_size == 1:
         return None
     return Loaded(own_counters(ctx), iteration, shadow)
 

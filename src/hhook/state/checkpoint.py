@@ -12,7 +12,6 @@ hhooks load (tests/state/test_fixtures.py).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 
 import torch.distributed as dist
@@ -76,10 +75,10 @@ class Checkpointed:
         :func:`hhook.register` gave it stay. The next exchange runs the options handshake
         again (:mod:`hhook.schedule.handshake`): ranks that loaded checkpoints of other
         options raise :class:`~hhook.errors.ConfigMismatchError` there, on every rank.
-        Where one rank's DDP hook state loads and another's does not (flat, at a fixed
-        width or ``bits="auto"``; two-level at a fixed width; before ``start_iter`` as
-        after it), every rank raises it at that next
-        exchange, naming each rank's options, instead of waiting in the handshake
+        Where one rank's DDP hook state loads and another's does not (at a fixed width or
+        ``bits="auto"``, flat or two-level, before ``start_iter`` as after it), every rank
+        raises it at that next exchange, naming each rank's options, instead of waiting in
+        the handshake
         (:mod:`hhook.schedule.load_check`). Per-key state that
         cannot describe this run starts afresh with one log line: a checkpoint of another
         node layout or world size (compared when the layout is found, or now if it is
@@ -171,18 +170,33 @@ def shadow_of(state):
     """``state`` as every rank verified it, for a ``bits="auto"`` DDP hook state that loads
     a checkpoint (:class:`~hhook.schedule.load_check.Loaded`'s ``shadow``): its options,
     group runtime, decision (a copy: a live one continues in place on load) and clock
-    (:class:`hhook.decision.Prober`, its reductions in flight), and copies of its widths.
+    (:class:`hhook.decision.Prober`, its reductions in flight), and copies of its widths
+    (a width bound to the group keeps its contexts and, two-level, its ring's handshake;
+    another is bound again on first use, :func:`hhook.decision.widths.variant`).
     Its exchanges count, and draw call numbers, in counters of its own, so the state that
     loaded trains on as if they had not run (a resume stays bit for bit)."""
-    shadow = _slot_copy(state)
-    shadow.counters, shadow.intra_counters, shadow.pending_load = Counters(), Counters(), None
-    shadow.contexts = {k: load_check.own_counters(ctx, shadow.counters) for k, ctx in state.contexts.items()}
+    shadow = _apart(state, Counters(), Counters())
+    shadow.pending_load = None
     shadow.decision = copy.deepcopy(state.decision)
     shadow.variants = {}
-    for bits, width in state.variants.items():  # made again on the shadow's counters (hhook.decision.widths.variant)
-        shadow.variants[bits] = _slot_copy(width)
-        shadow.variants[bits].runtime = None
+    for bits, width in state.variants.items():
+        if width.runtime is state.runtime:
+            shadow.variants[bits] = _apart(width, shadow.counters, shadow.intra_counters)
+        else:
+            shadow.variants[bits] = _slot_copy(width)
+            shadow.variants[bits].runtime = None
     return shadow
+
+
+def _apart(state, counters: Counters, intra: Counters):
+    """A copy of ``state`` counting in ``counters`` and ``intra``, its contexts too, and its
+    ring's state (two-level) in counters of its own: its runtime, options and keys shared."""
+    other = _slot_copy(state)
+    other.counters, other.intra_counters = counters, intra
+    other.contexts = {k: load_check.own_counters(ctx, counters) for k, ctx in state.contexts.items()}
+    if state.inter is not None:
+        other.inter = _apart(state.inter, Counters(), Counters())
+    return other
 
 
 def _slot_copy(state):
