@@ -18,6 +18,7 @@ from .scales.message import CallChanged
 from .schedule import load_check
 from .schedule.futures import completed, then
 from .state import THCState
+from .state.checkpoint import saved_layouts
 from .state.advice import one_process
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ def thc_hook(state: THCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     said = load_check.said(state)  # now: a continuation runs later, perhaps after a load
     fut = None
     if state.pending_load is not None:  # this rank loaded a checkpoint: did every rank?
-        fut = load_check.exchange(state.pending_load, functools.partial(_marked, state.pending_load, bucket, layout))
+        loaded = state.pending_load
+        fut = load_check.exchange(loaded, functools.partial(_marked, state, loaded, bucket, layout))
         if fut is None:  # every rank did: the handshake runs again (state.context())
             state.pending_load = None
     if fut is None:
@@ -101,24 +103,39 @@ def _exchange(state: THCState, bucket: dist.GradBucket, layout: tuple) -> torch.
     first = registration is not None and registration.iterations == 0 and not buffer.is_sparse
     if state.options.bits == "auto" and ctx.world_size > 1:  # the exchange this iteration's decision says
         live_decision(state)
-        return reduce_bucket_as_decided(state, bucket, layout,
-                                        (lambda reduce: _before_rebuild(state, bucket, layout, reduce)) if first else None)
+        return reduce_bucket_as_decided(state, bucket, layout, _split(saved_layouts(state) if first else None, bucket,
+                                                                      layout))
     if state.iter < state.options.start_iter or buffer.is_sparse:  # with the count of ranks that loaded since
         return load_check.plain(ctx, buffer)
-    fut = _before_rebuild(state, bucket, layout, _fixed_width(ctx)) if first else None
+    fut = _before_rebuild(saved_layouts(state), bucket, layout, _fixed_width(ctx)) if first else None
     return fut if fut is not None else ctx.schedule(ctx, buffer, bucket.index(), layout)
 
 
-def _marked(loaded: load_check.Loaded, bucket: dist.GradBucket, layout: tuple, changed) -> torch.futures.Future:
+def _marked(state: THCState, loaded: load_check.Loaded, bucket: dist.GradBucket, layout: tuple,
+            changed) -> torch.futures.Future:
     """A loading rank's exchange of ``bucket``, as every rank verified it, marked with
     ``changed`` (:func:`hhook.schedule.load_check.exchange`): at a fixed width the
     verified context's; under ``bits="auto"`` the decision's, run on the state as it was
-    (``loaded.shadow``) at the group's iteration."""
+    (``loaded.shadow``) at the group's iteration. A resumed run's first iteration splits
+    the bucket into the keys the state held before the load (``loaded.layouts``), as the
+    others split it into theirs."""
+    registration = state.registration
+    first = registration is not None and registration.iterations == 0 and not bucket.buffer().is_sparse
     if loaded.shadow is None:
-        return load_check.marked(loaded, bucket.buffer(), bucket.index(), layout, changed)
+        def reduce(key, tensor, key_layout):
+            return load_check.marked(loaded, tensor, key, key_layout, changed)
+        fut = _before_rebuild(loaded.layouts, bucket, layout, reduce) if first and not loaded.plain else None
+        return fut if fut is not None else reduce(bucket.index(), bucket.buffer(), layout)
     loaded.shadow.iter = loaded.iter
     live_decision(loaded.shadow)
-    return reduce_bucket_as_decided(loaded.shadow, bucket, layout, changed=changed)
+    return reduce_bucket_as_decided(loaded.shadow, bucket, layout, _split(loaded.layouts if first else None, bucket,
+                                                                          layout), changed=changed)
+
+
+def _split(saved: dict | None, bucket: dist.GradBucket, layout: tuple):
+    """``bits="auto"``'s ``split`` of a resumed run's first iteration into the ``saved``
+    keys (:func:`_before_rebuild`); None: not that iteration."""
+    return None if saved is None else (lambda reduce: _before_rebuild(saved, bucket, layout, reduce))
 
 
 def _join_weighting(registration: Registration) -> None:
@@ -176,22 +193,7 @@ def _bucket_layout(state: THCState, bucket: dist.GradBucket) -> tuple:
     return tuple((names.get(id(p)), tuple(p.shape), str(p.dtype)) for p in bucket.parameters())
 
 
-def _saved_layouts(state: THCState) -> dict:
-    """Bucket index -> the parameters a checkpointed key of that bucket holds, from every
-    state that keys DDP buckets: this one, or two-level its shards' state, and each
-    ``bits="auto"`` width (one width that ran tells the layout of every width)."""
-    saved: dict = {}
-    for owner in (state, *state.variants.values()):
-        holder = owner.inter if owner.inter is not None else owner  # two-level: the shards' state holds the keys
-        for policy in holder.keys.policies.values():
-            for key, key_state in policy.keys.items():
-                top = key[0] if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int) else key
-                if isinstance(top, int) and not isinstance(top, bool) and key_state.layout is not None:
-                    saved.setdefault(top, key_state.layout)
-    return saved
-
-
-def _before_rebuild(state: THCState, bucket: dist.GradBucket, layout: tuple, reduce):
+def _before_rebuild(saved: dict, bucket: dist.GradBucket, layout: tuple, reduce):
     """A resumed run's first iteration: DDP reduces its initial buckets (in torch 2.13 one
     bucket of every parameter) before rebuilding the ones the checkpoint's keys hold.
 
@@ -201,10 +203,8 @@ def _before_rebuild(state: THCState, bucket: dist.GradBucket, layout: tuple, red
     ``bits="auto"``'s exchange of this iteration): the same bits, residuals and scales
     (resume is bit for bit). Otherwise the bucket goes keyless, so the saved keys' state
     waits for the rebuilt buckets instead of being reset. None: the bucket is a saved
-    key's own (the usual path applies)."""
-    if state.registration is None:
-        return None
-    saved = _saved_layouts(state)
+    key's own (the usual path applies). ``saved``: the checkpointed keys' layouts
+    (:func:`hhook.state.checkpoint.saved_layouts`)."""
     if saved.get(bucket.index(), layout) == layout:
         return None
     buffer = bucket.buffer()

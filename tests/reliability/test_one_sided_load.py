@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hhook
+from hhook.decision import Decision
+from hhook.state.checkpoint import saved_layouts
 from tests.schedule.test_rounds import counted
 from tests.support.distributed import run_outcomes, run_world
 
@@ -332,3 +334,38 @@ def test_a_one_sided_load_of_a_thc_allreduce_state_raises_on_every_rank_at_the_n
                 _check(said, "load_state_dict", [(0, False), (1, True)], CALL)
             assert seconds < FAST_S, (rank, option, seconds)
             assert recovered == "" and now == CHANGES[option](scales), (rank, option, recovered)
+
+
+def _resumed_worker(rank, world, scales, bits):
+    """A resumed run: 4 steps (DDP's buckets rebuilt, several keys), saved; a new DDP
+    registered with the save, whose first iteration splits its initial bucket into the
+    saved keys; rank 1 alone loads a checkpoint of block size 256 before that iteration.
+    ``bits="auto"`` is held on THC, so the save holds keys."""
+    ddp = DDP(_net(), bucket_cap_mb=0.01)
+    state = hhook.register(ddp, bits=bits, scales=scales)
+    if bits == "auto":
+        state.decision = Decision(["thc:4"])
+    for _ in range(4):
+        _step(ddp, rank)
+    saved, keys = state.state_dict(), len(saved_layouts(state))
+    other = hhook.THCState(bits=bits, scales=scales, block_size=256).state_dict()
+    torch.manual_seed(0)
+    resumed = DDP(_net(), bucket_cap_mb=0.01)
+    again = hhook.register(resumed, state=saved)
+    return loaded_on_one(rank, 1, resumed, again, other) + (again.options.block_size, keys)
+
+
+@pytest.mark.parametrize("scales, bits", [("agreed", 4), ("gathered", 4), ("auto", "auto")])
+def test_a_one_sided_load_before_a_resumed_run_s_first_iteration_raises_on_every_rank(scales, bits):
+    """The loading rank splits DDP's initial bucket into the keys its state held before
+    the load, as the others split theirs. Before, it waited in the handshake."""
+    outcomes = run_outcomes(_resumed_worker, 2, scales, bits, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
+    for rank, o in enumerate(outcomes):
+        assert o["error"] is None and o["exitcode"] == 0, (rank, o)
+        first, seconds, again, recovered, now, keys = o["value"]
+        assert keys > 1, keys  # the first iteration splits
+        for said in (first, again):
+            _check(said, "block_size", [(0, 1024), (1, 256)])
+            _check(said, "load_state_dict", [(0, False), (1, True)])
+        assert seconds < FAST_S, (rank, seconds)
+        assert recovered == "" and now == 256, (rank, recovered)

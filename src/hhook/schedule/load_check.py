@@ -42,7 +42,8 @@ On a two-level layout the loading rank's shard goes between nodes as that filler
 ring's count travels with the shard through the node's gather
 (:mod:`hhook.schedule.two_level`): every rank of every node reads the total.
 
-Elsewhere (FSDP2, a resumed run's first DDP iteration) the handshake runs again at the
+A resumed run's first DDP iteration splits its buckets into the keys the state held before
+the load, as the others split theirs. For FSDP2 states the handshake runs again at the
 next exchange as before; so does a one-sided load on GPUs whose next exchange is
 ``bits="auto"``'s dense candidate (its count would be read on the host).
 """
@@ -74,12 +75,15 @@ class Loaded:
     exchange is a plain allreduce; ``shadow``: under ``bits="auto"``, the state as every
     rank verified it (its decision, clock and widths; :func:`hhook.state.checkpoint.shadow_of`),
     which the DDP hook runs on, marked, to make the exchanges the others make
-    (:func:`hhook.decision.hook.reduce_bucket_as_decided`); ``some``: an exchange found
+    (:func:`hhook.decision.hook.reduce_bucket_as_decided`); ``layouts``: the checkpointed
+    keys' layouts before the load (:func:`hhook.state.checkpoint.saved_layouts`), which a
+    resumed run's first DDP iteration splits its buckets into; ``some``: an exchange found
     that some ranks, not all, loaded."""
 
     ctx: CallContext
     iter: int
     shadow: object = None
+    layouts: dict = dataclasses.field(default_factory=dict)
     some: bool = False
 
     @property
@@ -87,13 +91,13 @@ class Loaded:
         return self.iter < dict(self.ctx.fields)["start_iter"]
 
 
-def kept(ctx: CallContext | None, iteration: int, shadow=None) -> Loaded | None:
+def kept(ctx: CallContext | None, iteration: int, shadow=None, layouts: dict | None = None) -> Loaded | None:
     """The record of ``ctx`` (the hook's verified context) at DDP iteration ``iteration``
-    (``shadow``: as :class:`Loaded`'s), where its exchanges are known: over several ranks,
-    flat or two-level; else None (the handshake runs again)."""
+    (``shadow``, ``layouts``: as :class:`Loaded`'s), where its exchanges are known: over
+    several ranks, flat or two-level; else None (the handshake runs again)."""
     if ctx is None or ctx.world_size == 1:
         return None
-    return Loaded(own_counters(ctx), iteration, shadow)
+    return Loaded(own_counters(ctx), iteration, shadow, dict(layouts or {}))
 
 
 def own_counters(ctx: CallContext, counters: Counters | None = None) -> CallContext:

@@ -97,7 +97,8 @@ class Checkpointed:
             self.pending_load.some = False
         elif self.runtime.agreed and _exchange_known(self):  # a load on some ranks only is found there
             shadow = shadow_of(self) if self.options.bits == "auto" else None  # the decision every rank runs
-            self.pending_load = load_check.kept(self.contexts.get((None, None)), self.iter, shadow)
+            self.pending_load = load_check.kept(self.contexts.get((None, None)), self.iter, shadow,
+                                               saved_layouts(self))
         self.reset_runtime()
         self.restored = (saved.get("layout"), saved.get("origin"))
         self.options = options
@@ -152,18 +153,29 @@ class Checkpointed:
 
 def _exchange_known(state) -> bool:
     """Whether every rank's next exchange, under the options every rank verified, is known
-    to a rank that loads a checkpoint now (:mod:`hhook.schedule.load_check`): a
-    ``thc_allreduce`` call's at a fixed width (a state :func:`hhook.register` did not
-    take); a DDP hook's past DDP's first iteration, or at a fresh run's first (no saved
-    bucket to split: :func:`hhook.ddp_hook._before_rebuild`), at a fixed width also its
-    plain allreduce (before ``start_iter``); under ``bits="auto"`` the decision's, run on
-    :func:`shadow_of`."""
-    registration = state.registration
-    if registration is None:
-        return state.options.bits != "auto"
-    if registration.iterations > 0 or state.iter == 0:
-        return True
-    return state.options.bits != "auto" and state.iter < state.options.start_iter
+    to a rank that loads a checkpoint now (:mod:`hhook.schedule.load_check`): a DDP hook's
+    (its plain allreduce before ``start_iter``, THC at the fixed width, or under
+    ``bits="auto"`` the decision's, run on :func:`shadow_of`; a resumed run's first
+    iteration splits its buckets into the keys :func:`saved_layouts` finds now), or a
+    ``thc_allreduce`` call's at a fixed width (a state :func:`hhook.register` did not take)."""
+    return state.registration is not None or state.options.bits != "auto"
+
+
+def saved_layouts(state) -> dict:
+    """Bucket index -> the parameters a checkpointed key of that bucket holds, from every
+    state that keys DDP buckets: this one, or two-level its shards' state, and each
+    ``bits="auto"`` width (one width that ran tells the layout of every width): how a
+    resumed run's first iteration splits DDP's initial buckets
+    (:func:`hhook.ddp_hook._before_rebuild`)."""
+    saved: dict = {}
+    for owner in (state, *state.variants.values()):
+        holder = owner.inter if owner.inter is not None else owner  # two-level: the shards' state holds the keys
+        for policy in holder.keys.policies.values():
+            for key, key_state in policy.keys.items():
+                top = key[0] if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int) else key
+                if isinstance(top, int) and not isinstance(top, bool) and key_state.layout is not None:
+                    saved.setdefault(top, key_state.layout)
+    return saved
 
 
 def shadow_of(state):
