@@ -20,7 +20,8 @@ rank alone from the same sequence, agree inside the node without a message:
   every rank of the node has mapped it (after the first barrier), when that barrier
   fails, and at exit. So a job whose processes are killed (SIGKILL, or SIGTERM from a
   launcher tearing the job down) leaves at most a file that was being made at that
-  moment, and at start :func:`sweep_stale` removes the files no process holds.
+  moment, and at start :func:`sweep_stale` removes the files no process holds (a
+  temporary name only once its maker's process is gone: another job may be making it).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ DEFAULT_CAP_MB = 1024
 #: Share of the free space of :data:`SHM_DIR` a job may map.
 FREE_SHARE = 0.5
 _FILE = re.compile(r"^hhook-[0-9a-f]{16}-node\d+-")  # a job's files (and earlier versions' lock files)
+_TEMPORARY = re.compile(r"\.(\d+)$")  # a name being made: <file>.<pid of its maker> (_open_held)
 
 
 def unlink_quietly(path: str) -> None:
@@ -80,14 +82,17 @@ def budget_bytes(free: int, environ=None) -> int:
 
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     """Remove the files of hhook jobs on this machine that no live process holds (each
-    can be locked exclusively); returns the removed paths."""
+    can be locked exclusively); returns the removed paths. A temporary name whose maker
+    is alive is left alone: it exists unlocked for a moment (:func:`_open_held`), and
+    removing it there failed another job's probe or region (a dead maker's, or one whose
+    pid was taken again since, goes once that pid is free)."""
     removed = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
     for name in names:
-        if not _FILE.match(name):
+        if not _FILE.match(name) or _maker_alive(name):
             continue
         path = os.path.join(directory, name)
         try:
@@ -104,6 +109,21 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
         finally:
             os.close(fd)
     return removed
+
+
+def _maker_alive(name: str) -> bool:
+    """Whether ``name`` is a temporary name of :func:`_open_held` (``<file>.<pid>``) whose
+    process still runs."""
+    made = _TEMPORARY.search(name)
+    if made is None:
+        return False
+    try:
+        os.kill(int(made.group(1)), 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # alive under another user, or no pid at all
+        return True
+    return True
 
 
 def _open_held(path: str) -> int:
