@@ -98,9 +98,7 @@ def _exchange(state: THCState, bucket: dist.GradBucket, layout: tuple) -> torch.
     # with different options (start_iter above all: its plain iterations would pair one
     # rank's SUM with another's MAX) fail on every rank rather than mis-pair collectives.
     ctx = state.contexts.get((None, None)) or state.context(device=buffer.device)
-    # This DDP's first iteration: its buckets are not rebuilt yet (a resumed run's keys are)
-    registration = state.registration
-    first = registration is not None and registration.iterations == 0 and not buffer.is_sparse
+    first = _first_iteration(state, buffer)
     if state.options.bits == "auto" and ctx.world_size > 1:  # the exchange this iteration's decision says
         live_decision(state)
         return reduce_bucket_as_decided(state, bucket, layout, _split(saved_layouts(state) if first else None, bucket,
@@ -119,8 +117,7 @@ def _marked(state: THCState, loaded: load_check.Loaded, bucket: dist.GradBucket,
     (``loaded.shadow``) at the group's iteration. A resumed run's first iteration splits
     the bucket into the keys the state held before the load (``loaded.layouts``), as the
     others split it into theirs."""
-    registration = state.registration
-    first = registration is not None and registration.iterations == 0 and not bucket.buffer().is_sparse
+    first = _first_iteration(state, bucket.buffer())
     if loaded.shadow is None:
         def reduce(key, tensor, key_layout):
             return load_check.marked(loaded, tensor, key, key_layout, changed)
@@ -130,6 +127,13 @@ def _marked(state: THCState, loaded: load_check.Loaded, bucket: dist.GradBucket,
     live_decision(loaded.shadow)
     return reduce_bucket_as_decided(loaded.shadow, bucket, layout, _split(loaded.layouts if first else None, bucket,
                                                                           layout), changed=changed)
+
+
+def _first_iteration(state: THCState, buffer: torch.Tensor) -> bool:
+    """Whether ``buffer`` is a dense bucket of this DDP's first iteration, whose buckets are
+    not rebuilt yet (a resumed run's saved keys are: :func:`_before_rebuild`)."""
+    registration = state.registration
+    return registration is not None and registration.iterations == 0 and not buffer.is_sparse
 
 
 def _split(saved: dict | None, bucket: dist.GradBucket, layout: tuple):

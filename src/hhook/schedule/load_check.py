@@ -97,7 +97,7 @@ def kept(ctx: CallContext | None, iteration: int, shadow=None, layouts: dict | N
     several ranks, flat or two-level; else None (the handshake runs again)."""
     if ctx is None or ctx.world_size == 1:
         return None
-    return Loaded(own_counters(ctx), iteration, shadow, dict(layouts or {}))
+    return Loaded(own_counters(ctx), iteration, shadow, layouts if layouts is not None else {})
 
 
 def own_counters(ctx: CallContext, counters: Counters | None = None) -> CallContext:
@@ -107,7 +107,8 @@ def own_counters(ctx: CallContext, counters: Counters | None = None) -> CallCont
     for bit)."""
     inter = None if ctx.inter is None else dataclasses.replace(ctx.inter, counters=Counters())
     intra = None if ctx.intra_counters is None else Counters()
-    return dataclasses.replace(ctx, counters=counters or Counters(), intra_counters=intra, inter=inter)
+    return dataclasses.replace(ctx, counters=counters if counters is not None else Counters(), intra_counters=intra,
+                               inter=inter)
 
 
 def plain(ctx: CallContext, tensor: torch.Tensor, changed: CallChanged | None = None,

@@ -366,7 +366,7 @@ class _TwoLevelCall:
                 value_of(h, f"the node's all-gather of a two-level tensor of {d} elements", self.topo.gather_group)
             if self.failure:
                 raise self.failure[0]
-            if out.numel() != s * self.k:  # statuses travelled with the shards
+            if status is None:  # statuses travelled with the shards
                 rows = out.view(self.k, s + 2)
                 status, out = rows[:, s:].to(torch.float64).sum(dim=0), rows[:, :s]
             failed_peer, loaded = message.any_failed(status[0]), status[1]
