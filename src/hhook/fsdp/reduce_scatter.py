@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 
 from ..codec.layout import SUPPORTED_DTYPES
+from ..scales.message import CallChanged
+from ..schedule import load_check
 from ..schedule.dense import count, uncompressed
 from ..schedule.groups import reduce_scatter_flat
 from ..schedule.reduce_scatter import reduce_scatter
@@ -50,7 +52,10 @@ class THCReduceScatter(ReduceScatter):
     :func:`hhook.schedule.reduce_scatter.reduce_scatter` over the state's context of the
     shard group (:meth:`hhook.THCState.context`: made once, after the options handshake,
     which registration ran, and a loaded checkpoint runs again), or FSDP2's own exchange
-    where the dtype is not the codec's or ``bits="auto"`` says so (:meth:`_dense`).
+    where the dtype is not the codec's or ``bits="auto"`` says so (:meth:`_dense`). After a
+    checkpoint loaded on some ranks only, every rank raises
+    :class:`~hhook.errors.ConfigMismatchError` naming each rank's options
+    (:func:`hhook.schedule.load_check.reduce_scattered`).
     """
 
     def __init__(self, state: THCState, name: str, factor: float | None, returns_sum: bool | None = None,
@@ -71,10 +76,18 @@ class THCReduceScatter(ReduceScatter):
             self.switch.reduced = True  # bits="auto" without optimizer steps: the next forward ends the step
         if input_tensor.dtype not in SUPPORTED_DTYPES or (self.switch is not None and self.switch.reduce_scatter_dense):
             return self._dense(output_tensor, input_tensor, group)  # exact, counted
+        said = load_check.said(self.state, group, "reduce-scatter")  # every rank numbers every call alike
+        loaded = self.state.pending_load
+        if loaded is not None and group in loaded.shards:  # this rank loaded a checkpoint: did every rank?
+            load_check.reduce_scattered(self.state, group, output_tensor, input_tensor, self.name, said)
         # Made once (bits="auto": the policy sized for this group, not the state's); a
         # loaded checkpoint makes it again, after the handshake
         ctx = self.state.contexts.get((group, "agreed")) or self.state.context(group, "agreed")
-        if not reduce_scatter(ctx, output_tensor, input_tensor, self.name) and self.returns_sum:
+        try:
+            nonfinite = reduce_scatter(ctx, output_tensor, input_tensor, self.name)
+        except CallChanged:  # only ever a load on some ranks: no other reduce-scatter is marked
+            raise load_check.named_error(said) from None
+        if not nonfinite and self.returns_sum:
             output_tensor.mul_(ctx.world_size)
         return None
 

@@ -43,9 +43,16 @@ ring's count travels with the shard through the node's gather
 (:mod:`hhook.schedule.two_level`): every rank of every node reads the total.
 
 A resumed run's first DDP iteration splits its buckets into the keys the state held before
-the load, as the others split theirs. For FSDP2 states the handshake runs again at the
-next exchange as before; so does a one-sided load on GPUs whose next exchange is
-``bits="auto"``'s dense candidate (its count would be read on the host).
+the load, as the others split theirs.
+
+An FSDP2 state at a fixed width keeps the verified context of each shard group's
+reduce-scatter (:func:`kept_shards`): the group's next reduce-scatter on the loading rank
+sends filler marked in every chunk's message (:func:`reduce_scattered`), and every rank
+reads the count from the chunk it receives. Under ``bits="auto"`` an FSDP2 state runs the
+handshake again at the next exchange as before (the loaded decision may pick another
+all-gather before any reduce-scatter could say so); so does a one-sided load on GPUs
+whose next exchange is ``bits="auto"``'s dense candidate (its count would be read on the
+host).
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from .context import CallContext
 from .call_check import checked_allreduce_async, exchange_checked, options_said
 from .dense import tallied_allreduce
 from .handshake import call_number, named
+from .reduce_scatter import reduce_scatter
 
 WHAT = "the THC options after load_state_dict on some ranks"
 
@@ -78,13 +86,16 @@ class Loaded:
     (:func:`hhook.decision.hook.reduce_bucket_as_decided`); ``layouts``: the checkpointed
     keys' layouts before the load (:func:`hhook.state.checkpoint.saved_layouts`), which a
     resumed run's first DDP iteration splits its buckets into; ``some``: an exchange found
-    that some ranks, not all, loaded."""
+    that some ranks, not all, loaded; ``shards``: FSDP2's shard group -> the context of its
+    reduce-scatter every rank verified (:func:`kept_shards`; ``ctx`` is then None), until
+    that group's next reduce-scatter tells."""
 
-    ctx: CallContext
+    ctx: CallContext | None
     iter: int
     shadow: object = None
     layouts: dict = dataclasses.field(default_factory=dict)
     some: bool = False
+    shards: dict = dataclasses.field(default_factory=dict)
 
     @property
     def plain(self) -> bool:
@@ -98,6 +109,14 @@ def kept(ctx: CallContext | None, iteration: int, shadow=None, layouts: dict | N
     if ctx is None or ctx.world_size == 1:
         return None
     return Loaded(own_counters(ctx), iteration, shadow, layouts if layouts is not None else {})
+
+
+def kept_shards(contexts: dict) -> Loaded | None:
+    """The record of an FSDP2 state at a fixed width (``contexts``: shard group -> the
+    agreed context of its reduce-scatter, every rank verified), where some group has more
+    than one rank; else None."""
+    shards = {group: own_counters(ctx) for group, ctx in contexts.items() if ctx.world_size > 1}
+    return Loaded(None, 0, shards=shards) if shards else None
 
 
 def own_counters(ctx: CallContext, counters: Counters | None = None) -> CallContext:
@@ -203,15 +222,49 @@ def call(state, tensor: torch.Tensor, key, layout) -> torch.futures.Future | Non
     return fut
 
 
-def said(state) -> tuple:
-    """What a DDP bucket's exchange would say, should it find a checkpoint loaded on some
-    ranks: this rank's options (:meth:`hhook.state.Options.fields`), whether it loaded one,
-    and the bucket's number (:func:`~hhook.schedule.handshake.call_number`), taken when the
-    hook launches it. Read later, in the continuation, a rank whose program went on (DDP
-    raised the first bucket's error while the others' ran) could say what it loaded since,
-    and number the buckets in the order their continuations ran."""
+def reduce_scattered(state, group, output: torch.Tensor, buffer: torch.Tensor, name, said: tuple) -> None:
+    """The loading rank's FSDP2 reduce-scatter on ``group`` after a load (``state``'s
+    record holds the group's verified context): filler of the verified sizes, marked in
+    every chunk's message (:func:`hhook.schedule.reduce_scatter.reduce_scatter`), blocking
+    as FSDP's comm is. Returns where every rank loaded (the group leaves the record; the
+    caller runs the handshake and reduce-scatters ``buffer``); else raises the
+    :class:`~hhook.errors.ConfigMismatchError` naming each rank's options (``said``, this
+    call's :func:`said`), as every later reduce-scatter on the group does."""
+    loaded = state.pending_load
+    ctx = loaded.shards[group]
+    changed = CallChanged("hhook: this rank loaded a checkpoint since the group's options handshake")
+    try:
+        reduce_scatter(ctx, output, buffer, name, changed)
+    except CallChanged:
+        pass  # changed itself: its count says how many ranks loaded
+    if changed.count == ctx.world_size and not loaded.some:
+        handshook(state, group)
+        return
+    loaded.some = True
+    raise named_error(said)
+
+
+def handshook(state, group) -> None:
+    """Every rank of FSDP2's shard ``group`` loaded, or ran the handshake there again (a
+    model registered anew): ``state``'s record no longer keeps the group."""
+    loaded = state.pending_load
+    loaded.shards.pop(group, None)
+    if loaded.ctx is None and not loaded.shards:
+        state.pending_load = None
+
+
+def said(state, group=None, kind: str = "bucket") -> tuple:
+    """What an exchange (a DDP bucket's; ``kind`` and ``group``: FSDP2's reduce-scatter on
+    its shard group) would say, should it find a checkpoint loaded on some ranks: this
+    rank's options (:meth:`hhook.state.Options.fields`), whether it loaded one, and the
+    exchange's number among ``kind``'s on ``group`` (default: the state's;
+    :func:`~hhook.schedule.handshake.call_number`), taken when it is launched. Read later,
+    in the continuation, a rank whose program went on (DDP raised the first bucket's error
+    while the others' ran) could say what it loaded since, and number the buckets in the
+    order their continuations ran."""
     fields = options_said(state.options.fields(), state.pending_load is not None)
-    return state.process_group, fields, call_number(state.process_group, "bucket")
+    group = state.process_group if group is None else group
+    return group, fields, call_number(group, kind)
 
 
 def named_error(said: tuple) -> ConfigMismatchError:

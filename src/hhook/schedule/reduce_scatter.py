@@ -18,7 +18,8 @@ from .context import CallContext
 from .groups import reduce_scatter_flat
 
 
-def reduce_scatter(ctx: CallContext, output: torch.Tensor, buffer: torch.Tensor, name) -> bool:
+def reduce_scatter(ctx: CallContext, output: torch.Tensor, buffer: torch.Tensor, name,
+                   changed: message.CallChanged | None = None) -> bool:
     r"""Write into ``output`` the mean over ``ctx.group`` of this rank's chunk of ``buffer``
     (``ctx.world_size`` chunks of ``output.numel()``); returns whether it came back
     non-finite (NaN over the whole shard on every rank). ``ctx``: the
@@ -40,6 +41,12 @@ def reduce_scatter(ctx: CallContext, output: torch.Tensor, buffer: torch.Tensor,
        :class:`~hhook.errors.OpMismatchError` on every rank; writes NaN over the whole
        shard on every rank if any rank's buffer was non-finite; the input itself if every
        rank's chunk had the same bits.
+
+    ``changed``: this rank loaded a checkpoint since the group's options handshake
+    (:mod:`hhook.schedule.load_check`): it sends filler of ``ctx``'s sizes (every rank
+    verified them) marked :data:`~hhook.scales.message.CHANGED` in every chunk's message,
+    and raises ``changed``, its ``count`` the ranks that marked theirs; every other rank
+    raises a :class:`~hhook.scales.message.CallChanged` counting them.
     """
     group, world, rank, n, device = ctx.group, ctx.world_size, ctx.rank, output.numel(), buffer.device
     policy = ctx.policy
@@ -47,7 +54,7 @@ def reduce_scatter(ctx: CallContext, output: torch.Tensor, buffer: torch.Tensor,
     # 1. Scale vectors of every chunk; only this rank's chunk keeps its rotated blocks.
     plans = []
     for j in range(world):
-        plan = policy.begin(chunks[j], (name, j), rank, world, ctx.counters.next_call(), ctx.config)
+        plan = policy.begin(chunks[j], (name, j), rank, world, ctx.counters.next_call(), ctx.config, error=changed)
         if j != rank:
             plan.prepared = None  # recomputed in step 3: no full-size float copy
         plans.append(plan)
@@ -75,10 +82,14 @@ def reduce_scatter(ctx: CallContext, output: torch.Tensor, buffer: torch.Tensor,
     # clip_grad_norm_ see it whichever shard they read), and one failed chunk makes
     # every rank raise rather than only the chunk's owner.
     message.share_status(words, [p.header[0] for p in plans if p.header is not None], failure is not None, ok)
+    if changed is not None:
+        words[:, 0] += message.CHANGED
     # 4. Each rank receives the lane sums of its own chunk's message.
     summed = torch.empty(L, dtype=words.dtype, device=device)
     reduce_scatter_flat(summed, words.view(-1), group=group)
     ctx.counters.add("compressed_calls", 4 * buffer.numel(), scales.nbytes + words.nbytes)
+    if changed is not None:  # how many ranks marked theirs
+        changed.count = int(summed[0]) // message.CHANGED
     if failure is not None:
         raise failure  # this rank's own exception; the others raise RankFailedError
     # 5. Decode this rank's chunk: the mean over the shard group.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..schedule import handshake, membership
+from ..schedule import handshake, load_check, membership
 from ..schedule.context import CallContext, GroupRuntime
 from ..schedule.flat import flat_allreduce_async
 from ..schedule.two_level import two_level_allreduce_async
@@ -151,6 +151,8 @@ class THCState(Checkpointed, report.Reporting):
         runtime.agreed = True
         if group is None:
             self.pending_load = None  # every rank handshook: what they verified before is past
+        elif self.pending_load is not None:
+            load_check.handshook(self, group)
 
     def context(self, group=None, mode: str | None = None, device=None) -> CallContext:
         """What a schedule may use of this state for its calls on ``group`` (default: its
