@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..schedule import link
 from ..schedule.context import GroupRuntime
 from ..schedule.flat import pieces
 from ..state import report
@@ -62,11 +63,13 @@ def release_other_widths(state: THCState, key, tensor: torch.Tensor, keep: int |
     for bits, width in state.variants.items():
         if not any(policy.keys for name, policy in width.keys.policies.items() if (bits, name) != (keep, kept)):
             continue
-        parts = pieces(tensor.numel(), tensor.device, width.options.piece_limit(), width.options.block_size)
         flat = tensor.view(-1)
         for name, policy in width.keys.policies.items():
             if (bits, name) == (keep, kept):
                 continue
+            limit = link.limit_for(width.options.chunk_mb, width.process_group, policy,
+                                    width.options.piece_limit())  # as its exchanges split
+            parts = pieces(tensor.numel(), tensor.device, limit, width.options.block_size)
             for i, (start, stop) in enumerate(parts):
                 residual = policy.release(key if len(parts) == 1 else (key, i), stop - start)
                 if residual is not None:

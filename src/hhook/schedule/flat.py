@@ -42,7 +42,7 @@ from ..errors import RankFailedError
 from ..codec.layout import SUPPORTED_DTYPES
 from ..scales import message
 from ..scales.policy import GATHERED
-from . import membership
+from . import link, membership
 from .context import CallContext, check_deferred
 from .dense import dense_allreduce
 from .futures import attach, completed, new_future, settle, stream_of, then, value_of
@@ -134,7 +134,7 @@ def flat_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, layou
     if layout is None:
         layout = (tuple(tensor.shape), str(tensor.dtype))
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
-    parts = pieces(target.numel(), target.device, ctx.piece_limit, ctx.block_size)
+    parts = pieces(target.numel(), target.device, link.limit(ctx), ctx.block_size)
     if len(parts) == 1:
         fut = _reduce(ctx, target, key, layout, failed, lane)
     else:

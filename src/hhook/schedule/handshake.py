@@ -21,7 +21,9 @@ hook, ``thc_allreduce``, FSDP2's comms and the all-gather's options and plans), 
    a C++ warning each time), and its failures raise hhook's errors, naming this rank.
 2. **One small collective**: a MAX all-reduce of a 31-bit digest of the fields and of its
    negation (8 bytes). Its halves are equal on every rank exactly when every rank sent
-   the same digest, so every rank reaches the same verdict.
+   the same digest, so every rank reaches the same verdict. Where they agree, the
+   group's first handshake also measures its round (:mod:`hhook.schedule.link`: three
+   more rounds of one element).
 3. Only where they differ, on every rank alike: an all-gather of each rank's fields as a
    fixed-size vector (:data:`WORDS` int64 words), to name them.
 
@@ -45,7 +47,7 @@ import torch.distributed as dist
 
 from ..codec import rng
 from ..errors import ConfigMismatchError, PeerLostError, PeerTimeoutError
-from . import liveness, membership
+from . import link, liveness, membership
 from .groups import agrees, explained
 
 logger = logging.getLogger(__name__)
@@ -162,6 +164,7 @@ def agree(group, fields, counters=None, what: str = "hhook's options handshake",
     device = torch.device("cpu") if members.on_host else torch.device("cuda", torch.cuda.current_device())
     with explained(what, group):
         if agrees(group, digest(words), device, counters, torch.int32):
+            link.measure(group, device)
             return
         mine = torch.tensor(words, dtype=torch.int64, device=device)
         rows = torch.empty(members.size * WORDS, dtype=torch.int64, device=device)

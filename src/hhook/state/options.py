@@ -107,7 +107,8 @@ class Options:
         """The most elements of a piece that travels on its own (a tensor above it goes in
         equal pieces of whole blocks, :func:`hhook.schedule.context.pieces`), on the CPU and
         elsewhere; 0: tensors travel whole. ``chunk_mb="auto"``: :data:`DEFAULT_CHUNK_MB`
-        on the CPU, whole tensors on GPUs."""
+        on the CPU, whole tensors on GPUs (and on a slow link for agreed scales, decided
+        at each call: :func:`hhook.schedule.link.limit`)."""
         def limit(chunk_mb) -> int:
             return int(chunk_mb * 2**20) // 4
 

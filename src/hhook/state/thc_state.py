@@ -55,7 +55,9 @@ class THCState(Checkpointed, report.Reporting):
             (:meth:`hhook.state.Options.scale_mode`).
         chunk_mb: split a tensor above this many MB of float32 into pieces, each reduced
             on its own, so one is on the wire while the next is encoded. ``"auto"``
-            (default): 12 MB for CPU tensors, whole tensors on GPUs; ``0``: never split.
+            (default): 12 MB for CPU tensors, whole tensors on GPUs and, where the group's
+            round takes 5 ms or more, for agreed scales (:mod:`hhook.schedule.link`);
+            ``0``: never split.
         topology: ``"flat"`` (default): every rank a peer. ``"auto"`` or a number of ranks
             per node: two-level THC (:mod:`hhook.schedule.two_level`) where the group spans
             several equal nodes, else flat with one log line; found once, blocking, on every
