@@ -43,9 +43,8 @@ import torch.distributed as dist
 
 from ..codec.layout import SUPPORTED_DTYPES
 from ..scales.message import CallChanged
-from . import link
 from .dense import check_dtype
-from .flat import flat_allreduce_async, pieces, second_group
+from .flat import flat_allreduce_async, pieces_of, second_group
 from .futures import Sequencer, attach, new_future, value_of
 from .groups import pair, pair_agrees
 from .handshake import call_number, digest, encode, named
@@ -248,5 +247,5 @@ def options_said(fields, loaded: bool) -> tuple:
 def _calls(ctx, tensor: torch.Tensor):
     """The call numbers (rounding streams, the same on every rank) of the pieces of an
     exchange encoded later in a continuation, drawn now, in call order."""
-    count = len(pieces(tensor.numel(), tensor.device, link.limit(ctx), ctx.block_size))
+    count = len(pieces_of(ctx, tensor))
     return iter([ctx.counters.next_call() for _ in range(count)])

@@ -97,6 +97,13 @@ def pieces(numel: int, device: torch.device, piece_limit: tuple[int, int], block
     return [(start, min(start + step, numel)) for start in range(0, numel, step)]
 
 
+def pieces_of(ctx: CallContext, tensor: torch.Tensor) -> list[tuple[int, int]]:
+    """:func:`pieces` of ``tensor`` in an exchange over ``ctx``, under its piece limit as
+    its group's link says now (:func:`hhook.schedule.link.limit`): the one split of the
+    exchange and of the call numbers drawn for it (:mod:`hhook.schedule.call_check`)."""
+    return pieces(tensor.numel(), tensor.device, link.limit(ctx), ctx.block_size)
+
+
 def second_group(ctx: CallContext, device: torch.device) -> SecondGroup:
     """The second communicator of ``ctx``'s group for ``device``'s type, built at its first
     use (blocking, on every rank at the same call: a tensor's first agreed round on that
@@ -134,7 +141,7 @@ def flat_allreduce_async(ctx: CallContext, tensor: torch.Tensor, key=None, layou
     if layout is None:
         layout = (tuple(tensor.shape), str(tensor.dtype))
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
-    parts = pieces(target.numel(), target.device, link.limit(ctx), ctx.block_size)
+    parts = pieces_of(ctx, target)
     if len(parts) == 1:
         fut = _reduce(ctx, target, key, layout, failed, lane)
     else:

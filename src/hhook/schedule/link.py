@@ -7,8 +7,9 @@ that one piece is encoded while the previous one is on the wire. Each piece cost
 rounds: one with gathered or predicted scales, two with agreed scales, whose SUM waits for
 its MAX. Where a round takes milliseconds (between sites) agreed pieces cost more rounds
 than their overlap saves: on two emulated links (1 Gbit/s with 10 ms each way, 100 Mbit/s
-with 50 ms) the 21 MB bucket of a CNN stepped 0.90x and 0.82x as fast whole as in two agreed
-pieces, while two gathered pieces stepped faster than the whole tensor (docs/usage.md).
+with 50 ms) a CNN whose 21 MB bucket went whole took 0.90x and 0.82x the step time of two
+agreed pieces, while two gathered pieces stepped faster than the whole tensor
+(docs/usage.md).
 So on a slow link an agreed exchange travels whole; a one-round one keeps its pieces.
 
 The measurement rides on the handshake (:func:`hhook.schedule.handshake.agree`), which
