@@ -161,6 +161,55 @@ def test_a_wider_width_that_was_dropped_stops_the_descent():
     assert d.choice == "thc:5"
 
 
+#: Both THC forms (2 ranks, agreed scales: two rounds; gathered: one) on a link where a round
+#: costs more than bytes (gpt-like, 100 Mbit/s + 50 ms), and on 4 ranks without delay, where
+#: the one-round form's extra bytes cost more than its round saves.
+FORMS = {
+    "round trips": {"plain": 1.66, "fp32": 1.66, "bf16": 1.0, "thc:5": 0.83, "thc:5:gathered": 0.69, "thc:4": 0.80,
+                    "thc:4:gathered": 0.60, "thc:3": 0.78, "thc:3:gathered": 0.57, "thc:2": 0.75,
+                    "thc:2:gathered": 0.55},
+    "bytes": {"plain": 0.30, "fp32": 0.30, "bf16": 0.25, "thc:4": 0.161, "thc:4:gathered": 0.166, "thc:3": 0.150,
+              "thc:3:gathered": 0.13, "thc:2": 0.14, "thc:2:gathered": 0.12},
+}
+
+
+@pytest.mark.parametrize("link, ranks, tried", [
+    ("round trips", 2, ["thc:5", "thc:5:gathered", "thc:4:gathered", "thc:3:gathered", "thc:2:gathered"]),
+    ("bytes", 4, ["thc:4", "thc:4:gathered", "thc:3", "thc:2"]),
+])
+def test_only_the_form_faster_at_the_auto_width_descends(link, ranks, tried):
+    """Both THC forms at every width: the one faster at the auto width takes the narrower
+    widths' turns, the other's are skipped unrun (the round-trip link: the one-round form
+    at 2 bits, 0.66x the two-round form at 5, which alone descended before)."""
+    costs, width = FORMS[link], 5 if ranks == 2 else 4
+    names = candidates(width, gathered=True)
+    d = Decision(names, wire_bits=wire_bits(names, ranks))
+    methods = drive(d, lambda i, m: costs[m], 120)
+    assert [m for m in names if m.startswith("thc") and m in methods] == tried, methods
+    assert d.choice == tried[-1], d.decisions
+    assert set(names) - set(tried) - {"bf16", "fp32"} <= set(d.decisions[0]["dropped_ms"])
+
+
+def test_a_form_dropped_at_the_auto_width_does_not_descend():
+    # the one-round form dropped on its first two steps (1.6x): the two-round form descends
+    costs = dict(FORMS["round trips"], **{"thc:5:gathered": 1.4})
+    names = candidates(5, gathered=True)
+    methods = drive(Decision(names, wire_bits=wire_bits(names, 2)), lambda i, m: costs[m], 120)
+    assert [m for m in names if m.startswith("thc") and m in methods] == ["thc:5", "thc:5:gathered", "thc:4",
+                                                                          "thc:3", "thc:2"]
+
+
+def test_the_narrower_widths_wait_for_both_forms_turns():
+    # the one-round form's last period at 5 bits would turn the verdict: no narrower width
+    # runs before it is back (the best so far holds meanwhile)
+    costs = FORMS["round trips"]
+    names = candidates(5, gathered=True)
+    methods = drive(Decision(names, wire_bits=wire_bits(names, 2)), lambda i, m: costs[m], 40)
+    turn_end = [i for i, m in enumerate(methods) if m == "thc:5:gathered"][5]  # its 6th iteration
+    first_narrow = min(i for i, m in enumerate(methods) if m.startswith("thc:") and m.split(":")[1] != "5")
+    assert first_narrow >= turn_end + LAG, methods  # its period is fed LAG iterations later
+
+
 @pytest.mark.parametrize("link", list(LINKS))
 def test_picks_the_fastest_candidate(link):
     costs = LINKS[link]

@@ -5,7 +5,9 @@ docs/decision.md, "How it decides"):
 
 * **Candidates** (:func:`candidates`): THC at :func:`hhook.codec.error_model.auto_bits`'s
   width and narrower widths down to :data:`MIN_WIDTH` while narrowing pays
-  (:data:`DESCEND_GAIN`), a bf16 dense allreduce and DDP's plain fp32 allreduce.
+  (:data:`DESCEND_GAIN`; on flat layouts of 2-4 ranks in both forms, two rounds and one,
+  of which the faster at the auto width descends), a bf16 dense allreduce and DDP's plain
+  fp32 allreduce.
 * **Lockstep turns** of :data:`WINDOW` iterations, switched on DDP's iteration counter.
 * **One verdict on every rank**: each rank's step period is MAX-allreduced with a
   fingerprint of the decision's state, asynchronously, and read :data:`LAG` iterations
@@ -33,7 +35,7 @@ import zlib
 from ..state.validate import DECISION_FIELDS
 from . import descent
 from .descent import median as _median
-from .methods import PLAIN, thc_bits
+from .methods import PLAIN, scales_of, thc_bits, thc_name
 
 logger = logging.getLogger(__name__)
 
@@ -173,10 +175,10 @@ class Decision:
                 self.dropped[self.current] = bound
                 self._log_drop(self.current, bound, best, "model")
             elif not descent.narrowing_pays(self, self.current):
-                wider = f"thc:{thc_bits(self.current) + 1}"
+                wider = thc_name(thc_bits(self.current) + 1, scales_of(self.current))
                 self.dropped[self.current] = self.dropped.get(wider) or self.estimates().get(wider) or 0.0
-                logger.info("hhook: bits='auto' skips %s (one bit more was no faster than two more, "
-                            "nor would its bytes make it)", self.current)
+                logger.info("hhook: bits='auto' skips %s (its form was the slower at the auto width, or one bit "
+                            "more was no faster than two more, nor would its bytes make it)", self.current)
         self.current = None
         self._maybe_decide(iteration)
         method = self.choice if self.phase == "exploit" else self._hold()

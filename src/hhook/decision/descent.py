@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 
-from .methods import DENSE_WIRE_BITS, FP32, thc_bits
+from .methods import DENSE_WIRE_BITS, FP32, scales_of, thc_bits, thc_name
 
 #: A width below auto - 1 takes a turn only if the width above it was at least this
 #: fraction faster than the one above that: fewer bytes must still be buying time.
@@ -41,11 +41,18 @@ def narrowing_pays(d, method: str) -> bool:
     and would save as much by the bytes it saves (:func:`byte_gain`): fewer bytes
     still buy time. A width above it that was dropped or skipped, or measured more than
     that slower than the one above that, stops the descent (the codec costs more than
-    the bytes save)."""
-    bits = thc_bits(method)
-    if bits is None or f"thc:{bits + 2}" not in d.options["candidates"]:
+    the bytes save). Where both THC forms (two rounds, one round) are candidates below
+    the auto width, only the form that was faster at the auto width descends
+    (:func:`form_won`): the other's narrower widths would cost turns and lose."""
+    bits, form = thc_bits(method), scales_of(method)
+    if bits is None:
         return True
-    wider, widest = f"thc:{bits + 1}", f"thc:{bits + 2}"
+    names = d.options["candidates"]
+    if bits < top_width(d) and len(forms_at(names, bits)) > 1 and not form_won(d, form):
+        return False
+    if thc_name(bits + 2, form) not in names:
+        return True
+    wider, widest = thc_name(bits + 1, form), thc_name(bits + 2, form)
     est = d.estimates()
     if wider in d.dropped or est.get(wider) is None:
         return False
@@ -58,6 +65,24 @@ def narrowing_pays(d, method: str) -> bool:
     # within the noise of a turn (not measured slower by as much): the bytes decide
     return (est[wider] <= (1 + DESCEND_GAIN) * est[widest]
             and byte_gain(d, wider, est[wider], method) >= DESCEND_GAIN * est[wider])
+
+
+def top_width(d) -> int:
+    """The auto width: the widest THC candidate."""
+    return max(b for b in map(thc_bits, d.options["candidates"]) if b is not None)
+
+
+def forms_at(names: list[str], bits: int) -> list[str]:
+    """The THC candidates at ``bits``, in probing order."""
+    return [m for m in names if thc_bits(m) == bits]
+
+
+def form_won(d, form: str | None) -> bool:
+    """Whether THC's ``form`` measured fastest of the forms at the auto width this
+    exploration (ties: the earlier candidate); a form dropped or not measured lost."""
+    names, est = d.options["candidates"], d.estimates()
+    measured = [m for m in forms_at(names, top_width(d)) if m not in d.dropped and est.get(m) is not None]
+    return bool(measured) and min(measured, key=lambda m: (est[m], names.index(m))) == thc_name(top_width(d), form)
 
 
 def byte_gain(d, wider: str, period: float, method: str) -> float:
@@ -74,16 +99,21 @@ def byte_gain(d, wider: str, period: float, method: str) -> float:
 
 
 def awaits_wider_turn(d, method: str) -> bool:
-    """Whether a narrower THC ``method``'s turn must wait for periods of the turn of
-    the width above it (:func:`narrowing_pays` judges that width on its whole turn,
-    not on the first periods back: with two of five, one slow step stopped the
-    descent at 100 Mbit/s)."""
-    bits = thc_bits(method)
-    if bits is None or f"thc:{bits + 2}" not in d.options["candidates"]:
+    """Whether a narrower THC ``method``'s turn must wait for periods of the turns that
+    judge it (:func:`narrowing_pays`): the width above it in its form, judged on its whole
+    turn, not on the first periods back (with two of five, one slow step stopped the
+    descent at 100 Mbit/s), and where two forms descend, both forms at the auto width."""
+    bits, form = thc_bits(method), scales_of(method)
+    if bits is None:
         return False
-    wider = f"thc:{bits + 1}"
-    return wider not in d.dropped and any(
-        entry[0] == wider and int(it) <= d.last_probe for it, entry in d.history.items())
+    names = d.options["candidates"]
+    judges = set()
+    if thc_name(bits + 2, form) in names:
+        judges.add(thc_name(bits + 1, form))
+    if bits < top_width(d) and len(forms_at(names, bits)) > 1:
+        judges.update(forms_at(names, top_width(d)))
+    return any(entry[0] in judges and entry[0] not in d.dropped and int(it) <= d.last_probe
+               for it, entry in d.history.items())
 
 
 def best(d, exclude: str | None = None) -> float | None:

@@ -20,38 +20,51 @@ GATHERED = "gathered"
 
 def candidates(auto_width: int, floor: int = MIN_WIDTH, gathered: bool = False) -> list[str]:
     """The candidates in probing order: THC from ``auto_width`` down to ``floor`` bits
-    (the narrow ones are tried only while narrowing pays), with ``gathered`` THC's
-    one-round form at ``auto_width`` after the first, bf16, fp32.
+    (the narrow ones are tried only while narrowing pays), with ``gathered`` each width
+    in THC's one-round form too, after its two-round form (below ``auto_width`` only the
+    form that was faster there takes turns: :func:`hhook.decision.descent.narrowing_pays`),
+    bf16, fp32.
 
     Example::
         >>> candidates(5)
         ['thc:5', 'thc:4', 'thc:3', 'thc:2', 'bf16', 'fp32']
-        >>> candidates(4, gathered=True)
-        ['thc:4', 'thc:4:gathered', 'thc:3', 'thc:2', 'bf16', 'fp32']
+        >>> candidates(3, gathered=True)
+        ['thc:3', 'thc:3:gathered', 'thc:2', 'thc:2:gathered', 'bf16', 'fp32']
     """
-    widths = [f"thc:{b}" for b in range(auto_width, min(floor, auto_width) - 1, -1)]
-    if gathered:
-        widths.insert(1, f"thc:{auto_width}:{GATHERED}")
-    return widths + [BF16, FP32]
+    forms = (None, GATHERED) if gathered else (None,)
+    return [thc_name(b, f) for b in range(auto_width, min(floor, auto_width) - 1, -1) for f in forms] + [BF16, FP32]
+
+
+def thc_name(bits: int, scales: str | None = None) -> str:
+    """The candidate of THC at ``bits`` in the form ``scales`` names (None: the two-round form).
+
+    Example::
+        >>> thc_name(4), thc_name(4, "gathered")
+        ('thc:4', 'thc:4:gathered')
+    """
+    return f"thc:{bits}" + (f":{scales}" if scales else "")
 
 
 def wire_bits(methods: list[str], participants: int, block_size: int = 1024) -> dict[str, float]:
     """Bits per coordinate each of ``methods`` puts on the wire when ``participants`` ranks
-    (or nodes) sum: THC's :func:`~hhook.codec.error_model.wire_bits_per_coord` (lanes, whose
-    headroom grows with them, and the block scales), 16 and 32 for the dense ones.
+    (or nodes) sum, as the width of a ring allreduce that moves as many bytes: THC's
+    :func:`~hhook.codec.error_model.wire_bits_per_coord` (lanes, whose headroom grows with
+    them, and the block scales), 16 and 32 for the dense ones.
 
-    THC's one-round form: ``participants`` messages of lanes as wide as the bits (what
-    its all-gather returns, as its stats count it).
+    THC's one-round form: a ring all-gather hands each rank the ``participants - 1`` other
+    messages (lanes as wide as the bits), which a ring allreduce moves at ``participants / 2``
+    messages' width (it moves ``2 (n - 1) / n`` of its buffer): 0.75x the two-round form's
+    bytes at 4 bits and 2 ranks, 1.25x at 4 ranks.
 
     Example::
         >>> wire_bits(["thc:5", "thc:4", "thc:4:gathered", "thc:3", "bf16", "fp32"], 2)
-        {'thc:5': 6.431, 'thc:4': 5.365, 'thc:4:gathered': 8.063, 'thc:3': 4.031, 'bf16': 16.0, 'fp32': 32.0}
+        {'thc:5': 6.431, 'thc:4': 5.365, 'thc:4:gathered': 4.031, 'thc:3': 4.031, 'bf16': 16.0, 'fp32': 32.0}
     """
     def bits(m):
         if thc_bits(m) is None:
             return DENSE_WIRE_BITS[m]
         if scales_of(m) == GATHERED:
-            return round(participants * wire_bits_per_coord(thc_bits(m), 1, block_size), 3)
+            return round(max(participants, 2) / 2 * wire_bits_per_coord(thc_bits(m), 1, block_size), 3)
         return round(wire_bits_per_coord(thc_bits(m), participants, block_size), 3)
 
     return {m: bits(m) for m in methods}
