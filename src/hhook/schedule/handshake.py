@@ -43,7 +43,6 @@ import time
 import zlib
 
 import torch
-import torch.distributed as dist
 
 from ..codec import rng
 from ..errors import ConfigMismatchError, PeerLostError, PeerTimeoutError
