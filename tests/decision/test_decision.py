@@ -210,6 +210,38 @@ def test_the_narrower_widths_wait_for_both_forms_turns():
     assert first_narrow >= turn_end + LAG, methods  # its period is fed LAG iterations later
 
 
+def test_a_new_round_judges_the_forms_again():
+    # the link between sites becomes a LAN-like one at iteration 200 (the one-round form's
+    # bytes now cost more than its round saves): the re-decision runs both forms at 4 bits
+    # again and the two-round form descends
+    names = candidates(4, gathered=True)
+    d = Decision(names, wire_bits=wire_bits(names, 4))
+    far, near = dict(FORMS["round trips"]), dict(FORMS["bytes"], **{"thc:3:gathered": 0.17, "thc:2:gathered": 0.17})
+    far.pop("thc:5"), far.pop("thc:5:gathered")
+    methods = drive(d, lambda i, m: (far if i < 200 else near)[m], 400)
+    assert d.decisions[0]["choice"] == "thc:2:gathered"
+    assert d.decisions[-1]["reason"].startswith("drift") and d.choice == "thc:2", d.decisions
+    after = methods[200:]
+    assert "thc:4" in after and "thc:4:gathered" in after and "thc:3:gathered" not in after
+
+
+def test_a_decision_resumes_mid_descent_in_either_form_exactly():
+    costs = FORMS["round trips"]
+    names = candidates(5, gathered=True)
+    live = Decision(names, wire_bits=wire_bits(names, 2))
+    first = drive(live, lambda i, m: costs[m], 20)  # both forms' turns at 5 bits, then the descent
+    resumed = Decision.from_state_dict(json.loads(json.dumps(live.state_dict())))
+    rest = []
+    for d in (live, resumed):
+        out = []
+        for i in range(20, 70):
+            d.observe(i - LAG, costs[(first + out)[i - LAG]])
+            out.append(d.method_for(i))
+        rest.append(out)
+    assert rest[0] == rest[1] and live.state_dict() == resumed.state_dict()
+    assert live.choice == "thc:2:gathered"
+
+
 @pytest.mark.parametrize("link", list(LINKS))
 def test_picks_the_fastest_candidate(link):
     costs = LINKS[link]
