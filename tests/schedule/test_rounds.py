@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import hhook
 import hhook.diloco
+from hhook.codec.kernels import backend
 from hhook.schedule import groups
 
 from tests.support.distributed import run_world
@@ -217,6 +218,34 @@ def test_a_diloco_launch_does_not_wait_for_a_late_site():
     launches, _ = run_world(_diloco_late_worker, 2)
     print(f"\nDiLoCo launches with a site 1 s late: {', '.join(f'{t * 1e3:.2f} ms' for t in launches)}")
     assert max(launches) < 0.2, launches
+
+
+def _codec_loaded_worker(rank, world):
+    from hhook.codec.kernels import cpu
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 100)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cpu._library.cache_clear()  # as in a fresh process: nothing loaded yet
+    outer = hhook.diloco.DiLoCo(model, opt, sites=1, every=1, bits=4, overlap=1)
+    outer.start()
+    after_start = cpu._load.cache_info().misses
+    model(torch.randn(4, 200)).square().mean().backward()
+    opt.step()
+    outer.step()  # the first fragment's launch
+    launched = cpu._load.cache_info().misses
+    outer.finish()
+    return after_start, launched
+
+
+def test_the_common_start_loads_the_codec_so_no_launch_does():
+    """The common start (``connect``) builds or loads the fused codec: under gathered scales
+    it makes no second communicator, which loaded it before, and the first launch did it
+    (8-11 ms with the library cached, a compile's seconds without)."""
+    if backend.forced_off():
+        pytest.skip("HHOOK_FORCE_REFERENCE=1: no fused codec to load")
+    for after_start, launched in run_world(_codec_loaded_worker, 2):
+        assert after_start == 1 and launched == 1, (after_start, launched)
 
 
 def _one_rank_changed_worker(rank, world, scales, change):

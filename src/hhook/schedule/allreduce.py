@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..codec import warm_up
 from . import load_check
 from .call_check import Verified, checked_allreduce_async, exchange_checked, signature_of
 from .flat import check_tensor, second_group
@@ -69,7 +70,11 @@ def connect(state, device, verified: dict | None = None) -> None:
     fragments): their calls take no check round
     (:class:`~hhook.schedule.call_check.Verified`), and under gathered scales (one
     all-gather on the group) no second communicator is made, as none of them takes one
-    (on a delay link of 50 ms each way its making took 0.91 s of the common start)."""
+    (on a delay link of 50 ms each way its making took 0.91 s of the common start). The
+    fused codec for ``device`` is built or loaded here too (:func:`~hhook.codec.warm_up`):
+    else the first launch did it, 8-11 ms where the library was cached, the compile's
+    seconds where it was not."""
+    warm_up(torch.device(device))
     ctx = state.context(device=torch.device(device))
     for key, tensor in (verified or {}).items():
         ctx.verified[key] = Verified(signature_of(tensor))
