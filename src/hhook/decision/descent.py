@@ -48,7 +48,7 @@ def narrowing_pays(d, method: str) -> bool:
     if bits is None:
         return True
     names = d.options["candidates"]
-    if bits < top_width(d) and len(forms_at(names, bits)) > 1 and not form_won(d, form):
+    if forms_compete(d, bits) and not form_won(d, form):
         return False
     if thc_name(bits + 2, form) not in names:
         return True
@@ -77,12 +77,18 @@ def forms_at(names: list[str], bits: int) -> list[str]:
     return [m for m in names if thc_bits(m) == bits]
 
 
+def forms_compete(d, bits: int) -> bool:
+    """Whether both THC forms are candidates at ``bits``, below the auto width: there only
+    the form that won at the auto width takes its turn (:func:`form_won`)."""
+    return bits < top_width(d) and len(forms_at(d.options["candidates"], bits)) > 1
+
+
 def form_won(d, form: str | None) -> bool:
     """Whether THC's ``form`` measured fastest of the forms at the auto width this
     exploration (ties: the earlier candidate); a form dropped or not measured lost."""
-    names, est = d.options["candidates"], d.estimates()
-    measured = [m for m in forms_at(names, top_width(d)) if m not in d.dropped and est.get(m) is not None]
-    return bool(measured) and min(measured, key=lambda m: (est[m], names.index(m))) == thc_name(top_width(d), form)
+    names, est, top = d.options["candidates"], d.estimates(), top_width(d)
+    measured = [m for m in forms_at(names, top) if m not in d.dropped and est.get(m) is not None]
+    return bool(measured) and min(measured, key=lambda m: (est[m], names.index(m))) == thc_name(top, form)
 
 
 def byte_gain(d, wider: str, period: float, method: str) -> float:
@@ -110,7 +116,7 @@ def awaits_wider_turn(d, method: str) -> bool:
     judges = set()
     if thc_name(bits + 2, form) in names:
         judges.add(thc_name(bits + 1, form))
-    if bits < top_width(d) and len(forms_at(names, bits)) > 1:
+    if forms_compete(d, bits):
         judges.update(forms_at(names, top_width(d)))
     return any(entry[0] in judges and entry[0] not in d.dropped and int(it) <= d.last_probe
                for it, entry in d.history.items())
