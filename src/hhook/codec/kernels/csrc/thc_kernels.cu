@@ -968,6 +968,7 @@ __device__ void hh_wq_encode(const HhWeightArgs& a) {
             __syncwarp();
             hh_row_read(plain_tile, lane, v);
             hh_wq_row_stats(v, lane, log2B, a.norm, w);
+            __syncwarp();  // each block's stats were written by its first lane: read by lane b below
             // which blocks of the chunk are tried rotated
             const int nb = HH_CHUNK >> log2B;
             bool any = false;
