@@ -53,7 +53,7 @@ def _ratio(a, b):
 def layout_figures(name: str, runs: list[dict]) -> dict:
     """The targets' figures of one layout from its runs (the first holds every method)."""
     main = {r["method"]: r for r in runs[0]["results"] if r["status"] == "ok"}
-    fp32, hook = main.get("fp32"), main.get("thc:4")
+    fp32 = main.get("fp32")
     out = {"layout": name, "steps": fp32["steps"] if fp32 else None, "methods": {}}
     target = loss_at(fp32["evals"], 0.8 * fp32["steps"]) if fp32 else None
     out["target_val_loss"] = target

@@ -3,7 +3,6 @@ path (both scale policies, error feedback, subgroups, two-level, FSDP, Horovod's
 hands the codec a rank index and a shared counter that make the ranks' strata a
 permutation, never a silently wrong or biased mean."""
 
-import io
 import logging
 import pickle
 

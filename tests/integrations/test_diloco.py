@@ -268,7 +268,7 @@ def test_resume_mid_period_continues_bit_for_bit(two_sites):
     runs = [(11, save_at, options, False) for options, save in RESUMED for save_at in (None, save)]
     for rank_runs in two_sites("resumed"):
         for i in range(0, len(runs), 2):
-            (a, _, _), (b, in_flight, _) = rank_runs[i], rank_runs[i + 1]
+            (a, _, _), (b, _, _) = rank_runs[i], rank_runs[i + 1]
             assert torch.equal(a, b), runs[i]
         assert rank_runs[1][1] == 1, "the checkpoint was taken with an exchange in flight"
 

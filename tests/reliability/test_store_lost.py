@@ -116,7 +116,7 @@ def test_init_distributed_under_torchrun_raises_hhook_s_error_when_the_agent_sto
     with pytest.raises(hhook.PeerLostError) as lost:
         hhook.init_distributed(backend="gloo", timeout_s=5)
     said = str(lost.value)
-    assert said.startswith(f"hhook: rank 1: the job's store failed in hhook.init_distributed's count"), said
+    assert said.startswith("hhook: rank 1: the job's store failed in hhook.init_distributed's count"), said
     assert f"torchrun's agent store at 127.0.0.1:{port} is gone" in said, said
     assert isinstance(lost.value.__cause__, dist.DistError) and not dist.is_initialized()
 
