@@ -76,13 +76,20 @@ static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_
 // Warp-level operations: every lane of the warp calls them together (as the kernels do); an
 // exchange through memory between two arrivals at the warp's barrier stands in for the warp's.
 static inline void __syncwarp(unsigned = 0xffffffffu) { hh_warp_bars[threadIdx.x / 32]->arrive_and_wait(); }
+// A shuffle's lanes wait for each other with HH_SHUFFLE_WAIT: __syncwarp here; the race check
+// (tests/support/cuda_races.py) defines a wait that orders no other memory, as on a GPU.
+#ifndef HH_SHUFFLE_WAIT
+#define HH_SHUFFLE_WAIT __syncwarp
+#endif
+static inline void hh_slot_put(unsigned long long v) { __atomic_store_n(&hh_slots[threadIdx.x], v, __ATOMIC_RELAXED); }
+static inline unsigned long long hh_slot(unsigned i) { return __atomic_load_n(&hh_slots[i], __ATOMIC_RELAXED); }
 template <class T> static inline T hh_exchange(T v, unsigned src) {
     unsigned long long bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
-    hh_slots[threadIdx.x] = bits;
-    __syncwarp();
-    bits = hh_slots[(threadIdx.x & ~31u) | (src & 31u)];
-    __syncwarp();
+    hh_slot_put(bits);
+    HH_SHUFFLE_WAIT();
+    bits = hh_slot((threadIdx.x & ~31u) | (src & 31u));
+    HH_SHUFFLE_WAIT();
     T r;
     std::memcpy(&r, &bits, sizeof(T));
     return r;
@@ -90,26 +97,27 @@ template <class T> static inline T hh_exchange(T v, unsigned src) {
 template <class T> static inline T __shfl_xor_sync(unsigned, T v, int off) { return hh_exchange(v, (threadIdx.x & 31) ^ off); }
 template <class T> static inline T __shfl_sync(unsigned, T v, int src) { return hh_exchange(v, src); }
 static inline unsigned __ballot_sync(unsigned, int pred) {
-    hh_slots[threadIdx.x] = pred != 0;
-    __syncwarp();
+    hh_slot_put(pred != 0);
+    HH_SHUFFLE_WAIT();
     unsigned mask = 0;
-    for (unsigned i = 0; i < 32; ++i) mask |= (unsigned)hh_slots[(threadIdx.x & ~31u) | i] << i;
-    __syncwarp();
+    for (unsigned i = 0; i < 32; ++i) mask |= (unsigned)hh_slot((threadIdx.x & ~31u) | i) << i;
+    HH_SHUFFLE_WAIT();
     return mask;
 }
 static inline int __popc(unsigned x) { return __builtin_popcount(x); }
+// CUDA's atomics are relaxed: they order no other memory (TSan takes no happens-before from them).
 static inline unsigned atomicMax(unsigned* p, unsigned v) {
-    unsigned old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
-    while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+    unsigned old = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
     return old;
 }
-static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
-    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
 }
-static inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
+static inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
 static inline unsigned long long atomicOr(unsigned long long* p, unsigned long long v) {
-    return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST);
+    return __atomic_fetch_or(p, v, __ATOMIC_RELAXED);
 }
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
