@@ -29,7 +29,7 @@ from pathlib import Path
 from hhook.codec.kernels import cuda as cuda_kernels
 from hhook.codec.kernels import cuda_launches
 
-from tests.support.cuda_support import _SHIM, GXX, emulated_launch, emulator_unavailable
+from tests.support.cuda_support import GXX, emulated, emulated_launch, emulator_unavailable, shimmed
 
 TSAN_FLAGS = ["-fsanitize=thread", "-g", "-O1", "-std=c++20", "-ffp-contract=off", "-pthread"]
 #: halt_on_error=0: every race of a run; exitcode 66 says there was one.
@@ -246,12 +246,8 @@ def recording(lib):
     """Launches of :mod:`hhook.codec.kernels.cuda` inside run on the emulator ``lib``; yields
     the list their records (:func:`record_launch`) are appended to."""
     records: list[bytes] = []
-    saved = cuda_kernels._launch
-    cuda_kernels._launch = lambda launch, device: records.append(record_launch(lib, launch, device))
-    try:
+    with emulated(lib, lambda lib, launch, device: records.append(record_launch(lib, launch, device))):
         yield records
-    finally:
-        cuda_kernels._launch = saved
 
 
 def write_recording(records: list[bytes], path: Path) -> Path:
@@ -267,7 +263,7 @@ def recorded_names(records: list[bytes]) -> set[str]:
 def build_replay(folder: Path, source: Path | None = None) -> Path:
     """The TSan replay program of the kernel source (default: the package's)."""
     names = (*cuda_kernels.KERNEL_NAMES, *cuda_kernels.WEIGHT_KERNEL_NAMES)
-    kernels = _SHIM.replace("#include KERNELS", f'#include "{source or cuda_kernels.source_path()}"')
+    kernels = shimmed(source)
     main = _REPLAY_MAIN.replace("{ENTRIES}", "{" + ", ".join(_ENTRY.format(n) for n in names) + "}")
     return _compile(_REPLAY_HEAD + kernels + main, folder, "replay")
 

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from hhook.codec.kernels import cuda as cuda_kernels
@@ -199,13 +197,19 @@ def emulator_unavailable() -> str | None:
     return None
 
 
+def shimmed(source: Path | None = None) -> str:
+    """The shim with the kernel ``source`` (default: the package's) included: what the
+    emulator and the race check's replay (tests/support/cuda_races.py) compile."""
+    return _SHIM.replace("#include KERNELS", f'#include "{source or cuda_kernels.source_path()}"')
+
+
 def build_emulator(folder: Path) -> ctypes.CDLL:
     """Compile the kernel source for the CPU into ``folder`` and load it."""
     entry = 'extern "C" int emu_{0}(int g, int b, void** a, const char* s, char* e)'
     entry += " {{ return hh_run({0}, g, b, a, s, e); }}\n"
     entries = "".join(entry.format(n) for n in (*cuda_kernels.KERNEL_NAMES, *cuda_kernels.WEIGHT_KERNEL_NAMES))
     src = Path(folder) / "emu.cpp"
-    src.write_text(_SHIM.replace("#include KERNELS", f'#include "{cuda_kernels.source_path()}"') + entries)
+    src.write_text(shimmed() + entries)
     lib = Path(folder) / "emu.so"
     cmd = [GXX, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-o", str(lib), str(src)]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -215,10 +219,11 @@ def build_emulator(folder: Path) -> ctypes.CDLL:
 
 
 @contextlib.contextmanager
-def emulated(lib: ctypes.CDLL):
-    """Launches of :mod:`hhook.codec.kernels.cuda` run on the CPU emulator ``lib`` inside."""
-    saved = cuda_kernels._launch
-    cuda_kernels._launch = lambda launch, device: emulated_launch(lib, launch, device)
+def emulated(lib: ctypes.CDLL, run=None):
+    """Launches of :mod:`hhook.codec.kernels.cuda` run on the CPU emulator ``lib`` inside,
+    through ``run(lib, launch, device)`` (default :func:`emulated_launch`)."""
+    saved, run = cuda_kernels._launch, run or emulated_launch
+    cuda_kernels._launch = lambda launch, device: run(lib, launch, device)
     try:
         yield
     finally:
