@@ -48,6 +48,7 @@ from ..codec import rng
 from ..codec.weights import WeightCodec
 from ..errors import ConfigMismatchError, RankFailedError
 from ..scales import message
+from ..schedule import load_check
 from ..schedule.membership import all_gather_flat
 from ..stats import Counters
 from .modules import param_groups, group_key
@@ -62,7 +63,7 @@ logger = logging.getLogger(__name__)
 #: Input dtypes the comm quantizes; any other (float64, or uint8 when FSDP mixes dtypes
 #: in one buffer) is all-gathered as it is.
 QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-HEADER_BYTES = 16  # int32 [fingerprint, status word, 0, 0]; keeps the scales 4-byte aligned
+HEADER_BYTES = 16  # int32 [fingerprint, status word, loaded, 0]; keeps the scales 4-byte aligned
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
@@ -204,30 +205,66 @@ class THCAllGather(AllGather):
         return rng.mix32(h ^ _DTYPE_CODES[dtype])
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        switch = self.state.switch
+        switch, said = self.state.switch, None
         if switch is not None:
             switch.begin()  # bits="auto": a step's method is fixed before its first all-gather (a prefetch too)
-            if switch.all_gather_dense:
-                return self._dense(output_tensor, input_tensor, group, "dense_calls")
-        reason = self._unservable(output_tensor, input_tensor, group)
-        if reason is not None:
-            self.state.log_once((self.name, reason), "hhook.fsdp: %s: all-gathered dense (%s)", self.name, reason)
-            return self._dense(output_tensor, input_tensor, group, "dense_calls")
+            said = load_check.said(switch.decider.state, group, "all-gather")  # every rank numbers every one alike
+            if switch.loading(group):  # this rank loaded a checkpoint: did every rank?
+                self._loaded_check(output_tensor, input_tensor, group, said)
+                return self(output_tensor, input_tensor, group, async_op)  # every rank did: the loaded method
+        loaded = self._gather(output_tensor, input_tensor, group, said is not None and switch.all_gather_dense)
+        if loaded:  # some rank loaded a checkpoint since the handshake, this one did not
+            raise load_check.named_error(said)
+        return None
+
+    def _gather(self, output_tensor, input_tensor, group, dense: bool, mark: bool = False) -> int:
+        """The all-gather (``dense``: FSDP's own; ``mark``: this rank says it loaded a
+        checkpoint, :meth:`_loaded_check`, and counts nothing): how many ranks said so
+        (read under ``bits="auto"`` only, whose ranks alone say it)."""
+        reads = self.state.switch is not None
+        reason = None if dense else self._unservable(output_tensor, input_tensor, group)
+        if dense or reason is not None:
+            if reason is not None:
+                self.state.log_once((self.name, reason), "hhook.fsdp: %s: all-gathered dense (%s)", self.name, reason)
+            loaded = load_check.dense_all_gather(output_tensor, input_tensor, group, mark, reads)
+            if not mark:
+                self.state.count("dense_calls", output_tensor.nbytes, output_tensor.nbytes)
+            return loaded
         world, rank = group.size(), group.rank()
         fp = self.fingerprint(input_tensor.dtype)
-        payload, failure = self._encode(input_tensor, fp)
+        payload, failure = self._encode(input_tensor, fp, mark)
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
         all_gather_flat(gathered, payload, group=group)
         rows = gathered.view(world, -1)
-        headers = rows[:, :HEADER_BYTES].view(torch.int32)[:, :2].tolist()  # a host read (free on CPU)
-        self.state.count("compressed_calls", output_tensor.nbytes, gathered.nbytes)
+        headers = rows[:, :HEADER_BYTES].view(torch.int32)[:, :3].tolist()  # a host read (free on CPU)
+        if not mark:
+            self.state.count("compressed_calls", output_tensor.nbytes, gathered.nbytes)
         self._check(headers, fp, rank, failure)
-        if any(message.any_nonfinite(status) for _, status in headers):
-            return self._dense(output_tensor, input_tensor, group, "nonfinite_calls")
+        loaded = sum(said for *_, said in headers) if reads else 0
+        if loaded or mark:
+            return loaded
+        if any(message.any_nonfinite(status) for _, status, _ in headers):
+            self._dense(output_tensor, input_tensor, group, "nonfinite_calls")
+            return 0
         out = output_tensor.view(world, -1)
         for j in range(world):
             self._decode(rows[j], out[j])
-        return None
+        return 0
+
+    def _loaded_check(self, output_tensor, input_tensor, group, said) -> None:
+        """This rank loaded a checkpoint since the handshake: the all-gather every rank
+        verified (:meth:`hhook.fsdp.auto.Decider.live`'s method), saying so, with every
+        rank's count (:func:`hhook.schedule.load_check.settled`: returns where every rank
+        loaded, else raises naming each rank's options). A dense all-gather that cannot
+        carry the count (:func:`~hhook.schedule.load_check.marks_fit`: on a GPU, float16)
+        is not made: the loaded options' handshake runs at the next reduce-scatter, as
+        before this check existed."""
+        state = self.state.switch.decider.state
+        dense = self.state.switch.all_gather_dense
+        if dense and not load_check.marks_fit(input_tensor):
+            load_check.handshook(state, group)
+            return
+        load_check.settled(state, group, self._gather(output_tensor, input_tensor, group, dense, mark=True), said)
 
     def _unservable(self, output_tensor, input_tensor, group) -> str | None:
         if input_tensor.dtype not in QUANTIZED_DTYPES:
@@ -242,9 +279,11 @@ class THCAllGather(AllGather):
         self.state.count(kind, output_tensor.nbytes, output_tensor.nbytes)
         return None
 
-    def _encode(self, input_tensor: torch.Tensor, fp: int) -> tuple[torch.Tensor, BaseException | None]:
-        """This rank's payload, and the exception that stopped its encoding (then the
-        payload is a header saying so, and the rank still joins the all-gather)."""
+    def _encode(self, input_tensor: torch.Tensor, fp: int, loaded: bool = False) -> tuple[torch.Tensor,
+                                                                                          BaseException | None]:
+        """This rank's payload (``loaded``: its header says this rank loaded a checkpoint),
+        and the exception that stopped its encoding (then the payload is a header saying
+        so, and the rank still joins the all-gather)."""
         dtype, codec = input_tensor.dtype, self.codec
         payload = torch.zeros(self.layout.payload_nbytes(codec, dtype), dtype=torch.uint8, device=input_tensor.device)
         status, failure = 0, None
@@ -266,7 +305,7 @@ class THCAllGather(AllGather):
                 status = message.status_word(True, False)  # dense parameters carry their own inf/NaN
         except Exception as exc:  # noqa: BLE001 - said in the header, raised after the all-gather on every rank
             status, failure = message.status_word(False, True), exc
-        payload[:8].view(torch.int32).copy_(torch.tensor([rng._to_int32(fp), status], dtype=torch.int32))
+        payload[:12].view(torch.int32).copy_(torch.tensor([rng._to_int32(fp), status, int(loaded)], dtype=torch.int32))
         return payload, failure
 
     def _codec_bytes(self, payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -276,11 +315,11 @@ class THCAllGather(AllGather):
     def _check(self, headers: list, fp: int, rank: int, failure: BaseException | None) -> None:
         if failure is not None:
             raise failure
-        failed = [j for j, (_, status) in enumerate(headers) if message.any_failed(status)]
+        failed = [j for j, (_, status, _) in enumerate(headers) if message.any_failed(status)]
         if failed:
             raise RankFailedError(f"hhook.fsdp: rank(s) {failed} of the shard group failed while encoding the "
                                   f"parameters of {self.name} for the all-gather (their own exception is raised there)")
-        others = [j for j, (f, _) in enumerate(headers) if f != rng._to_int32(fp)]
+        others = [j for j, (f, *_) in enumerate(headers) if f != rng._to_int32(fp)]
         if others:
             raise ConfigMismatchError(f"hhook.fsdp: rank(s) {others} sent all-gather payloads of other options or "
                                       f"layouts than rank {rank}'s for {self.name}")

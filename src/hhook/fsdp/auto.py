@@ -96,6 +96,13 @@ class Switch:
     def all_reduce_dense(self) -> bool:
         return self.method == DENSE
 
+    def loading(self, group) -> bool:
+        """Whether this rank loaded a checkpoint that ``group``'s next exchange must check
+        (:mod:`hhook.schedule.load_check`): until it does, the method is the one every
+        rank verified (:meth:`Decider.live`)."""
+        loaded = self.decider.state.pending_load
+        return loaded is not None and loaded.shadow is not None and group in loaded.shards
+
 
 class _Group:
     """What :class:`Prober` reads of a :class:`~hhook.THCState`: the group its reductions
@@ -115,7 +122,7 @@ class Decider:
     def __init__(self, state, process_group, device: torch.device, candidates, groups):
         self.state = state
         self.candidates = list(candidates)
-        self.group = _Group(process_group, state)
+        self.process_group = process_group
         self.device = device
         self.switch = Switch(self)
         self._groups = list(groups)
@@ -133,11 +140,20 @@ class Decider:
         handle = register_optimizer_step_post_hook(torch.compiler.disable(hook))
         weakref.finalize(self, handle.remove)
 
-    def decision(self) -> Decision:
-        """``state.decision``, live: the state's own, or a checkpoint's plain data, where it
-        decides between this registration's candidates; anything else starts afresh (one
-        log line)."""
-        state = self.state
+    def live(self):
+        """The state whose decision and clock make this rank's collectives: ``state``, or,
+        while a checkpoint loaded here waits for the next exchange to tell whether every
+        rank loaded it, the state as every rank verified it (its shadow,
+        :func:`hhook.state.checkpoint.shadow_of`): until then this rank makes the others'
+        collectives, and that exchange carries the mark (:mod:`hhook.schedule.load_check`)."""
+        loaded = self.state.pending_load
+        return loaded.shadow if loaded is not None and loaded.shadow is not None else self.state
+
+    def decision(self, state=None) -> Decision:
+        """``state.decision`` (default: :meth:`live`'s), live: the state's own, or a
+        checkpoint's plain data, where it decides between this registration's candidates;
+        anything else starts afresh (one log line)."""
+        state = self.live() if state is None else state
         decision = state.decision
         if isinstance(decision, Decision) and decision.options["candidates"] == self.candidates:
             return decision
@@ -156,33 +172,35 @@ class Decider:
 
     def method(self) -> str:
         """The running step's method; between steps the last one's."""
-        decision, step = self.decision(), self.state.iter
+        state = self.live()
+        decision, step = self.decision(state), state.iter
         return decision.method_of(step) or decision.method_of(step - 1) or self.candidates[0]
 
     def begin(self) -> None:
         """Start a step where none runs (module docstring), never inside a backward."""
         if torch._C._current_graph_task_id() != -1:
             return  # a reentrant checkpoint's recomputation, a per-parameter optimizer's step: the step's own
-        decision = self.decision()
-        state = self.state
+        state = self.live()
+        decision = self.decision(state)
         if decision.method_of(state.iter) is not None:  # a step runs
             if decision.marks.get(OPTIMIZER_STEPS) or not self._updated_by_hand():
                 return
-            self._end(decision)
+            self._end(state)
         prober = state.prober
         if prober is None:
             prober = state.prober = Prober()
+        group = _Group(self.process_group, state)
         if not prober.verified:
-            prober.verify(self.group, decision, self.device)
-        prober.begin(self.group, decision, state.iter)
+            prober.verify(group, decision, self.device)
+        prober.begin(group, decision, state.iter)
         self.switch.reduced = False
 
-    def _end(self, decision: Decision) -> None:
-        """The running step ended: the periods measured so far are reduced now, behind the
-        step's collectives (as the DDP hook's behind an iteration's last bucket)."""
-        if self.state.prober is not None:
-            self.state.prober.launch(self.group, decision, self.state.iter, self.device)
-        self.state.iter += 1
+    def _end(self, state) -> None:
+        """``state``'s running step ended: the periods measured so far are reduced now,
+        behind the step's collectives (as the DDP hook's behind an iteration's last bucket)."""
+        if state.prober is not None:
+            state.prober.launch(_Group(self.process_group, state), self.decision(state), state.iter, self.device)
+        state.iter += 1
 
     def _updated_by_hand(self) -> bool:
         """In a job that has not stepped an optimizer over these parameters: a reduce-scatter
@@ -191,13 +209,16 @@ class Decider:
         return self.switch.reduced and all(p.sharded_param.grad is None for g in self._groups for p in g.fsdp_params)
 
     def after_optimizer_step(self, optimizer) -> None:
-        """torch's hook after any optimizer's step: it ends the running step if it holds our parameters."""
+        """torch's hook after any optimizer's step: it ends the running step if it holds our
+        parameters; while a loaded checkpoint waits for its check (:meth:`live`), the
+        loaded state's step too (its clock starts at its next step: no collective)."""
         if not self._holds(optimizer):
             return
-        decision = self.decision()
-        decision.marks[OPTIMIZER_STEPS] = True
-        if decision.method_of(self.state.iter) is not None:
-            self._end(decision)
+        for state in {id(s): s for s in (self.live(), self.state)}.values():
+            decision = self.decision(state)
+            decision.marks[OPTIMIZER_STEPS] = True
+            if decision.method_of(state.iter) is not None:
+                self._end(state)
 
     def _holds(self, optimizer) -> bool:
         count = sum(len(g["params"]) for g in optimizer.param_groups)

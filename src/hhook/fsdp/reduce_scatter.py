@@ -10,7 +10,6 @@ from ..codec.layout import SUPPORTED_DTYPES
 from ..scales.message import CallChanged
 from ..schedule import load_check
 from ..schedule.dense import count, uncompressed
-from ..schedule.groups import reduce_scatter_flat
 from ..schedule.reduce_scatter import reduce_scatter
 from ..state import THCState
 
@@ -72,16 +71,22 @@ class THCReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
-        if self.switch is not None:
-            self.switch.reduced = True  # bits="auto" without optimizer steps: the next forward ends the step
-        if input_tensor.dtype not in SUPPORTED_DTYPES or (self.switch is not None and self.switch.reduce_scatter_dense):
-            return self._dense(output_tensor, input_tensor, group)  # exact, counted
+        switch = self.switch
+        if switch is not None:
+            switch.reduced = True  # bits="auto" without optimizer steps: the next forward ends the step
         said = load_check.said(self.state, group, "reduce-scatter")  # every rank numbers every call alike
         loaded = self.state.pending_load
         if loaded is not None and group in loaded.shards:  # this rank loaded a checkpoint: did every rank?
-            load_check.reduce_scattered(self.state, group, output_tensor, input_tensor, self.name, said)
-        # Made once (bits="auto": the policy sized for this group, not the state's); a
-        # loaded checkpoint makes it again, after the handshake
+            if not self._dense_here(input_tensor):
+                load_check.reduce_scattered(self.state, group, output_tensor, input_tensor, self.name, said)
+            elif load_check.marks_fit(input_tensor):  # bits="auto"'s dense method, or a dtype THC does not take
+                load_check.settled(self.state, group, self._dense(output_tensor, input_tensor, group, mark=True), said)
+            else:  # no room for the count: the handshake runs again, as before this check existed
+                load_check.handshook(self.state, group)
+        if self._dense_here(input_tensor):
+            if self._dense(output_tensor, input_tensor, group):  # some rank loaded a checkpoint, this one did not
+                raise load_check.named_error(said)
+            return None
         ctx = self.state.contexts.get((group, "agreed")) or self.state.context(group, "agreed")
         try:
             nonfinite = reduce_scatter(ctx, output_tensor, input_tensor, self.name)
@@ -91,12 +96,22 @@ class THCReduceScatter(ReduceScatter):
             output_tensor.mul_(ctx.world_size)
         return None
 
-    def _dense(self, output_tensor, input_tensor, group) -> None:
+    def _dense_here(self, input_tensor) -> bool:
+        """Whether this call is FSDP2's own exchange: a dtype THC does not take, or
+        ``bits="auto"``'s method (while a loaded checkpoint waits for its check, the one
+        every rank verified)."""
+        return input_tensor.dtype not in SUPPORTED_DTYPES or (self.switch is not None and
+                                                              self.switch.reduce_scatter_dense)
+
+    def _dense(self, output_tensor, input_tensor, group, mark: bool = False) -> int:
         """Plain FSDP2's reduce-scatter of the same buffer (FSDP's division is off: the mean
-        here), counted as the one dense fallback counts (:func:`hhook.schedule.dense.count`)."""
+        here), counted as the one dense fallback counts (:func:`hhook.schedule.dense.count`);
+        ``mark``: this rank says it loaded a checkpoint, counted nowhere. Returns how many
+        ranks said so (:func:`hhook.schedule.load_check.dense_reduce_scatter`)."""
         uncompressed(input_tensor)  # said once where it is for its dtype
-        reduce_scatter_flat(output_tensor, input_tensor, group=group)
+        loaded = load_check.dense_reduce_scatter(output_tensor, input_tensor, group, mark)
         if not self.returns_sum:
             output_tensor.div_(group.size())
-        count(self.state.counters, input_tensor)
-        return None
+        if not mark:
+            count(self.state.counters, input_tensor)
+        return loaded

@@ -45,14 +45,22 @@ ring's count travels with the shard through the node's gather
 A resumed run's first DDP iteration splits its buckets into the keys the state held before
 the load, as the others split theirs.
 
-An FSDP2 state at a fixed width keeps the verified context of each shard group's
-reduce-scatter (:func:`kept_shards`): the group's next reduce-scatter on the loading rank
-sends filler marked in every chunk's message (:func:`reduce_scattered`), and every rank
-reads the count from the chunk it receives. Under ``bits="auto"`` an FSDP2 state runs the
-handshake again at the next exchange as before (the loaded decision may pick another
-all-gather before any reduce-scatter could say so); so does a one-sided load on GPUs
-whose next exchange is ``bits="auto"``'s dense candidate (its count would be read on the
-host).
+An FSDP2 state keeps the verified context of each shard group's reduce-scatter
+(:func:`kept_shards`), and under ``bits="auto"`` the state as every rank verified it, whose
+decision and clock the loading rank runs until the check (:meth:`hhook.fsdp.auto.Decider.live`):
+so its collectives stay the others'. The group's next exchange on the loading rank says
+that it loaded, every rank reads the count, and :func:`settled` decides as above:
+
+* THC's reduce-scatter: filler marked in every chunk's message (:func:`reduce_scattered`);
+* the compressed all-gather: a word of the payload's header (:mod:`hhook.fsdp.all_gather`);
+* FSDP2's dense all-gather and reduce-scatter (``bits="auto"``'s ``rs`` and ``dense``
+  methods, a dtype THC does not take): :data:`~hhook.schedule.dense.MARK` at the end of
+  the chunk or in its sum (:func:`dense_all_gather`, :func:`dense_reduce_scatter`), read
+  on the host where :func:`marks_fit`. Where it does not (on a GPU, float16) the loading
+  rank makes no check there and the handshake runs again, as before this check existed.
+
+A one-sided load on GPUs whose next DDP exchange is ``bits="auto"``'s dense candidate
+does the same (its count would be read on the host).
 """
 
 from __future__ import annotations
@@ -67,11 +75,16 @@ from ..scales.message import CallChanged
 from ..stats import Counters
 from .context import CallContext
 from .call_check import checked_allreduce_async, exchange_checked, options_said
-from .dense import tallied_allreduce
+from . import membership
+from .dense import MARK, marks, tallied_allreduce
+from .groups import reduce_scatter_flat
+from .membership import all_gather_flat
 from .handshake import call_number, named
 from .reduce_scatter import reduce_scatter
 
 WHAT = "the THC options after load_state_dict on some ranks"
+#: The dtypes in which an FSDP2 dense exchange carries the count (:func:`marks_fit`).
+MARKED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 @dataclasses.dataclass
@@ -111,12 +124,13 @@ def kept(ctx: CallContext | None, iteration: int, shadow=None, layouts: dict | N
     return Loaded(own_counters(ctx), iteration, shadow, layouts if layouts is not None else {})
 
 
-def kept_shards(contexts: dict) -> Loaded | None:
-    """The record of an FSDP2 state at a fixed width (``contexts``: shard group -> the
-    agreed context of its reduce-scatter, every rank verified), where some group has more
-    than one rank; else None."""
+def kept_shards(contexts: dict, shadow=None) -> Loaded | None:
+    """The record of an FSDP2 state (``contexts``: shard group -> the agreed context of its
+    reduce-scatter, every rank verified; ``shadow()``: under ``bits="auto"``, the state as
+    every rank verified it, whose decision this rank runs until the check), where some
+    group has more than one rank; else None."""
     shards = {group: own_counters(ctx) for group, ctx in contexts.items() if ctx.world_size > 1}
-    return Loaded(None, 0, shards=shards) if shards else None
+    return Loaded(None, 0, shadow=None if shadow is None else shadow(), shards=shards) if shards else None
 
 
 def own_counters(ctx: CallContext, counters: Counters | None = None) -> CallContext:
@@ -237,11 +251,65 @@ def reduce_scattered(state, group, output: torch.Tensor, buffer: torch.Tensor, n
         reduce_scatter(ctx, output, buffer, name, changed)
     except CallChanged:
         pass  # changed itself: its count says how many ranks loaded
-    if changed.count == ctx.world_size and not loaded.some:
+    settled(state, group, changed.count, said)
+
+
+def settled(state, group, count: int, said: tuple) -> None:
+    """The loading rank read ``count`` ranks that loaded in FSDP2's exchange on ``group``:
+    returns where every rank did (the group leaves the record; the caller runs the
+    handshake and its own exchange), else raises the
+    :class:`~hhook.errors.ConfigMismatchError` naming each rank's options (``said``), as
+    every later exchange on the group does."""
+    loaded = state.pending_load
+    if count == membership.of(group).size and not loaded.some:
         handshook(state, group)
         return
     loaded.some = True
     raise named_error(said)
+
+
+def marks_fit(tensor: torch.Tensor) -> bool:
+    """Whether FSDP2's dense exchange of ``tensor`` carries the count of ranks that loaded
+    (:func:`dense_all_gather`, :func:`dense_reduce_scatter`): read on the host, where that
+    is free, in a dtype that holds :data:`~hhook.schedule.dense.MARK` times the ranks
+    exactly."""
+    return tensor.device.type == "cpu" and tensor.dtype in MARKED_DTYPES and tensor.numel() > 0
+
+
+def dense_all_gather(output: torch.Tensor, buffer: torch.Tensor, group, mark: bool, read: bool = True) -> int:
+    """FSDP2's plain all-gather of ``buffer`` into ``output`` on ``group`` (``mark``: this
+    rank loaded a checkpoint and sends zeros ending in :data:`~hhook.schedule.dense.MARK`
+    instead): how many ranks' chunks end in it, where ``read`` and :func:`marks_fit` (else 0). The
+    others' buffers go as they are: no copy; a parameter of exactly 2**100 at the end of a
+    chunk would read as a mark."""
+    sent = kept = buffer
+    if mark:  # FSDP's buffer is this rank's chunk of its output: kept for the exchange after the check
+        sent, kept = torch.zeros_like(buffer), buffer.clone()
+        sent.view(-1)[-1] = MARK
+    all_gather_flat(output, sent, group=group)
+    tally = 0
+    if read and marks_fit(buffer):
+        tally = sum(1 for value in output.view(membership.of(group).size, -1)[:, -1].tolist() if value == MARK)
+    if kept is not buffer:
+        buffer.copy_(kept)
+    return tally
+
+
+def dense_reduce_scatter(output: torch.Tensor, buffer: torch.Tensor, group, mark: bool) -> int:
+    """FSDP2's plain SUM-reduce-scatter of ``buffer`` into ``output`` on ``group`` (``mark``:
+    this rank sends zeros with :data:`~hhook.schedule.dense.MARK` at the end of every
+    chunk instead): how many ranks marked, read in this rank's chunk where
+    :func:`marks_fit` (else 0), as :func:`~hhook.schedule.dense.tallied_allreduce` counts."""
+    world = membership.of(group).size
+    sent = kept = buffer
+    if mark:  # kept, should the output share the buffer's memory
+        sent, kept = torch.zeros_like(buffer), buffer.clone()
+        sent.view(world, -1)[:, -1] = MARK
+    reduce_scatter_flat(output, sent, group=group)
+    tally = marks(float(output.view(-1)[-1])) if marks_fit(buffer) else 0
+    if kept is not buffer:
+        buffer.copy_(kept)
+    return tally if tally <= world else 0  # more marks than ranks: a gradient's sum, not marks
 
 
 def handshook(state, group) -> None:

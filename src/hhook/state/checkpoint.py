@@ -78,8 +78,8 @@ class Checkpointed:
         Where one rank's DDP hook state loads and another's does not (at a fixed width or
         ``bits="auto"``, flat or two-level, before ``start_iter`` as after it), every rank
         raises it at that next exchange, naming each rank's options, instead of waiting in
-        the handshake (:mod:`hhook.schedule.load_check`); so does an FSDP2 state at a fixed
-        width at its next reduce-scatter. Per-key state that
+        the handshake (:mod:`hhook.schedule.load_check`); so does an FSDP2 state at its
+        next all-gather or reduce-scatter (``bits="auto"`` too, on the host). Per-key state that
         cannot describe this run starts afresh with one log line: a checkpoint of another
         node layout or world size (compared when the layout is found, or now if it is
         known) or of another codec version; another rank's residuals. A component missing
@@ -99,9 +99,10 @@ class Checkpointed:
             shadow = shadow_of(self) if self.options.bits == "auto" else None  # the decision every rank runs
             self.pending_load = load_check.kept(self.contexts.get((None, None)), self.iter, shadow,
                                                saved_layouts(self))
-        elif self.options.bits != "auto":  # FSDP2's reduce-scatter on its shard groups
+        else:  # FSDP2's exchanges on its shard groups (bits="auto": its decision's, run on the shadow)
             self.pending_load = load_check.kept_shards(
-                {group: self.context(group, "agreed") for group, runtime in self.runtimes.items() if runtime.agreed})
+                {group: self.context(group, "agreed") for group, runtime in self.runtimes.items() if runtime.agreed},
+                (lambda: shadow_of(self)) if self.options.bits == "auto" else None)
         self.reset_runtime()
         self.restored = (saved.get("layout"), saved.get("origin"))
         self.options = options
