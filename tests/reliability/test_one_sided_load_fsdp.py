@@ -84,17 +84,33 @@ def _group():
     return _MESH[0].get_group() if _MESH else None
 
 
-def _worker(rank, world, subgroup):
-    """Every case on WORLD (2 ranks), or (``subgroup``) on a mesh of ranks 0 and 1 beside
-    WORLD's 3, where rank 2 trains nothing."""
+def trains(rank, subgroup) -> bool:
+    """The mesh of the cases: WORLD (2 ranks), or (``subgroup``) ranks 0 and 1 beside
+    WORLD's 3, where rank 2 trains nothing (False there)."""
     _MESH.clear()
     if subgroup:
         from torch.distributed.device_mesh import DeviceMesh
 
         pair = dist.new_group([0, 1])
         if rank == 2:
-            return None
+            return False
         _MESH.append(DeviceMesh.from_group(pair, "cpu"))
+    return True
+
+
+def trained(worker, subgroup) -> list:
+    """``[(rank, what worker returned)]`` of the ranks that train on :func:`trains`' mesh,
+    every rank having ended on its own (no hang, no signal), within the group's timeout."""
+    outcomes = run_outcomes(worker, 3 if subgroup else 2, subgroup, pg_timeout_s=PG_TIMEOUT_S, timeout=400)
+    for rank, o in enumerate(outcomes):
+        assert o["error"] is None and o["exitcode"] == 0, (rank, o)
+    return [(rank, o["value"]) for rank, o in enumerate(outcomes) if rank < 2]
+
+
+def _worker(rank, world, subgroup):
+    """Every case on :func:`trains`' mesh."""
+    if not trains(rank, subgroup):
+        return None
     cases = {(option, steps): _one_sided(rank, option, steps) for option in CHANGES for steps in (0, 2)}
     cases[("bits", "compiled")] = _one_sided(rank, "bits", 2, compiled=True)
     cases[("bits", "all_gather=8")] = _one_sided(rank, "bits", 2, all_gather=8)
@@ -104,12 +120,8 @@ def _worker(rank, world, subgroup):
 @pytest.mark.parametrize("subgroup", [False, True], ids=["world", "subgroup"])
 def test_a_one_sided_load_raises_on_every_rank_at_the_next_reduce_scatter(subgroup):
     """Loaded right after register (no reduce-scatter yet) and after two steps."""
-    outcomes = run_outcomes(_worker, 3 if subgroup else 2, subgroup, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
-    for rank, o in enumerate(outcomes):
-        assert o["error"] is None and o["exitcode"] == 0, (rank, o)  # no hang, no process ended by a signal
-        if rank == 2:
-            continue
-        for (option, steps), (first, seconds, recovered, calls, now) in o["value"].items():
+    for rank, cases in trained(_worker, subgroup):
+        for (option, steps), (first, seconds, recovered, calls, now) in cases.items():
             running, loaded = CHANGES[option]
             _check(first, option, [(0, running), (1, loaded)])
             _check(first, "load_state_dict", [(0, False), (1, True)])

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.reliability.test_one_sided_load import FAST_S, PG_TIMEOUT_S, _check, _said
-from tests.reliability.test_one_sided_load_fsdp import _MESH, _group, _model
+from tests.reliability.test_one_sided_load_fsdp import _MESH, _group, _model, trained, trains
 from tests.support.distributed import run_outcomes
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -111,25 +111,15 @@ def _one_sided(rank, held, where, customised, compiled):
 
 
 def _worker(rank, world, subgroup):
-    _MESH.clear()
-    if subgroup:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        pair = dist.new_group([0, 1])
-        if rank == 2:
-            return None
-        _MESH.append(DeviceMesh.from_group(pair, "cpu"))
+    if not trains(rank, subgroup):
+        return None
     return {name: _one_sided(rank, *case) for name, case in CASES.items()}
 
 
 @pytest.mark.parametrize("subgroup", [False, True], ids=["world", "subgroup"])
 def test_a_one_sided_load_under_bits_auto_raises_on_every_rank_at_the_next_exchange(subgroup):
-    outcomes = run_outcomes(_worker, 3 if subgroup else 2, subgroup, pg_timeout_s=PG_TIMEOUT_S, timeout=400)
-    for rank, o in enumerate(outcomes):
-        assert o["error"] is None and o["exitcode"] == 0, (rank, o)  # no hang, no process ended by a signal
-        if rank == 2:
-            continue
-        for name, (first, seconds, recovered, now) in o["value"].items():
+    for rank, cases in trained(_worker, subgroup):
+        for name, (first, seconds, recovered, now) in cases.items():
             _check(first, "block_size", [(0, 1024), (1, 256)])
             _check(first, "load_state_dict", [(0, False), (1, True)])
             assert seconds < FAST_S, (rank, name, seconds)
