@@ -43,7 +43,10 @@ kept, in every order (``register`` then ``load_state_dict``, ``load_state_dict``
 ``register``, a pickled state): a checkpoint saved inside a step continues that step
 with its method (an evaluation right after the resume computes what it did before the
 save, bit for bit), one saved between steps starts the next one as the run that saved
-would have; the period that spans the save goes unmeasured.
+would have; the period that spans the save goes unmeasured. A checkpoint loaded on some
+ranks only raises on every rank at the next all-gather or reduce-scatter
+(:mod:`hhook.schedule.load_check`): until then the loading rank runs the decision every
+rank verified (:meth:`Decider.live`), so its collectives stay the others'.
 """
 
 from __future__ import annotations
