@@ -226,10 +226,7 @@ class THCAllGather(AllGather):
         if dense or reason is not None:
             if reason is not None:
                 self.state.log_once((self.name, reason), "hhook.fsdp: %s: all-gathered dense (%s)", self.name, reason)
-            loaded = load_check.dense_all_gather(output_tensor, input_tensor, group, mark, reads)
-            if not mark:
-                self.state.count("dense_calls", output_tensor.nbytes, output_tensor.nbytes)
-            return loaded
+            return self._dense(output_tensor, input_tensor, group, "dense_calls", mark, reads)
         world, rank = group.size(), group.rank()
         fp = self.fingerprint(input_tensor.dtype)
         payload, failure = self._encode(input_tensor, fp, mark)
@@ -244,8 +241,7 @@ class THCAllGather(AllGather):
         if loaded or mark:
             return loaded
         if any(message.any_nonfinite(status) for _, status, _ in headers):
-            self._dense(output_tensor, input_tensor, group, "nonfinite_calls")
-            return 0
+            return self._dense(output_tensor, input_tensor, group, "nonfinite_calls")
         out = output_tensor.view(world, -1)
         for j in range(world):
             self._decode(rows[j], out[j])
@@ -274,10 +270,14 @@ class THCAllGather(AllGather):
                     "its sharded parameters")
         return None
 
-    def _dense(self, output_tensor, input_tensor, group, kind: str):
-        all_gather_flat(output_tensor, input_tensor, group=group)
-        self.state.count(kind, output_tensor.nbytes, output_tensor.nbytes)
-        return None
+    def _dense(self, output_tensor, input_tensor, group, kind: str, mark: bool = False, read: bool = False) -> int:
+        """FSDP2's own all-gather of the input, counted as ``kind`` (``mark``: this rank says
+        it loaded a checkpoint, counted nowhere): how many ranks said so, where ``read``
+        (:func:`hhook.schedule.load_check.dense_all_gather`)."""
+        loaded = load_check.dense_all_gather(output_tensor, input_tensor, group, mark, read)
+        if not mark:
+            self.state.count(kind, output_tensor.nbytes, output_tensor.nbytes)
+        return loaded
 
     def _encode(self, input_tensor: torch.Tensor, fp: int, loaded: bool = False) -> tuple[torch.Tensor,
                                                                                           BaseException | None]:

@@ -217,7 +217,8 @@ class Decider:
         loaded state's step too (its clock starts at its next step: no collective)."""
         if not self._holds(optimizer):
             return
-        for state in {id(s): s for s in (self.live(), self.state)}.values():
+        live = self.live()
+        for state in (self.state,) if live is self.state else (live, self.state):
             decision = self.decision(state)
             decision.marks[OPTIMIZER_STEPS] = True
             if decision.method_of(state.iter) is not None:
